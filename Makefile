@@ -1,0 +1,46 @@
+# stagetree: the two commands a new machine needs are `make demo` and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-dev
+
+.PHONY: venv install test lint typecheck unit services proto demo clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# Reinstall when the dependency list changes. torch is pinned to the CPU wheel this machine ships.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# Start PostgreSQL and Redis when they are not answering (the integration tests need both).
+services:
+	@pg_isready -h 127.0.0.1 -p 5432 -q || pg_ctlcluster --skip-systemctl-redirect $$(ls /etc/postgresql) main start
+	@redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 || redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no
+	@for i in $$(seq 1 30); do pg_isready -h 127.0.0.1 -p 5432 -q && break; sleep 1; done
+
+lint: $(STAMP)
+	$(BIN)/ruff check services tests
+	$(BIN)/ruff format --check services tests
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: $(STAMP) services lint typecheck
+	$(BIN)/python -m pytest -q
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit
+
+proto: $(STAMP)
+	$(BIN)/python scripts/gen_proto.py
+
+demo: $(STAMP)
+	@echo "make demo arrives with the embedded mode (issue: Kafka pipeline + embedded mode)." && exit 1
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,120 @@
+"""Stage batches: the unit of work the master hands to a node manager, as plain data.
+
+A batch loads the model at ``source`` (or initializes it when ``source.uri`` is None and the step is
+0), then trains its stages back to back with no reload between them. It saves a checkpoint at every
+point in ``saves`` (central checkpoints at branch points and at its end) and evaluates at every point
+in ``evals`` (where requests wait). The JSON form is what travels in the assignment stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from stagetree.core.config import Config, FixedPart
+from stagetree.core.errors import InvalidArgument
+
+
+class Point(NamedTuple):
+    """The model after ``step`` training steps along search-plan node ``node``'s path."""
+
+    node: int
+    step: int
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    node: int
+    start: int
+    end: int
+    config: Config
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node": self.node, "start": self.start, "end": self.end, "config": self.config.to_json()}
+
+    @classmethod
+    def from_json(cls, o: dict[str, Any]) -> StageSpec:
+        return cls(int(o["node"]), int(o["start"]), int(o["end"]), Config.from_json(o["config"]))
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a batch starts: a checkpoint (uri) at a point, or a fresh model (uri None, step 0)."""
+
+    point: Point
+    uri: str | None = None
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    batch_id: int
+    attempt: int
+    plan_key: str
+    fixed: FixedPart
+    source: Source
+    stages: tuple[StageSpec, ...]
+    saves: frozenset[Point] = frozenset()
+    evals: frozenset[Point] = frozenset()
+    gpus: int = 1
+    peripheral_every_steps: int = 0
+    peripheral_every_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise InvalidArgument("a batch needs at least one stage")
+        prev_end = self.source.point.step
+        for s in self.stages:
+            if s.start != prev_end or s.end < s.start:
+                raise InvalidArgument(f"batch {self.batch_id}: stages must be consecutive, got {s.start}..{s.end}")
+            prev_end = s.end
+
+    @property
+    def start_step(self) -> int:
+        return self.stages[0].start
+
+    @property
+    def end(self) -> Point:
+        last = self.stages[-1]
+        return Point(last.node, last.end)
+
+    @property
+    def steps(self) -> int:
+        return sum(s.end - s.start for s in self.stages)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "batch_id": self.batch_id,
+            "attempt": self.attempt,
+            "plan_key": self.plan_key,
+            "fixed": self.fixed.to_json(),
+            "source": {"node": self.source.point.node, "step": self.source.point.step, "uri": self.source.uri},
+            "stages": [s.to_json() for s in self.stages],
+            "saves": sorted([list(p) for p in self.saves]),
+            "evals": sorted([list(p) for p in self.evals]),
+            "gpus": self.gpus,
+            "peripheral_every_steps": self.peripheral_every_steps,
+            "peripheral_every_s": self.peripheral_every_s,
+            "extra": self.extra,
+        }
+
+    @classmethod
+    def from_json(cls, o: dict[str, Any]) -> BatchSpec:
+        try:
+            src = o["source"]
+            return cls(
+                batch_id=int(o["batch_id"]),
+                attempt=int(o["attempt"]),
+                plan_key=str(o["plan_key"]),
+                fixed=FixedPart.from_json(o["fixed"]),
+                source=Source(Point(int(src["node"]), int(src["step"])), src.get("uri")),
+                stages=tuple(StageSpec.from_json(s) for s in o["stages"]),
+                saves=frozenset(Point(int(a), int(b)) for a, b in o.get("saves", [])),
+                evals=frozenset(Point(int(a), int(b)) for a, b in o.get("evals", [])),
+                gpus=int(o.get("gpus", 1)),
+                peripheral_every_steps=int(o.get("peripheral_every_steps", 0)),
+                peripheral_every_s=float(o.get("peripheral_every_s", 0.0)),
+                extra=dict(o.get("extra", {})),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidArgument(f"malformed batch spec: {e!r}") from None
