@@ -88,7 +88,11 @@ class BatchSpec:
             "attempt": self.attempt,
             "plan_key": self.plan_key,
             "fixed": self.fixed.to_json(),
-            "source": {"node": self.source.point.node, "step": self.source.point.step, "uri": self.source.uri},
+            "source": {
+                "node": self.source.point.node,
+                "step": self.source.point.step,
+                "uri": self.source.uri,
+            },
             "stages": [s.to_json() for s in self.stages],
             "saves": sorted([list(p) for p in self.saves]),
             "evals": sorted([list(p) for p in self.evals]),

@@ -31,6 +31,7 @@ cyclic      lo, hi, up, down                  triangle: lo -> hi in ``up`` steps
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
@@ -103,10 +104,11 @@ def segment_value(seg: Segment, step: int) -> Value:
     v = _raw(seg.kind, seg.params, step - seg.start)
     dtype = seg.params[0]
     if dtype == "int":
-        return int(round(v))
+        return int(round(v))  # noqa: RUF046 - v may be a float
     if dtype == "float":
         return float(v)
-    return v  # type: ignore[no-any-return]
+    out: Value = v
+    return out
 
 
 def value_at(segments: Segments, step: int) -> Value:
@@ -139,9 +141,10 @@ def _steps(family: str, field: str, x: Any, *, minimum: int = 1) -> int:
             x = int(x)
         else:
             raise SequenceError(family, field, f"must be a whole number of steps, got {x!r}")
-    if x < minimum:
-        raise SequenceError(family, field, f"must be >= {minimum}, got {x}")
-    return x
+    n: int = x
+    if n < minimum:
+        raise SequenceError(family, field, f"must be >= {minimum}, got {n}")
+    return n
 
 
 def _dtype_of(x: Any) -> str:
@@ -186,7 +189,7 @@ def _degenerate(seg: Segment) -> Segment:
 
 def _const_val(dtype: str, v: Any) -> Any:
     if dtype == "int":
-        return int(round(v))
+        return round(v)
     if dtype == "float":
         return canon_float(float(v))
     return v
@@ -205,11 +208,7 @@ def _continues(a: Segment, b: Segment) -> bool:
     if a.kind == "exp":
         return pa[2] == pb[2] and canon_float(pa[1] * pa[2] ** n) == canon_float(pb[1])
     if a.kind == "step":
-        return (
-            pa[2:] == pb[2:]
-            and n % pa[2] == 0
-            and canon_float(pa[1] * pa[3] ** (n // pa[2])) == canon_float(pb[1])
-        )
+        return pa[2:] == pb[2:] and n % pa[2] == 0 and canon_float(pa[1] * pa[3] ** (n // pa[2])) == canon_float(pb[1])
     return False
 
 
@@ -226,7 +225,7 @@ def normalize(segments: Iterable[Segment]) -> Segments:
         out.append(seg)
     if not out or out[0].start != 0 or out[-1].end is not None:
         raise SequenceError("sequence", "segments", "must cover [0, forever) without gaps")
-    for a, b in zip(out, out[1:], strict=False):
+    for a, b in itertools.pairwise(out):
         if a.end != b.start:
             raise SequenceError("sequence", "segments", f"gap or overlap at step {a.end}")
     return tuple(out)
@@ -406,7 +405,12 @@ class MultiStep(Sequence):
         return out
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": "multistep", "init": self.init, "milestones": list(self.milestones), "gamma": self.gamma}
+        return {
+            "kind": "multistep",
+            "init": self.init,
+            "milestones": list(self.milestones),
+            "gamma": self.gamma,
+        }
 
 
 @dataclass(frozen=True, eq=False)
@@ -428,7 +432,13 @@ class Cosine(Sequence):
         _num("Cosine", "gamma", self.gamma, positive=True)
 
     def _raw_segments(self) -> list[Segment]:
-        p = ("float", canon_float(self.init), canon_float(self.min_value), self.period, canon_float(self.gamma))
+        p = (
+            "float",
+            canon_float(self.init),
+            canon_float(self.min_value),
+            self.period,
+            canon_float(self.gamma),
+        )
         return [Segment(0, None, "cosine", p)]
 
     def to_json(self) -> dict[str, Any]:
@@ -516,7 +526,9 @@ class Piecewise(Sequence):
         bs = tuple(_steps("Piecewise", f"boundaries[{i}]", b) for i, b in enumerate(boundaries))
         if len(ps) != len(bs) + 1:
             raise SequenceError(
-                "Piecewise", "boundaries", f"need one boundary fewer than pieces ({len(ps)} pieces, {len(bs)})"
+                "Piecewise",
+                "boundaries",
+                f"need one boundary fewer than pieces ({len(ps)} pieces, {len(bs)})",
             )
         for i in range(1, len(bs)):
             if bs[i] <= bs[i - 1]:
@@ -568,7 +580,10 @@ _FAMILIES: dict[str, Any] = {
         _req(o, "multistep", "init"), _list(o, "multistep", "milestones"), _req(o, "multistep", "gamma")
     ),
     "cosine": lambda o: Cosine(
-        _req(o, "cosine", "init"), _req(o, "cosine", "min_value"), _req(o, "cosine", "period"), o.get("gamma", 1.0)
+        _req(o, "cosine", "init"),
+        _req(o, "cosine", "min_value"),
+        _req(o, "cosine", "period"),
+        o.get("gamma", 1.0),
     ),
     "cyclic": lambda o: CyclicLR(
         _req(o, "cyclic", "init"),

@@ -1,0 +1,262 @@
+"""One scheduling round as a pure function: stage forest + free slots -> actions.
+
+Steps (ARCHITECTURE §5), each pluggable:
+
+1. **Order**: an ``OrderPolicy`` picks which tree to serve next (its root key) and which child to follow
+   (``pick``). ``critical_path`` (TreeML §4.3) serves the longest estimated remaining path first;
+   ``bfs`` and ``most_children`` (TreeML §6.3's BFS and THR) are the baselines.
+2. **Batch**: the chosen path becomes one stage batch run back to back with no reload; the points where
+   work hangs off the path become central checkpoints (saved in the background), and the subtrees
+   hanging there rejoin the queue, runnable once that checkpoint exists.
+3. **Place**: runnable batches go to free slots (first fit here; packing policies plug in later).
+
+The round keeps no state: everything comes in as arguments and goes out as ``Dispatch`` actions.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from stagetree.core.batch import Point
+from stagetree.core.errors import InvalidArgument
+from stagetree.core.stagetree import Stage, StageForest
+
+StageCost = Callable[[Stage], float]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Somewhere a worker can run: a GPU (or a share of one), or CPU cores, on a node manager."""
+
+    id: str
+    node_manager: str = ""
+    gpu_type: str = "cpu"
+
+
+@dataclass
+class PlannedBatch:
+    """A path of stages to run back to back."""
+
+    stages: list[Stage]
+    source: Point
+    ready: bool
+    saves: set[Point] = field(default_factory=set)
+    evals: set[Point] = field(default_factory=set)
+    requests: list[int] = field(default_factory=list)
+    cost: float = 0.0
+    plan: str = ""
+
+    @property
+    def steps(self) -> int:
+        return sum(s.steps for s in self.stages)
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    batch: PlannedBatch
+    slot: Slot
+
+
+@dataclass(frozen=True)
+class Amend:
+    """Ask the in-flight batch ``batch`` to also save (and evaluate) at ``point``."""
+
+    batch: int
+    point: Point
+
+
+@dataclass
+class RoundResult:
+    dispatches: list[Dispatch]
+    queue: list[PlannedBatch]  # everything else, in order (not runnable yet, or no slot)
+    amendments: list[Amend]
+    attachments: dict[int, int]
+
+
+# ---------------------------------------------------------------------------------------------
+# Order policies
+
+
+class OrderPolicy(Protocol):
+    name: str
+
+    def prepare(self, forest: StageForest, cost: StageCost) -> None: ...
+
+    def root_key(self, stage: Stage) -> tuple[float, ...]:
+        """Smaller serves first."""
+        ...
+
+    def pick(self, stage: Stage, stages: Sequence[Stage]) -> int:
+        """Which child of ``stage`` the path follows."""
+        ...
+
+
+def _postorder(forest: StageForest) -> list[int]:
+    order: list[int] = []
+    stages = forest.stages
+    for r in forest.roots:
+        stack = [(r, False)]
+        while stack:
+            sid, done = stack.pop()
+            if done:
+                order.append(sid)
+                continue
+            stack.append((sid, True))
+            stack.extend((c, False) for c in stages[sid].children)
+    return order
+
+
+class CriticalPath:
+    """Longest estimated remaining path first (TreeML §4.3)."""
+
+    name = "critical_path"
+
+    def __init__(self) -> None:
+        self.longest: list[float] = []
+
+    def prepare(self, forest: StageForest, cost: StageCost) -> None:
+        stages = forest.stages
+        longest = [0.0] * len(stages)
+        for sid in _postorder(forest):
+            st = stages[sid]
+            best = 0.0
+            for c in st.children:
+                if longest[c] > best:
+                    best = longest[c]
+            longest[sid] = cost(st) + best
+        self.longest = longest
+
+    def root_key(self, stage: Stage) -> tuple[float, ...]:
+        return (-self.longest[stage.id], stage.id)
+
+    def pick(self, stage: Stage, stages: Sequence[Stage]) -> int:
+        longest = self.longest
+        return max(stage.children, key=lambda c: (longest[c], -c))
+
+
+class BreadthFirst:
+    """Baseline: shallowest work first, in arrival order (TreeML §6.3 BFS)."""
+
+    name = "bfs"
+
+    def prepare(self, forest: StageForest, cost: StageCost) -> None:
+        pass
+
+    def root_key(self, stage: Stage) -> tuple[float, ...]:
+        return (stage.start, stage.id)
+
+    def pick(self, stage: Stage, stages: Sequence[Stage]) -> int:
+        return stage.children[0]
+
+
+class MostChildren:
+    """Baseline: the stage with the most descendant stages first (TreeML §6.3 THR)."""
+
+    name = "most_children"
+
+    def __init__(self) -> None:
+        self.desc: list[int] = []
+
+    def prepare(self, forest: StageForest, cost: StageCost) -> None:
+        stages = forest.stages
+        desc = [0] * len(stages)
+        for sid in _postorder(forest):
+            desc[sid] = sum(1 + desc[c] for c in stages[sid].children)
+        self.desc = desc
+
+    def root_key(self, stage: Stage) -> tuple[float, ...]:
+        return (-self.desc[stage.id], stage.id)
+
+    def pick(self, stage: Stage, stages: Sequence[Stage]) -> int:
+        desc = self.desc
+        return max(stage.children, key=lambda c: (desc[c], -c))
+
+
+ORDER_POLICIES: Mapping[str, Callable[[], OrderPolicy]] = {
+    CriticalPath.name: CriticalPath,
+    BreadthFirst.name: BreadthFirst,
+    MostChildren.name: MostChildren,
+}
+
+
+def order_policy(name: str) -> OrderPolicy:
+    factory = ORDER_POLICIES.get(name)
+    if factory is None:
+        raise InvalidArgument(f"unknown ordering policy {name!r}; known: {sorted(ORDER_POLICIES)}")
+    return factory()
+
+
+# ---------------------------------------------------------------------------------------------
+# Order + batch
+
+
+def plan_batches(forest: StageForest, policy: OrderPolicy, cost: StageCost) -> list[PlannedBatch]:
+    """Cut the whole forest into batches, in the order the policy serves them."""
+    policy.prepare(forest, cost)
+    stages = forest.stages
+    heap: list[tuple[tuple[float, ...], int, Point, bool]] = []
+    for r in forest.roots:
+        st = stages[r]
+        assert st.source is not None
+        heap.append((policy.root_key(st), r, st.source, st.ready))
+    heapq.heapify(heap)
+    out: list[PlannedBatch] = []
+    while heap:
+        _, sid, source, ready = heapq.heappop(heap)
+        path: list[Stage] = []
+        batch = PlannedBatch(path, source, ready, plan=stages[sid].plan)
+        while True:
+            st = stages[sid]
+            path.append(st)
+            batch.cost += cost(st)
+            end = st.end_point
+            if st.requests:
+                batch.evals.add(end)
+                batch.requests.extend(st.requests)
+            if not st.children:
+                batch.saves.add(end)
+                break
+            nxt = st.children[0] if len(st.children) == 1 else policy.pick(st, stages)
+            if len(st.children) > 1:
+                batch.saves.add(end)
+                for c in st.children:
+                    if c != nxt:
+                        heapq.heappush(heap, (policy.root_key(stages[c]), c, end, False))
+            sid = nxt
+        out.append(batch)
+    return out
+
+
+def place_first_fit(
+    batches: Iterable[PlannedBatch], slots: Sequence[Slot]
+) -> tuple[list[Dispatch], list[PlannedBatch]]:
+    free = list(slots)
+    dispatches: list[Dispatch] = []
+    queue: list[PlannedBatch] = []
+    for b in batches:
+        if b.ready and free:
+            dispatches.append(Dispatch(b, free.pop(0)))
+        else:
+            queue.append(b)
+    return dispatches, queue
+
+
+def schedule_round(
+    forest: StageForest,
+    free_slots: Sequence[Slot],
+    cost: StageCost,
+    policy: OrderPolicy | str = "critical_path",
+) -> RoundResult:
+    pol = order_policy(policy) if isinstance(policy, str) else policy
+    batches = plan_batches(forest, pol, cost)
+    dispatches, queue = place_first_fit(batches, free_slots)
+    amendments = [Amend(b, p) for p, b in forest.amendments.items()]
+    return RoundResult(dispatches, queue, amendments, dict(forest.attachments))
+
+
+def steps_cost(step_seconds: float = 1.0) -> StageCost:
+    """The simplest estimate: every step costs the same."""
+    return lambda st: st.steps * step_seconds

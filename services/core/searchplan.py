@@ -1,0 +1,273 @@
+"""The search plan (TreeML §4.2): a persistent, append-only tree of configurations.
+
+A node is a trial config valid from its ``start`` step: it agrees with its parent on [0, start) and
+differs from it at ``start`` (so children start strictly after their parent). A path from a root is a
+trial; the model after ``k`` steps of node ``n``'s config is the *point* ``(n, k)``. A point at a node's
+own start step is the parent's model, so points are kept canonical: ``(n, k)`` with ``k > n.start``, or
+a root's ``(r, 0)`` (a fresh model).
+
+Nodes hold requests ("give me the metrics at point p"), checkpoints and metrics, all keyed by point.
+Nodes and edges are never split or deleted, which lets a service cache the node structure safely.
+
+This module is pure: the master's store keeps the same records in a database and uses these
+functions to decide what to write.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from stagetree.core.batch import Point
+from stagetree.core.config import Config, divergence
+from stagetree.core.errors import InvalidArgument, NotFound
+
+MAX_STEP = 10_000_000
+
+
+class RequestState(StrEnum):
+    NOT_SCHED = "NOT_SCHED"
+    SCHED = "SCHED"
+    DONE = "DONE"
+    CANCELLED = "CANCELLED"
+
+
+class CheckpointKind(StrEnum):
+    CENTRAL = "central"
+    PERIPHERAL = "peripheral"
+
+
+@dataclass
+class Node:
+    id: int
+    parent: int | None
+    start: int
+    config: Config
+    children: dict[int, list[int]] = field(default_factory=dict)  # branch step -> child ids
+
+
+@dataclass
+class Request:
+    id: int
+    point: Point
+    state: RequestState = RequestState.NOT_SCHED
+    study: str = ""
+    batch: int | None = None
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    point: Point
+    uri: str
+    bytes: int
+    kind: CheckpointKind = CheckpointKind.CENTRAL
+    last_used: float = 0.0
+
+
+@dataclass(frozen=True)
+class AddResult:
+    """Outcome of adding a request: ``metrics`` at once when they exist, else the recorded request."""
+
+    point: Point
+    request: Request | None
+    metrics: Mapping[str, float] | None
+    new_nodes: tuple[Node, ...] = ()
+
+
+@dataclass(frozen=True)
+class CancelResult:
+    """``deleted``: it was NOT_SCHED and is gone. ``abort_batch``: the batch to abort (SCHED and no other
+    live request needs that batch's work), else None."""
+
+    deleted: bool
+    abort_batch: int | None
+
+
+def check_step(step: Any, what: str = "step") -> int:
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise InvalidArgument(f"{what}: must be an integer number of steps, got {step!r}")
+    if step < 0 or step > MAX_STEP:
+        raise InvalidArgument(f"{what}: must be in [0, {MAX_STEP}], got {step}")
+    return step
+
+
+class SearchPlan:
+    """One search plan (one fixed part). Ids come from counters unless the caller supplies them."""
+
+    def __init__(self, key: str = "") -> None:
+        self.key = key
+        self.nodes: dict[int, Node] = {}
+        self.roots: list[int] = []
+        self.requests: dict[int, Request] = {}
+        self.by_point: dict[Point, list[int]] = {}  # live (NOT_SCHED or SCHED) request ids
+        self.checkpoints: dict[Point, Checkpoint] = {}
+        self.metrics: dict[Point, dict[str, float]] = {}
+        self._node_ids: Iterator[int] = itertools.count(1)
+        self._request_ids: Iterator[int] = itertools.count(1)
+
+    # -- structure ------------------------------------------------------------------------------
+
+    def add_node(self, parent: int | None, start: int, config: Config, node_id: int | None = None) -> Node:
+        nid = next(self._node_ids) if node_id is None else node_id
+        if nid in self.nodes:
+            raise InvalidArgument(f"node {nid} exists")
+        node = Node(nid, parent, start, config)
+        self.nodes[nid] = node
+        if parent is None:
+            self.roots.append(nid)
+        else:
+            self.nodes[parent].children.setdefault(start, []).append(nid)
+        return node
+
+    def locate(self, config: Config, step: int, *, create: bool = True) -> tuple[Point | None, list[Node]]:
+        """The canonical point whose model is ``config`` trained for ``step`` steps, walking from the
+        roots along matching configurations; new nodes are created only at divergence steps."""
+        check_step(step)
+        created: list[Node] = []
+        node: Node | None = None
+        for rid in self.roots:
+            root = self.nodes[rid]
+            if divergence(root.config, config, 0, 1) >= 1:
+                node = root
+                break
+        if node is None:
+            if not create:
+                return None, created
+            node = self.add_node(None, 0, config)
+            created.append(node)
+            return Point(node.id, step), created
+        while True:
+            d = divergence(node.config, config, node.start, step)
+            if d >= step:
+                return self.canonical(Point(node.id, step)), created
+            nxt = None
+            for cid in node.children.get(d, ()):
+                child = self.nodes[cid]
+                if divergence(child.config, config, d, d + 1) > d:
+                    nxt = child
+                    break
+            if nxt is None:
+                if not create:
+                    return None, created
+                nxt = self.add_node(node.id, d, config)
+                created.append(nxt)
+                return Point(nxt.id, step), created
+            node = nxt
+
+    def canonical(self, p: Point) -> Point:
+        node = self.nodes.get(p.node)
+        if node is None:
+            raise NotFound(f"search-plan node {p.node} does not exist")
+        if p.step < node.start:
+            raise InvalidArgument(f"step {p.step} is before node {node.id}'s start {node.start}")
+        if p.step == node.start and node.parent is not None:
+            return Point(node.parent, p.step)
+        return p
+
+    def path(self, p: Point) -> list[tuple[int, int, int]]:
+        """``[(node, from_step, to_step), ...]`` from a fresh model to point ``p``."""
+        out: list[tuple[int, int, int]] = []
+        node = self.nodes[p.node]
+        end = p.step
+        while True:
+            out.append((node.id, node.start, end))
+            if node.parent is None:
+                break
+            end = node.start
+            node = self.nodes[node.parent]
+        out.reverse()
+        return [seg for seg in out if seg[2] > seg[1]] or [(p.node, 0, 0)]
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(self, config: Config, step: int, *, study: str = "", request_id: int | None = None) -> AddResult:
+        point, created = self.locate(config, step)
+        assert point is not None
+        m = self.metrics.get(point)
+        if m is not None:
+            return AddResult(point, None, m, tuple(created))
+        rid = next(self._request_ids) if request_id is None else request_id
+        req = Request(rid, point, RequestState.NOT_SCHED, study)
+        self.requests[rid] = req
+        self.by_point.setdefault(point, []).append(rid)
+        return AddResult(point, req, None, tuple(created))
+
+    def pending(self) -> list[Request]:
+        return [r for r in self.requests.values() if r.state is RequestState.NOT_SCHED]
+
+    def live(self) -> Iterable[Request]:
+        return (r for r in self.requests.values() if r.state in (RequestState.NOT_SCHED, RequestState.SCHED))
+
+    def cancel(self, request_id: int) -> CancelResult:
+        req = self.requests.get(request_id)
+        if req is None:
+            raise NotFound(f"request {request_id} does not exist")
+        if req.state is RequestState.NOT_SCHED:
+            self._unlink(req)
+            req.state = RequestState.CANCELLED
+            return CancelResult(True, None)
+        if req.state is RequestState.SCHED:
+            self._unlink(req)
+            req.state = RequestState.CANCELLED
+            batch = req.batch
+            still_needed = any(r.batch == batch for r in self.live())
+            return CancelResult(False, None if still_needed else batch)
+        return CancelResult(False, None)
+
+    def _unlink(self, req: Request) -> None:
+        ids = self.by_point.get(req.point)
+        if ids and req.id in ids:
+            ids.remove(req.id)
+            if not ids:
+                del self.by_point[req.point]
+
+    def mark_scheduled(self, request_ids: Iterable[int], batch: int) -> None:
+        for rid in request_ids:
+            req = self.requests[rid]
+            if req.state is RequestState.NOT_SCHED:
+                req.state = RequestState.SCHED
+                req.batch = batch
+
+    def requeue_batch(self, batch: int) -> list[int]:
+        """A batch ended without serving some requests (failure, preemption, lost node): back to NOT_SCHED."""
+        out = []
+        for r in self.requests.values():
+            if r.state is RequestState.SCHED and r.batch == batch:
+                r.state = RequestState.NOT_SCHED
+                r.batch = None
+                out.append(r.id)
+        return out
+
+    # -- results ------------------------------------------------------------------------------
+
+    def record_metrics(self, p: Point, metrics: Mapping[str, float]) -> list[Request]:
+        """Store metrics at a point; the live requests waiting there are DONE and returned."""
+        p = self.canonical(p)
+        self.metrics[p] = dict(metrics)
+        done = []
+        for rid in self.by_point.pop(p, []):
+            req = self.requests[rid]
+            req.state = RequestState.DONE
+            done.append(req)
+        return done
+
+    def record_checkpoint(self, ckpt: Checkpoint) -> Checkpoint:
+        p = self.canonical(ckpt.point)
+        stored = Checkpoint(p, ckpt.uri, ckpt.bytes, ckpt.kind, ckpt.last_used)
+        self.checkpoints[p] = stored
+        return stored
+
+    def drop_checkpoint(self, p: Point) -> None:
+        self.checkpoints.pop(self.canonical(p), None)
+
+    def checkpoint_steps(self) -> dict[int, list[int]]:
+        """Available checkpoint steps per node, sorted."""
+        out: dict[int, list[int]] = {}
+        for p in self.checkpoints:
+            out.setdefault(p.node, []).append(p.step)
+        for steps in out.values():
+            steps.sort()
+        return out
