@@ -22,9 +22,11 @@ from typing import Protocol
 
 from stagetree.core.batch import Point
 from stagetree.core.errors import InvalidArgument
-from stagetree.core.stagetree import Stage, StageForest
+from stagetree.core.stagetree import InflightBatch, Stage, StageForest
 
 StageCost = Callable[[Stage], float]
+# Steps strictly inside a stage where its config starts a new piece: likely future branch points.
+Boundaries = Callable[[int, int, int], Iterable[int]]  # (node, start, end) -> steps
 
 
 @dataclass(frozen=True)
@@ -193,8 +195,15 @@ def order_policy(name: str) -> OrderPolicy:
 # Order + batch
 
 
-def plan_batches(forest: StageForest, policy: OrderPolicy, cost: StageCost) -> list[PlannedBatch]:
-    """Cut the whole forest into batches, in the order the policy serves them."""
+def plan_batches(
+    forest: StageForest, policy: OrderPolicy, cost: StageCost, boundaries: Boundaries | None = None
+) -> list[PlannedBatch]:
+    """Cut the whole forest into batches, in the order the policy serves them.
+
+    With ``boundaries``, a batch also saves where its config changes piece: a later trial from the
+    same search space most likely branches exactly there, and a background save is far cheaper than
+    training the prefix again once the worker has moved past it.
+    """
     policy.prepare(forest, cost)
     stages = forest.stages
     heap: list[tuple[tuple[float, ...], int, Point, bool]] = []
@@ -212,6 +221,8 @@ def plan_batches(forest: StageForest, policy: OrderPolicy, cost: StageCost) -> l
             st = stages[sid]
             path.append(st)
             batch.cost += cost(st)
+            if boundaries is not None:
+                batch.saves.update(Point(st.node, b) for b in boundaries(st.node, st.start, st.end))
             end = st.end_point
             if st.requests:
                 batch.evals.add(end)
@@ -249,11 +260,22 @@ def schedule_round(
     free_slots: Sequence[Slot],
     cost: StageCost,
     policy: OrderPolicy | str = "critical_path",
+    boundaries: Boundaries | None = None,
+    inflight: Iterable[InflightBatch] = (),
 ) -> RoundResult:
+    """One round. With ``boundaries``, running batches are also asked to save at branch candidates
+    learned since they were dispatched (if they have not passed them yet)."""
     pol = order_policy(policy) if isinstance(policy, str) else policy
-    batches = plan_batches(forest, pol, cost)
+    batches = plan_batches(forest, pol, cost, boundaries)
     dispatches, queue = place_first_fit(batches, free_slots)
     amendments = [Amend(b, p) for p, b in forest.amendments.items()]
+    if boundaries is not None:
+        for ib in inflight:
+            for ist in ib.stages:
+                for step in boundaries(ist.node, max(ist.start, ist.progress), ist.end):
+                    p = Point(ist.node, step)
+                    if p not in ib.saves and p not in forest.amendments:
+                        amendments.append(Amend(ib.id, p))
     return RoundResult(dispatches, queue, amendments, dict(forest.attachments))
 
 

@@ -185,7 +185,7 @@ def build_stage_tree(
         req_at.setdefault(p, []).append(rid)
     forest = StageForest()
     for p in req_at:
-        if has_ckpt(p):
+        if has_ckpt(p) or p.step == 0:  # evaluate a saved model, or a fresh one at a root
             eval_only.add(p)
             continue
         walk(p)

@@ -1,0 +1,164 @@
+"""Sequence families against hand-computed values, canonical forms, sharing and bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stagetree.core.config import Config, divergence
+from stagetree.core.errors import SequenceError
+from stagetree.core.sequences import (
+    Constant,
+    Cosine,
+    CyclicLR,
+    Exponential,
+    Linear,
+    MultiStep,
+    Piecewise,
+    Step,
+    Warmup,
+    first_divergence,
+    from_json,
+    segments_from_json,
+    segments_to_json,
+)
+
+
+def test_warmup_then_cosine_by_hand() -> None:
+    seq = Warmup(0.0, 10, Cosine(0.1, 0.0, 90))
+    assert seq.value(0) == 0.0
+    assert seq.value(5) == pytest.approx(0.05)
+    assert seq.value(10) == pytest.approx(0.1)
+    # 45 steps into a 90-step cosine: halfway, (1 + cos(pi/2)) / 2 = 0.5
+    assert seq.value(55) == pytest.approx(0.05)
+    assert seq.value(100) == pytest.approx(0.1)  # warm restart
+
+
+def test_cosine_restarts_multiply_period() -> None:
+    seq = Cosine(1.0, 0.0, 4, gamma=2.0)
+    # cycles: [0,4), [4,12), [12,28)
+    assert seq.value(2) == pytest.approx(0.5)
+    assert seq.value(4) == pytest.approx(1.0)
+    assert seq.value(8) == pytest.approx(0.5)
+    assert seq.value(12) == pytest.approx(1.0)
+    assert seq.value(20) == pytest.approx(0.5)
+
+
+def test_multistep_step_exponential_linear() -> None:
+    ms = MultiStep(0.1, [30, 60], 0.1)
+    assert [ms.value(t) for t in (0, 29, 30, 59, 60, 1000)] == pytest.approx([0.1, 0.1, 0.01, 0.01, 0.001, 0.001])
+    stp = Step(1.0, 10, 0.5)
+    assert [stp.value(t) for t in (0, 9, 10, 25)] == pytest.approx([1.0, 1.0, 0.5, 0.25])
+    assert Exponential(0.1, 0.9).value(3) == pytest.approx(0.1 * 0.9**3)
+    assert Linear(1.0, -0.25).value(2) == pytest.approx(0.5)
+
+
+def test_cyclic_triangle() -> None:
+    seq = CyclicLR(0.0, 1.0, 4, 2)
+    assert [seq.value(t) for t in range(8)] == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0, 0.5, 0.0, 0.25])
+
+
+def test_int_sequences_stay_int() -> None:
+    bs = MultiStep(128, [40], 2)
+    assert bs.value(0) == 128 and isinstance(bs.value(0), int)
+    assert bs.value(40) == 256 and isinstance(bs.value(40), int)
+    assert Constant("adam").value(7) == "adam"
+
+
+def test_paper_example_shares_prefix() -> None:
+    a = MultiStep(0.1, [100], 0.5).segments()
+    b = Constant(0.1).segments()
+    assert first_divergence(a, b, 0, 1000) == 100
+    assert first_divergence(a, b, 0, 50) == 50
+
+
+def test_equal_schedules_hash_equal() -> None:
+    assert Exponential(0.1, 1.0) == Constant(0.1)
+    assert hash(MultiStep(0.1, [], 0.5)) == hash(Constant(0.1))
+    split = Piecewise([Exponential(0.1, 0.9), Exponential(0.1 * 0.9**50, 0.9)], [50])
+    assert split == Exponential(0.1, 0.9)
+    assert Constant(0.1 + 0.2) == Constant(0.3)  # canonical floats
+
+
+def test_concatenation_restarts_local_time() -> None:
+    seq = Piecewise([Constant(0.1), Exponential(0.1, 0.5)], [20])
+    assert seq.value(19) == 0.1
+    assert seq.value(20) == pytest.approx(0.1)
+    assert seq.value(22) == pytest.approx(0.025)
+
+
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (lambda: Cosine(0.1, 0.0, -5), "period"),
+        (lambda: Exponential(0.1, 0.0), "gamma"),
+        (lambda: Step(0.1, 10, -1.0), "gamma"),
+        (lambda: MultiStep(0.1, [50, 20], 0.1), "milestones[1]"),
+        (lambda: Constant(math.nan), "value"),
+        (lambda: Linear(math.inf, 0.0), "init"),
+        (lambda: from_json({"kind": "sawtooth"}), "kind"),
+        (lambda: from_json({"kind": "cosine", "init": 0.1}), "min_value"),
+        (lambda: segments_from_json([[0, None, "wiggle", ["float", 1.0]]]), "segments[0].kind"),
+    ],
+)
+def test_bad_input_names_the_field(make, field) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SequenceError) as err:
+        make()
+    assert err.value.field == field
+    assert field in str(err.value)
+
+
+# -- properties --------------------------------------------------------------------------------
+
+floats = st.floats(min_value=1e-4, max_value=1.0, allow_nan=False)
+steps = st.integers(min_value=1, max_value=60)
+
+
+@st.composite
+def sequences(draw: st.DrawFn, depth: int = 0) -> object:
+    kind = draw(st.sampled_from(["const", "exp", "multistep", "step", "cosine", "cyclic", "warmup", "piecewise"]))
+    if kind == "const":
+        return Constant(draw(st.sampled_from([0.1, 0.05, 0.01])))
+    if kind == "exp":
+        return Exponential(draw(floats), draw(st.sampled_from([0.9, 0.5, 1.0])))
+    if kind == "multistep":
+        ms = sorted(set(draw(st.lists(steps, max_size=3))))
+        return MultiStep(draw(st.sampled_from([0.1, 0.05])), ms, draw(st.sampled_from([0.1, 0.5])))
+    if kind == "step":
+        return Step(draw(floats), draw(steps), draw(st.sampled_from([0.5, 0.9])))
+    if kind == "cosine":
+        return Cosine(draw(floats), 0.0, draw(steps), draw(st.sampled_from([1.0, 2.0])))
+    if kind == "cyclic":
+        return CyclicLR(0.0, draw(floats), draw(steps), draw(steps))
+    if depth > 1:
+        return Constant(0.1)
+    if kind == "warmup":
+        return Warmup(0.0, draw(steps), draw(sequences(depth + 1)))
+    b = draw(steps)
+    return Piecewise([draw(sequences(depth + 1)), draw(sequences(depth + 1))], [b])
+
+
+@given(sequences())
+def test_json_round_trip_and_segments_evaluate_the_same(seq) -> None:  # type: ignore[no-untyped-def]
+    again = from_json(json.loads(json.dumps(seq.to_json())))
+    assert again == seq and hash(again) == hash(seq)
+    segs = segments_from_json(json.loads(json.dumps(segments_to_json(seq.segments()))))
+    assert segs == seq.segments()
+    cfg = Config.of({"x": seq})
+    back = Config.from_json(json.loads(json.dumps(cfg.to_json())))
+    for t in range(0, 130, 7):
+        assert back.values_at(t)["x"] == pytest.approx(seq.value(t), rel=1e-9, abs=1e-12)
+
+
+@given(sequences(), sequences(), st.integers(min_value=1, max_value=150))
+def test_divergence_means_values_agree_before_it(a, b, limit) -> None:  # type: ignore[no-untyped-def]
+    ca, cb = Config.of({"x": a}), Config.of({"x": b})
+    d = divergence(ca, cb, 0, limit)
+    assert 0 <= d <= limit
+    for t in range(d):
+        assert ca.values_at(t)["x"] == pytest.approx(cb.values_at(t)["x"], rel=1e-9, abs=1e-12)
+    assert divergence(ca, ca, 0, limit) == limit
