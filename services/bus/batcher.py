@@ -1,0 +1,145 @@
+"""``LocalBatcher``: a node manager's buffer between its workers and the bus.
+
+Workers hand their metrics and events to the node manager over local IPC; the node manager puts them
+here, and the batcher publishes them in batches (as TreeML's node managers do) when ``max_messages``
+are waiting or the oldest has waited ``max_age_s``, whichever comes first, then flushes the bus so the
+batch is stored before the next one starts. Messages are published in the order they were added, so a
+batch's messages keep their order on the bus. ``close()`` publishes what is left.
+
+When the bus is down the batch stays at the head of the buffer and the next flush tries again
+(duplicates are possible after a partial failure; aggregators deduplicate on ``msg_id``). The buffer is
+bounded: :meth:`LocalBatcher.add` raises ResourceExhausted when ``max_buffered`` messages wait.
+
+Thread-safe: any thread may add; one background thread does the age-based flushes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from types import TracebackType
+from typing import Self
+
+from stagetree.bus.base import MetricBus
+from stagetree.bus.messages import Message, route
+from stagetree.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, StagetreeError
+
+logger = logging.getLogger(__name__)
+
+
+class LocalBatcher:
+    """Buffers messages and publishes them to ``bus`` by count or age."""
+
+    def __init__(
+        self,
+        bus: MetricBus,
+        *,
+        max_messages: int = 200,
+        max_age_s: float = 0.5,
+        max_buffered: int = 100_000,
+    ) -> None:
+        if max_messages < 1 or max_age_s <= 0 or max_buffered < max_messages:
+            raise InvalidArgument(
+                "need max_messages >= 1, max_age_s > 0 and max_buffered >= max_messages, got "
+                f"{max_messages}, {max_age_s}, {max_buffered}"
+            )
+        self._bus = bus
+        self._max_messages = max_messages
+        self._max_age_s = max_age_s
+        self._max_buffered = max_buffered
+        self._buffer: deque[tuple[float, Message]] = deque()
+        self._cond = threading.Condition()
+        # Held while publishing so two flushes never interleave (that would reorder a key's messages).
+        self._publish_lock = threading.Lock()
+        self._closed = False
+        self.published = 0
+        self._thread = threading.Thread(target=self._run, name="bus-batcher", daemon=True)
+        self._thread.start()
+
+    def add(self, message: Message) -> None:
+        """Queue one message; publishes at once when this fills a batch. Bus errors do not reach the
+        caller (the message stays queued); a full buffer raises ResourceExhausted."""
+        with self._cond:
+            if self._closed:
+                raise FailedPrecondition("add on a closed batcher")
+            if len(self._buffer) >= self._max_buffered:
+                raise ResourceExhausted(
+                    f"{len(self._buffer)} bus messages are waiting (the bus is down or slow); "
+                    "the node manager should pause its workers' reporting until the bus recovers"
+                )
+            self._buffer.append((time.monotonic(), message))
+            full = len(self._buffer) >= self._max_messages
+            if len(self._buffer) == 1:
+                self._cond.notify()  # start the age timer
+        if full:
+            try:
+                self.flush()
+            except StagetreeError as e:  # the message is queued; the timer thread retries
+                logger.warning("bus flush failed; will retry", extra={"error": repr(e)})
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._buffer)
+
+    def flush(self) -> int:
+        """Publish everything waiting now, then flush the bus. Returns how many were published."""
+        with self._publish_lock:
+            with self._cond:
+                batch = list(self._buffer)
+                self._buffer.clear()
+            if not batch:
+                return 0
+            try:
+                for _, message in batch:
+                    topic, key = route(message)
+                    self._bus.publish(topic, key, message)
+                self._bus.flush()
+            except StagetreeError:
+                with self._cond:
+                    self._buffer.extendleft(reversed(batch))
+                raise
+            self.published += len(batch)
+            logger.debug("published a batch", extra={"messages": len(batch)})
+            return len(batch)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._buffer:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                wait = self._buffer[0][0] + self._max_age_s - time.monotonic()
+                if wait > 0:
+                    self._cond.wait(wait)
+                    continue
+            try:
+                self.flush()
+            except StagetreeError as e:
+                logger.warning(
+                    "bus flush failed; retrying in %.1f s",
+                    self._max_age_s,
+                    extra={"pending": self.pending(), "error": repr(e)},
+                )
+                with self._cond:
+                    self._cond.wait(self._max_age_s)
+
+    def close(self) -> None:
+        """Stop the timer and publish what is left; raises (keeping the messages) if the bus is down."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+        self.flush()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

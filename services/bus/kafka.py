@@ -1,0 +1,278 @@
+"""``KafkaMetricBus``: the :class:`~stagetree.bus.base.MetricBus` of the cluster mode, on kafka-python.
+
+It owns the Kafka client settings (:class:`KafkaBusConfig`), the producer (batched with ``linger_ms``,
+``acks=all`` and idempotence, so retries neither lose nor reorder a key's records), the group consumers
+(manual commit only) and :func:`ensure_topics`. kafka-python errors stop here: an unreachable broker
+becomes :class:`~stagetree.core.errors.Unavailable`, a commit refused after a rebalance becomes
+:class:`~stagetree.core.errors.Conflict`.
+
+Only standard Kafka protocol features are used, so the same code runs against Apache Kafka (compose)
+and the Tansu broker the integration tests start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka.errors import CommitFailedError, KafkaError, MessageSizeTooLargeError, TopicAlreadyExistsError
+
+from stagetree.bus.base import BusConsumer, Malformed, MetricBus, Record, decode_record
+from stagetree.bus.messages import ALL_TOPICS, Message, encode
+from stagetree.core.errors import (
+    Conflict,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KafkaBusConfig:
+    """Client settings; the services' settings classes build one of these.
+
+    Group timing: ``session_timeout_ms`` is how long a silent member keeps its partitions (Apache
+    Kafka refuses values below its ``group.min.session.timeout.ms``, 6 s by default);
+    ``max_poll_interval_ms`` is also the rebalance timeout, i.e. how long a join waits for the other
+    members to rejoin, so it bounds the time between two ``poll`` calls of one consumer. See
+    :meth:`fast_rebalance` for the values the tests use.
+    """
+
+    bootstrap_servers: str
+    client_id: str = "stagetree"
+    bootstrap_timeout_ms: int = 30_000  # how long a new client waits for the first broker answer
+    # producer
+    linger_ms: int = 20
+    batch_size: int = 64 * 1024
+    max_block_ms: int = 10_000
+    compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = None
+    # consumer
+    session_timeout_ms: int = 10_000
+    heartbeat_interval_ms: int = 3_000
+    max_poll_interval_ms: int = 60_000
+    request_timeout_ms: int = 30_000
+    fetch_max_wait_ms: int = 200
+    auto_offset_reset: Literal["earliest", "latest"] = "earliest"
+
+    def __post_init__(self) -> None:
+        if not self.bootstrap_servers:
+            raise InvalidArgument("bootstrap_servers is empty; give host:port[,host:port...]")
+        if self.heartbeat_interval_ms >= self.session_timeout_ms:
+            raise InvalidArgument(
+                f"heartbeat_interval_ms ({self.heartbeat_interval_ms}) must be below session_timeout_ms "
+                f"({self.session_timeout_ms}); a third of it is usual"
+            )
+
+    @classmethod
+    def fast_rebalance(cls, bootstrap_servers: str, **overrides: Any) -> KafkaBusConfig:
+        """Settings for tests and single-host setups: a consumer joins its group in about a second.
+
+        Tansu answers a JoinGroup after about max(1 s, session_timeout / 2); Apache Kafka needs its
+        ``group.min.session.timeout.ms`` lowered to accept 2 s."""
+        settings: dict[str, Any] = {
+            "session_timeout_ms": 2_000,
+            "heartbeat_interval_ms": 300,
+            "max_poll_interval_ms": 5_000,
+            "request_timeout_ms": 10_000,
+            "fetch_max_wait_ms": 100,
+            "linger_ms": 5,
+        }
+        settings.update(overrides)
+        return cls(bootstrap_servers, **settings)
+
+
+def ensure_topics(
+    config: KafkaBusConfig,
+    topics: Sequence[str] | Mapping[str, int] = ALL_TOPICS,
+    partitions: int = 8,
+    replication_factor: int = 1,
+) -> None:
+    """Create the topics that do not exist yet (a mapping gives partitions per topic)."""
+    wanted = dict(topics) if isinstance(topics, Mapping) else dict.fromkeys(topics, partitions)
+    try:
+        admin = KafkaAdminClient(
+            bootstrap_servers=config.bootstrap_servers,
+            client_id=f"{config.client_id}-admin",
+            request_timeout_ms=config.request_timeout_ms,
+            bootstrap_timeout_ms=config.bootstrap_timeout_ms,
+        )
+    except KafkaError as e:
+        raise Unavailable(f"cannot reach Kafka at {config.bootstrap_servers}: {e!r}; is the broker up?") from e
+    try:
+        existing = set(admin.list_topics())
+        missing = [t for t in wanted if t not in existing]
+        if missing:
+            new = {t: {"num_partitions": wanted[t], "replication_factor": replication_factor} for t in missing}
+            # Another process may create one between the listing and here; that is fine.
+            with contextlib.suppress(TopicAlreadyExistsError):
+                admin.create_topics(new, wait_for_metadata=True)
+            logger.info("created topics", extra={"topics": missing})
+    except KafkaError as e:
+        raise Unavailable(f"cannot create topics {sorted(wanted)}: {e!r}") from e
+    finally:
+        admin.close()
+
+
+class KafkaMetricBus(MetricBus):
+    """Kafka producer (created on first publish) and group consumers built from one config."""
+
+    def __init__(self, config: KafkaBusConfig) -> None:
+        self.config = config
+        self._producer: KafkaProducer | None = None
+        self._lock = threading.Lock()
+        self._failures: list[BaseException] = []
+        self._closed = False
+
+    def _get_producer(self) -> KafkaProducer:
+        with self._lock:
+            if self._closed:
+                raise FailedPrecondition("the Kafka bus is closed; create a new one")
+            if self._producer is None:
+                c = self.config
+                try:
+                    self._producer = KafkaProducer(
+                        bootstrap_servers=c.bootstrap_servers,
+                        client_id=c.client_id,
+                        acks="all",
+                        enable_idempotence=True,
+                        linger_ms=c.linger_ms,
+                        batch_size=c.batch_size,
+                        max_block_ms=c.max_block_ms,
+                        request_timeout_ms=c.request_timeout_ms,
+                        compression_type=c.compression_type,
+                        bootstrap_timeout_ms=c.bootstrap_timeout_ms,
+                    )
+                except KafkaError as e:
+                    raise Unavailable(f"cannot reach Kafka at {c.bootstrap_servers}: {e!r}") from e
+            return self._producer
+
+    def publish(self, topic: str, key: str, message: Message) -> None:
+        value = encode(message)
+        producer = self._get_producer()
+        try:
+            future = producer.send(topic, key=key.encode(), value=value)
+        except MessageSizeTooLargeError as e:
+            raise ResourceExhausted(
+                f"{message.TYPE} {message.msg_id} is {len(value)} bytes, over the producer's limit; "
+                "report fewer metrics per message"
+            ) from e
+        except KafkaError as e:
+            raise Unavailable(f"cannot publish to {topic}: {e!r}") from e
+        future.add_errback(self._on_send_error, topic, key, message.msg_id)
+
+    def _on_send_error(self, topic: str, key: str, msg_id: str, exc: BaseException) -> None:
+        logger.error("bus publish failed: %r", exc, extra={"topic": topic, "key": key, "msg_id": msg_id})
+        with self._lock:
+            self._failures.append(exc)
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        producer = self._producer
+        if producer is not None:
+            try:
+                producer.flush(timeout=timeout_s)
+            except KafkaError as e:
+                raise Unavailable(f"flush did not finish in {timeout_s} s: {e!r}") from e
+        with self._lock:
+            failures, self._failures = self._failures, []
+        if failures:
+            raise Unavailable(
+                f"{len(failures)} published message(s) were not stored, first: {failures[0]!r}; "
+                "publish them again (consumers deduplicate on msg_id)"
+            )
+
+    def subscribe(self, topics: Sequence[str], group: str) -> KafkaBusConsumer:
+        if not topics:
+            raise InvalidArgument("subscribe needs at least one topic")
+        if not group:
+            raise InvalidArgument("a consumer group name must not be empty")
+        return KafkaBusConsumer(self.config, list(dict.fromkeys(topics)), group)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self.flush()
+        finally:
+            if self._producer is not None:
+                self._producer.close()
+
+
+class KafkaBusConsumer(BusConsumer):
+    """A kafka-python group consumer with auto-commit off.
+
+    Poll it in a loop from one thread. kafka-python 3.0 drops a JoinGroup/SyncGroup result that
+    arrives while the consumer is not inside ``poll`` and starts another join round, so a consumer
+    left unpolled while its group rebalances (or several consumers polled in turn by one thread)
+    can take several rounds to join."""
+
+    def __init__(self, config: KafkaBusConfig, topics: list[str], group: str) -> None:
+        self.group = group
+        try:
+            self._consumer = KafkaConsumer(
+                bootstrap_servers=config.bootstrap_servers,
+                client_id=config.client_id,
+                group_id=group,
+                enable_auto_commit=False,
+                auto_offset_reset=config.auto_offset_reset,
+                session_timeout_ms=config.session_timeout_ms,
+                heartbeat_interval_ms=config.heartbeat_interval_ms,
+                max_poll_interval_ms=config.max_poll_interval_ms,
+                request_timeout_ms=config.request_timeout_ms,
+                fetch_max_wait_ms=config.fetch_max_wait_ms,
+                bootstrap_timeout_ms=config.bootstrap_timeout_ms,
+            )
+        except KafkaError as e:
+            raise Unavailable(f"cannot reach Kafka at {config.bootstrap_servers}: {e!r}") from e
+        self._consumer.subscribe(topics)
+        self._malformed = 0
+        self._closed = False
+
+    def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Record]:
+        if max_records < 1:
+            raise InvalidArgument(f"max_records must be >= 1, got {max_records}")
+        if self._closed:
+            raise FailedPrecondition("poll on a closed consumer; subscribe again")
+        try:
+            batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        except KafkaError as e:
+            raise Unavailable(f"poll failed for group {self.group}: {e!r}") from e
+        records = [
+            decode_record(tp.topic, tp.partition, r.offset, r.key, r.value) for tp, rs in batches.items() for r in rs
+        ]
+        self._malformed += sum(isinstance(r.message, Malformed) for r in records)
+        return records
+
+    def commit(self) -> None:
+        if self._closed:
+            raise FailedPrecondition("commit on a closed consumer")
+        try:
+            self._consumer.commit()
+        except CommitFailedError as e:
+            raise Conflict(
+                f"group {self.group} rebalanced before the commit; the records polled since the last "
+                "commit go to their new owner again (apply is idempotent), keep polling"
+            ) from e
+        except KafkaError as e:
+            raise Unavailable(f"commit failed for group {self.group}: {e!r}") from e
+
+    def assignment(self) -> frozenset[tuple[str, int]]:
+        return frozenset((tp.topic, tp.partition) for tp in self._consumer.assignment())
+
+    @property
+    def malformed_count(self) -> int:
+        return self._malformed
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._consumer.close(autocommit=False)

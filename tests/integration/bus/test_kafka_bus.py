@@ -1,0 +1,127 @@
+"""What only the Kafka adapter does: group timing, rebalance conflicts, error translation, topics."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import pytest
+from kafka import KafkaConsumer
+
+from stagetree.bus.kafka import KafkaBusConfig, KafkaMetricBus, ensure_topics
+from stagetree.bus.messages import Metrics, make_msg_id
+from stagetree.bus.tansu import TansuBroker, free_loopback_port
+from stagetree.core.errors import Conflict, InvalidArgument, ResourceExhausted, Unavailable
+
+logger = logging.getLogger(__name__)
+
+
+def _metrics(batch_id: int, seq: int = 0) -> Metrics:
+    return Metrics(
+        msg_id=make_msg_id("nm-k", batch_id, 0, seq),
+        node_manager="nm-k",
+        batch_id=batch_id,
+        attempt=0,
+        node=0,
+        step=seq,
+        metrics={"loss": 0.5},
+    )
+
+
+def _topic(config: KafkaBusConfig, partitions: int = 4) -> str:
+    name = f"kafka.{uuid.uuid4().hex[:12]}"
+    ensure_topics(config, [name], partitions=partitions)
+    return name
+
+
+def test_group_join_takes_about_a_second_with_fast_rebalance(
+    tansu_broker: TansuBroker, record_property: pytest.RecordProperty
+) -> None:
+    config = KafkaBusConfig.fast_rebalance(tansu_broker.bootstrap)
+    topic = _topic(config)
+    with KafkaMetricBus(config) as bus, bus.subscribe([topic], f"g.{uuid.uuid4().hex}") as consumer:
+        started = time.monotonic()
+        while not consumer.assignment() and time.monotonic() - started < 30:
+            consumer.poll(timeout_s=0.05)
+        join_s = time.monotonic() - started
+        assert consumer.assignment() == {(topic, p) for p in range(4)}
+    record_property("group_join_s", round(join_s, 3))
+    logger.info("group join took %.2f s", join_s, extra={"bootstrap": tansu_broker.bootstrap})
+    assert join_s < 3.0, f"joining took {join_s:.1f} s; Tansu waits about session_timeout / 2"
+
+
+def test_commit_after_losing_the_group_is_a_conflict_and_records_come_back(
+    tansu_broker: TansuBroker,
+) -> None:
+    # A member that does not poll within max_poll_interval leaves the group (its heartbeat thread
+    # gives up), exactly what a consumer stuck in a long database write experiences.
+    config = KafkaBusConfig.fast_rebalance(tansu_broker.bootstrap, max_poll_interval_ms=1_500)
+    topic = _topic(config)
+    with KafkaMetricBus(config) as bus:
+        sent = [_metrics(b) for b in range(6)]
+        for m in sent:
+            bus.publish(topic, m.key, m)
+        bus.flush()
+        with bus.subscribe([topic], f"g.{uuid.uuid4().hex}") as consumer:
+            got: list[str] = []
+            deadline = time.monotonic() + 15
+            while len(got) < len(sent) and time.monotonic() < deadline:
+                got += [r.message.msg_id for r in consumer.poll(timeout_s=0.1) if isinstance(r.message, Metrics)]
+            time.sleep(2.5)
+            with pytest.raises(Conflict) as err:
+                consumer.commit()
+            assert err.value.retriable
+
+            again: list[str] = []
+            deadline = time.monotonic() + 15
+            while len(again) < len(sent) and time.monotonic() < deadline:
+                again += [r.message.msg_id for r in consumer.poll(timeout_s=0.1) if isinstance(r.message, Metrics)]
+            consumer.commit()
+    assert sorted(got) == sorted(again) == sorted(m.msg_id for m in sent)
+
+
+def test_an_unreachable_broker_is_unavailable() -> None:
+    config = KafkaBusConfig(f"127.0.0.1:{free_loopback_port()}", bootstrap_timeout_ms=300, request_timeout_ms=1_000)
+    with pytest.raises(Unavailable, match="cannot reach Kafka"):
+        ensure_topics(config, ["x"])
+    bus = KafkaMetricBus(config)
+    with pytest.raises(Unavailable, match="cannot reach Kafka"):
+        bus.publish("x", "1", _metrics(1))
+    with pytest.raises(Unavailable, match="cannot reach Kafka"):
+        bus.subscribe(["x"], "g")
+    bus.close()
+
+
+def test_an_oversized_message_is_resource_exhausted(tansu_broker: TansuBroker) -> None:
+    config = KafkaBusConfig.fast_rebalance(tansu_broker.bootstrap)
+    topic = _topic(config)
+    huge = Metrics(
+        msg_id="nm:1:0:0",
+        node_manager="nm",
+        batch_id=1,
+        attempt=0,
+        node=0,
+        step=0,
+        metrics={f"m{i:07d}": float(i) for i in range(80_000)},  # well over 1 MiB of JSON
+    )
+    with KafkaMetricBus(config) as bus, pytest.raises(ResourceExhausted, match="report fewer metrics"):
+        bus.publish(topic, huge.key, huge)
+
+
+def test_ensure_topics_creates_the_partitions_asked_for_and_is_idempotent(tansu_broker: TansuBroker) -> None:
+    config = KafkaBusConfig.fast_rebalance(tansu_broker.bootstrap)
+    a, b = f"kafka.{uuid.uuid4().hex[:12]}", f"kafka.{uuid.uuid4().hex[:12]}"
+    ensure_topics(config, {a: 3, b: 5})
+    ensure_topics(config, {a: 3, b: 5})  # a second call is a no-op, not an error
+    probe = KafkaConsumer(bootstrap_servers=tansu_broker.bootstrap)
+    try:
+        assert probe.partitions_for_topic(a) == {0, 1, 2}
+        assert probe.partitions_for_topic(b) == {0, 1, 2, 3, 4}
+    finally:
+        probe.close()
+
+
+def test_heartbeat_must_be_below_session_timeout() -> None:
+    with pytest.raises(InvalidArgument, match="heartbeat_interval_ms"):
+        KafkaBusConfig("127.0.0.1:9092", session_timeout_ms=1_000, heartbeat_interval_ms=1_000)

@@ -1,0 +1,168 @@
+"""LocalBatcher over the in-process bus: flush by count, by age, on close; order; a bus that is down."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from stagetree.bus.base import BusConsumer, MetricBus
+from stagetree.bus.batcher import LocalBatcher
+from stagetree.bus.inprocess import InProcessBus
+from stagetree.bus.messages import TOPIC_METRICS, Message, Metrics, make_msg_id
+from stagetree.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+
+
+def _m(batch_id: int, seq: int, node_manager: str = "nm") -> Metrics:
+    return Metrics(
+        msg_id=make_msg_id(node_manager, batch_id, 0, seq),
+        node_manager=node_manager,
+        batch_id=batch_id,
+        attempt=0,
+        node=0,
+        step=seq,
+        metrics={"loss": float(seq)},
+    )
+
+
+def _drain(consumer: BusConsumer) -> list[Message]:
+    out: list[Message] = []
+    while recs := consumer.poll(timeout_s=0):
+        out += [r.message for r in recs if isinstance(r.message, Message)]
+    return out
+
+
+class CountingBus(InProcessBus):
+    """Counts flushes, and fails the next ``fail`` publishes with Unavailable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flushes = 0
+        self.fail = 0
+
+    def publish(self, topic: str, key: str, message: Message) -> None:
+        if self.fail:
+            self.fail -= 1
+            raise Unavailable("broker down (test)")
+        super().publish(topic, key, message)
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        self.flushes += 1
+
+
+def test_a_full_batch_is_published_at_once_in_one_flush() -> None:
+    bus = CountingBus()
+    consumer = bus.subscribe([TOPIC_METRICS], "agg")
+    with LocalBatcher(bus, max_messages=5, max_age_s=60) as batcher:
+        for seq in range(4):
+            batcher.add(_m(1, seq))
+        assert _drain(consumer) == [] and batcher.pending() == 4
+        batcher.add(_m(1, 4))
+        assert batcher.pending() == 0
+        assert _drain(consumer) == [_m(1, s) for s in range(5)]
+        assert bus.flushes == 1
+
+
+def test_an_old_message_is_published_after_max_age() -> None:
+    bus = InProcessBus()
+    consumer = bus.subscribe([TOPIC_METRICS], "agg")
+    with LocalBatcher(bus, max_messages=1000, max_age_s=0.05) as batcher:
+        batcher.add(_m(1, 0))
+        started = time.monotonic()
+        records = consumer.poll(timeout_s=5)
+        waited = time.monotonic() - started
+        assert [r.message for r in records] == [_m(1, 0)]
+        assert 0.03 <= waited < 2
+        assert batcher.published == 1
+
+
+def test_close_publishes_what_is_left_and_then_refuses_more() -> None:
+    bus = InProcessBus()
+    consumer = bus.subscribe([TOPIC_METRICS], "agg")
+    batcher = LocalBatcher(bus, max_messages=1000, max_age_s=60)
+    batcher.add(_m(1, 0))
+    batcher.add(_m(2, 0))
+    batcher.close()
+    assert sorted(m.msg_id for m in _drain(consumer)) == [_m(1, 0).msg_id, _m(2, 0).msg_id]
+    with pytest.raises(FailedPrecondition):
+        batcher.add(_m(1, 1))
+    batcher.close()  # a second close is harmless
+
+
+def test_each_batch_keeps_its_order_when_many_threads_add() -> None:
+    bus = InProcessBus()
+    consumer = bus.subscribe([TOPIC_METRICS], "agg")
+    per_thread = 300
+
+    def worker(batch_id: int) -> None:
+        for seq in range(per_thread):
+            batcher.add(_m(batch_id, seq))
+
+    with LocalBatcher(bus, max_messages=37, max_age_s=0.01) as batcher:
+        threads = [threading.Thread(target=worker, args=(b,)) for b in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    got = _drain(consumer)
+    assert len(got) == 8 * per_thread
+    for b in range(8):
+        assert [m.step for m in got if m.batch_id == b] == list(range(per_thread))  # type: ignore[attr-defined]
+
+
+def test_a_failed_flush_keeps_the_messages_in_order_for_the_next_try() -> None:
+    bus = CountingBus()
+    consumer = bus.subscribe([TOPIC_METRICS], "agg")
+    batcher = LocalBatcher(bus, max_messages=3, max_age_s=60)
+    bus.fail = 2  # the first publish of the batch fails
+    for seq in range(3):
+        batcher.add(_m(1, seq))  # fills the batch; the flush fails, add does not raise
+    assert batcher.pending() == 3
+    batcher.add(_m(1, 3))
+    assert _drain(consumer) == []  # still failing: the 2nd publish attempt failed too
+    assert batcher.flush() == 4
+    assert _drain(consumer) == [_m(1, s) for s in range(4)]
+    batcher.close()
+
+
+def test_close_raises_when_the_bus_is_down_and_keeps_the_messages() -> None:
+    bus = CountingBus()
+    batcher = LocalBatcher(bus, max_messages=10, max_age_s=60)
+    batcher.add(_m(1, 0))
+    bus.fail = 1
+    with pytest.raises(Unavailable):
+        batcher.close()
+    assert batcher.pending() == 1
+
+
+def test_the_timer_retries_after_the_bus_recovers() -> None:
+    bus = CountingBus()
+    consumer = bus.subscribe([TOPIC_METRICS], "agg")
+    bus.fail = 1
+    with LocalBatcher(bus, max_messages=100, max_age_s=0.02) as batcher:
+        batcher.add(_m(1, 0))
+        records = consumer.poll(timeout_s=5)
+    assert [r.message for r in records] == [_m(1, 0)]
+
+
+def test_a_full_buffer_pushes_back() -> None:
+    class DownBus(InProcessBus):
+        def publish(self, topic: str, key: str, message: Message) -> None:
+            raise Unavailable("down")
+
+    batcher = LocalBatcher(DownBus(), max_messages=2, max_age_s=60, max_buffered=4)
+    for seq in range(4):
+        batcher.add(_m(1, seq))
+    with pytest.raises(ResourceExhausted, match="waiting"):
+        batcher.add(_m(1, 4))
+    assert batcher.pending() == 4
+    with pytest.raises(Unavailable):
+        batcher.close()
+
+
+@pytest.mark.parametrize(("max_messages", "max_age_s", "max_buffered"), [(0, 1.0, 10), (5, 0.0, 10), (5, 1.0, 4)])
+def test_bad_settings_are_invalid(max_messages: int, max_age_s: float, max_buffered: int) -> None:
+    bus: MetricBus = InProcessBus()
+    with pytest.raises(InvalidArgument):
+        LocalBatcher(bus, max_messages=max_messages, max_age_s=max_age_s, max_buffered=max_buffered)

@@ -1,0 +1,272 @@
+"""Bus message schema: round trips, routing, and every way a message can be malformed."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stagetree.bus.messages import (
+    MESSAGE_TYPES,
+    TOPIC_EVENTS,
+    TOPIC_METRICS,
+    TOPIC_TELEMETRY,
+    BatchFailed,
+    BatchFinished,
+    BatchPreempted,
+    BatchStarted,
+    CheckpointSaved,
+    GpuProcess,
+    GpuTelemetry,
+    MalformedMessage,
+    Message,
+    Metrics,
+    Progress,
+    UnsupportedVersion,
+    decode,
+    encode,
+    from_json,
+    make_msg_id,
+    route,
+)
+from stagetree.core.errors import InvalidArgument
+
+ids = st.text(min_size=1, max_size=20)
+counts = st.integers(min_value=0, max_value=2**53)
+batch_fields: dict[str, Any] = {
+    "msg_id": ids,
+    "node_manager": ids,
+    "batch_id": counts,
+    "attempt": st.integers(min_value=0, max_value=100),
+    "plan_key": st.none() | ids,
+}
+finite = st.floats(allow_nan=False, allow_infinity=False)
+at: dict[str, Any] = {"node": counts, "step": counts}
+
+messages: st.SearchStrategy[Message] = st.one_of(
+    st.builds(BatchStarted, **batch_fields),
+    st.builds(Progress, **batch_fields, **at),
+    st.builds(Metrics, **batch_fields, **at, metrics=st.dictionaries(ids, finite, max_size=5)),
+    st.builds(
+        CheckpointSaved,
+        **batch_fields,
+        **at,
+        uri=ids,
+        bytes=counts,
+        kind=st.sampled_from(["central", "peripheral"]),
+    ),
+    st.builds(BatchFinished, **batch_fields, steps=counts),
+    st.builds(BatchPreempted, **batch_fields, **at, uri=ids),
+    st.builds(BatchFailed, **batch_fields, error=st.text(), traceback=st.text(), oom=st.booleans()),
+    st.builds(
+        GpuTelemetry,
+        msg_id=ids,
+        node_manager=ids,
+        gpu_index=st.integers(0, 15),
+        utilization=st.floats(0, 100),
+        memory_used=counts,
+        memory_total=counts,
+        processes=st.lists(st.builds(GpuProcess, pid=counts, memory=counts), max_size=3).map(tuple),
+        ts=finite,
+    ),
+)
+
+
+@given(messages)
+def test_every_message_survives_encode_and_decode(message: Message) -> None:
+    wire = encode(message)
+    obj = json.loads(wire)
+    assert obj["v"] == 1
+    assert obj["type"] == message.TYPE
+    assert decode(wire) == message
+
+
+@given(messages)
+def test_a_message_is_keyed_by_its_batch_or_its_node_manager(message: Message) -> None:
+    topic, key = route(message)
+    if isinstance(message, GpuTelemetry):
+        assert (topic, key) == (TOPIC_TELEMETRY, message.node_manager)
+    else:
+        assert key == str(message.batch_id)  # type: ignore[attr-defined]
+        assert topic == (TOPIC_METRICS if isinstance(message, Metrics | Progress) else TOPIC_EVENTS)
+
+
+@given(st.binary(max_size=200))
+def test_arbitrary_bytes_decode_or_raise_malformed(data: bytes) -> None:
+    try:
+        result = decode(data)
+    except MalformedMessage:
+        return
+    assert isinstance(result, Message)  # and no other exception type ever escapes
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@given(
+    messages, st.sampled_from(sorted({"msg_id", "batch_id", "attempt", "node", "step", "ts", "metrics"})), json_values
+)
+def test_a_field_replaced_by_any_json_value_is_valid_or_malformed(message: Message, name: str, value: object) -> None:
+    obj = message.to_json()
+    if name not in obj:
+        return
+    obj[name] = value
+    try:
+        decoded = from_json(json.loads(json.dumps(obj)))
+    except MalformedMessage:
+        return
+    assert decoded.to_json()[name] == value  # accepted, so it was a valid value, and kept as given
+
+
+def _valid() -> dict[str, Any]:
+    return json.loads(
+        encode(
+            CheckpointSaved(
+                msg_id="nm:1:0:3",
+                node_manager="nm",
+                batch_id=1,
+                attempt=0,
+                plan_key="p",
+                node=2,
+                step=10,
+                uri="s3://ckpt/1",
+                bytes=1024,
+                kind="central",
+            )
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (lambda o: o.pop("step"), "missing 1 required"),
+        (lambda o: o.update(step="10"), "checkpoint_saved.step: expected an integer"),
+        (lambda o: o.update(step=True), "checkpoint_saved.step: expected an integer"),
+        (lambda o: o.update(step=1.5), "checkpoint_saved.step: expected an integer"),
+        (lambda o: o.update(step=-1), "checkpoint_saved.step: must be >= 0"),
+        (lambda o: o.update(kind="cold"), "checkpoint_saved.kind: expected one of"),
+        (lambda o: o.update(uri=""), "checkpoint_saved.uri: must not be empty"),
+        (lambda o: o.update(msg_id=None), "checkpoint_saved.msg_id: expected a string"),
+        (lambda o: o.update(extra=1), "unknown fields ['extra']"),
+        (lambda o: o.update(type="checkpoint_deleted"), "unknown type 'checkpoint_deleted'"),
+        (lambda o: o.pop("type"), "unknown type None"),
+        (lambda o: o.pop("v"), 'missing the version field "v"'),
+    ],
+)
+def test_malformed_fields_are_named(change: Any, reason: str) -> None:
+    obj = _valid()
+    change(obj)
+    with pytest.raises(MalformedMessage) as err:
+        decode(json.dumps(obj).encode())
+    assert reason in err.value.reason
+
+
+@pytest.mark.parametrize("version", [0, 2, "1", 1.0, None, True])
+def test_other_versions_are_unsupported(version: object) -> None:
+    obj = _valid()
+    obj["v"] = version
+    with pytest.raises(UnsupportedVersion) as err:
+        decode(json.dumps(obj).encode())
+    assert err.value.version == version
+    assert "upgrade" in err.value.message
+
+
+@pytest.mark.parametrize("data", [None, b"", b"\xff\xfe", b"[1, 2]", b'"text"', b"{", b"[" * 100_000])
+def test_non_objects_are_malformed(data: bytes | None) -> None:
+    with pytest.raises(MalformedMessage):
+        decode(data)
+
+
+def test_the_error_tree() -> None:
+    assert issubclass(UnsupportedVersion, MalformedMessage)
+    assert issubclass(MalformedMessage, InvalidArgument)
+    assert not MalformedMessage("x").retriable
+
+
+def test_construction_validates_so_a_bad_emitter_fails_at_its_call_site() -> None:
+    with pytest.raises(MalformedMessage, match=r"progress\.step: expected an integer"):
+        Progress(msg_id="m", node_manager="nm", batch_id=1, attempt=0, node=0, step="3")  # type: ignore[arg-type]
+    with pytest.raises(MalformedMessage, match="utilization"):
+        GpuTelemetry(msg_id="m", node_manager="nm", gpu_index=0, utilization=101, memory_used=0, memory_total=0, ts=0)
+    with pytest.raises(MalformedMessage, match=r"metrics\['loss'\]: expected a number"):
+        Metrics(msg_id="m", node_manager="nm", batch_id=1, attempt=0, node=0, step=0, metrics={"loss": "low"})  # type: ignore[dict-item]
+    with pytest.raises(MalformedMessage, match=r"gpu_telemetry\.processes"):
+        GpuTelemetry(
+            msg_id="m",
+            node_manager="nm",
+            gpu_index=0,
+            utilization=1,
+            memory_used=0,
+            memory_total=0,
+            processes=({"pid": 1, "memory": 2},),  # type: ignore[arg-type]
+            ts=0,
+        )
+
+
+def test_encode_checks_again_because_the_metrics_dict_can_change() -> None:
+    m = Metrics(msg_id="m", node_manager="nm", batch_id=1, attempt=0, node=0, step=0, metrics={"loss": 1.0})
+    m.metrics["acc"] = "high"  # type: ignore[assignment]
+    with pytest.raises(MalformedMessage, match="metrics"):
+        encode(m)
+
+
+def test_integers_are_accepted_where_numbers_are_expected_and_stored_as_floats() -> None:
+    m = Metrics(msg_id="m", node_manager="nm", batch_id=1, attempt=0, node=0, step=0, metrics={"loss": 1})
+    assert type(m.metrics["loss"]) is float
+    t = decode(
+        b'{"v":1,"type":"gpu_telemetry","msg_id":"m","node_manager":"nm","gpu_index":0,'
+        b'"utilization":50,"memory_used":1,"memory_total":2,"processes":[{"pid":3,"memory":4}],"ts":7}'
+    )
+    assert isinstance(t, GpuTelemetry)
+    assert t.utilization == 50.0 and type(t.ts) is float
+    assert t.processes == (GpuProcess(pid=3, memory=4),)
+
+
+def test_a_diverged_run_can_still_report_nan_and_infinite_metrics() -> None:
+    m = Metrics(
+        msg_id="m",
+        node_manager="nm",
+        batch_id=1,
+        attempt=0,
+        node=0,
+        step=5,
+        metrics={"loss": math.nan, "grad_norm": math.inf},
+    )
+    back = decode(encode(m))
+    assert isinstance(back, Metrics)
+    assert math.isnan(back.metrics["loss"]) and back.metrics["grad_norm"] == math.inf
+
+
+def test_plan_key_is_optional_on_the_wire() -> None:
+    obj = _valid()
+    del obj["plan_key"]
+    assert decode(json.dumps(obj).encode()).plan_key is None  # type: ignore[attr-defined]
+
+
+def test_the_registry_has_the_eight_kinds() -> None:
+    assert sorted(MESSAGE_TYPES) == sorted(
+        [
+            "batch_started",
+            "progress",
+            "metrics",
+            "checkpoint_saved",
+            "batch_finished",
+            "batch_preempted",
+            "batch_failed",
+            "gpu_telemetry",
+        ]
+    )
+
+
+def test_msg_id_is_stable_and_distinct_per_sequence_number() -> None:
+    assert make_msg_id("nm-1", 42, 2, 7) == "nm-1:42:2:7"
+    assert make_msg_id("nm-1", 42, 2, 7) != make_msg_id("nm-1", 42, 2, 8)
