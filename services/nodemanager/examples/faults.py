@@ -1,0 +1,75 @@
+"""``FaultyDigits``: the digits trainer with injectable faults, for drills of the failure paths.
+
+Fixed values (besides the digits ones): ``fault`` names what happens when ``train()`` is called at
+step ``fault_step``; ``sleep_s`` slows every step down without changing what it computes (to give a
+signal time to arrive). Faults:
+
+=================  =====================================================================
+``raise``          ``ValueError`` from user code
+``cuda_oom``       ``torch.cuda.OutOfMemoryError`` (what a CUDA allocation failure raises)
+``runtime_oom``    ``RuntimeError("... out of memory ...")`` (older torch, CPU allocators)
+``memory_error``   ``MemoryError``
+``exit``           ``os._exit(17)``: the process dies with no chance to report anything
+=================  =====================================================================
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from stagetree.core.errors import InvalidArgument
+from stagetree.nodemanager.examples.digits import DigitsMLP
+
+ENTRY_POINT = "stagetree.nodemanager.examples.faults:FaultyDigits"
+EXIT_CODE = 17
+
+
+def _raise_value_error() -> None:
+    raise ValueError("injected fault in user code")
+
+
+def _raise_cuda_oom() -> None:
+    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+
+def _raise_runtime_oom() -> None:
+    raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: out of memory (injected)")
+
+
+def _raise_memory_error() -> None:
+    raise MemoryError("injected")
+
+
+def _exit() -> None:
+    os._exit(EXIT_CODE)
+
+
+FAULTS: dict[str, Callable[[], None]] = {
+    "raise": _raise_value_error,
+    "cuda_oom": _raise_cuda_oom,
+    "runtime_oom": _raise_runtime_oom,
+    "memory_error": _raise_memory_error,
+    "exit": _exit,
+}
+
+
+class FaultyDigits(DigitsMLP):
+    def init(self) -> None:
+        name = str(self.fixed.get("fault", ""))
+        if name and name not in FAULTS:
+            raise InvalidArgument(f"unknown fault {name!r}; known: {sorted(FAULTS)}")
+        self._fault = FAULTS.get(name)
+        self._fault_step = int(self.fixed.get("fault_step", 0))
+        self._sleep_s = float(self.fixed.get("sleep_s", 0.0))
+        super().init()
+
+    def train(self) -> None:
+        if self._fault is not None and self.step == self._fault_step:
+            self._fault()
+        if self._sleep_s > 0:
+            time.sleep(self._sleep_s)
+        super().train()

@@ -1,0 +1,50 @@
+"""The events a running batch emits, their exact fields, and their JSON-lines wire form.
+
+``EVENT_FIELDS`` is the contract the node manager and the Kafka schemas build on: every payload has
+exactly these keys. On the wire (worker stdout or ``--events-fd``) one event is one line
+``{"kind": ..., "ts": <unix seconds>, "payload": {...}}``; the payload is nested because
+``checkpoint_saved`` has a field named ``kind`` of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from stagetree.core.errors import InvalidArgument
+
+Emit = Callable[[str, dict[str, Any]], None]
+
+EVENT_FIELDS: dict[str, frozenset[str]] = {
+    "batch_started": frozenset({"batch_id", "attempt"}),
+    "progress": frozenset({"batch_id", "attempt", "node", "step"}),
+    "metrics": frozenset({"batch_id", "attempt", "node", "step", "metrics"}),
+    "checkpoint_saved": frozenset({"batch_id", "attempt", "node", "step", "uri", "bytes", "kind"}),
+    "batch_finished": frozenset({"batch_id", "attempt", "steps"}),
+    "batch_preempted": frozenset({"batch_id", "attempt", "node", "step", "uri"}),
+    "batch_failed": frozenset({"batch_id", "attempt", "error", "traceback", "oom"}),
+}
+
+CHECKPOINT_KINDS = frozenset({"central", "peripheral"})
+
+
+def encode_event(kind: str, payload: dict[str, Any], ts: float | None = None) -> str:
+    """One JSON line (with the trailing newline)."""
+    return json.dumps({"kind": kind, "ts": time.time() if ts is None else ts, "payload": payload}) + "\n"
+
+
+def decode_event(line: str | bytes) -> tuple[str, float, dict[str, Any]]:
+    """``(kind, ts, payload)`` of one line, checked against ``EVENT_FIELDS``."""
+    try:
+        obj = json.loads(line)
+        kind, ts, payload = obj["kind"], float(obj["ts"]), obj["payload"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise InvalidArgument(f"malformed event line {line!r}: {e}") from None
+    fields = EVENT_FIELDS.get(kind)
+    if fields is None:
+        raise InvalidArgument(f"unknown event kind {kind!r}; known: {sorted(EVENT_FIELDS)}")
+    if not isinstance(payload, dict) or set(payload) != fields:
+        raise InvalidArgument(f"event {kind}: expected fields {sorted(fields)}, got {payload!r}")
+    return kind, ts, payload

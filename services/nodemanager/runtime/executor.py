@@ -1,0 +1,353 @@
+"""Running one stage batch in the current process: the loop between the user's trainer and the master.
+
+``BatchRun`` initializes the trainer (or restores the source checkpoint), then trains the batch's
+stages back to back. Before each step it evaluates the stage's hyper-parameter sequences and calls
+``setup`` with the values that differ from those last applied (all of them at the first step after an
+init or a restore, including across a stage boundary). After each step it evaluates at ``spec.evals``
+points, saves *central* checkpoints at ``spec.saves`` points and *peripheral* ones every
+``peripheral_every_steps`` steps or ``peripheral_every_s`` seconds, and checks for preemption (finish
+the step, save, stop). Checkpoints of trainers with ``state_dict`` are snapshotted in memory and
+written by a background thread; a failed write fails the batch.
+
+Everything the master learns goes through ``emit(kind, payload)`` (see ``events.EVENT_FIELDS``).
+A user error becomes ``batch_failed`` with its traceback; an out-of-memory error is flagged ``oom``
+so the scheduler can retry with more resources.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import re
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from threading import Lock
+from typing import Any, Literal
+
+import torch
+
+from stagetree.core.batch import BatchSpec, Point
+from stagetree.core.config import Config
+from stagetree.core.sequences import Value
+from stagetree.nodemanager.runtime.checkpoints import CheckpointStore, StoredCheckpoint
+from stagetree.nodemanager.runtime.events import Emit
+from stagetree.nodemanager.runtime.state import restore, save_now, take_snapshot
+from stagetree.nodemanager.runtime.trainer import (
+    Trainer,
+    TrainerContext,
+    capture_rng_state,
+    restore_rng_state,
+    seed_everything,
+)
+
+log = logging.getLogger(__name__)
+
+CheckpointKind = Literal["central", "peripheral"]
+_KEY_UNSAFE = re.compile(r"[^A-Za-z0-9_.=-]")
+
+
+@dataclass(frozen=True)
+class BatchOutcome:
+    status: Literal["finished", "preempted", "failed"]
+    step: int  # the model's step when the batch stopped
+    steps_trained: int
+    uri: str | None = None  # the checkpoint a preempted batch resumes from
+    error: str | None = None
+    oom: bool = False
+
+
+@dataclass
+class _Save:
+    future: Future[StoredCheckpoint]
+    points: tuple[Point, ...]
+    kind: CheckpointKind
+    step: int
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a CUDA or CPU out-of-memory error."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, MemoryError | torch.cuda.OutOfMemoryError):
+            return True
+        if isinstance(e, RuntimeError) and "out of memory" in str(e).lower():
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def constant_until(config: Config, step: int) -> float:
+    """The first step after ``step`` at which a value of ``config`` may differ from its value at
+    ``step`` (``inf`` if none): the runtime evaluates the sequences only there."""
+    until = math.inf
+    for _name, segments in config.items:
+        seg = segments[bisect.bisect_right(segments, step, key=lambda g: g.start) - 1]
+        if seg.kind != "const":
+            return step + 1
+        if seg.end is not None:
+            until = min(until, seg.end)
+    return until
+
+
+def _done_future(value: StoredCheckpoint) -> Future[StoredCheckpoint]:
+    f: Future[StoredCheckpoint] = Future()
+    f.set_result(value)
+    return f
+
+
+class BatchRun:
+    """One attempt of one batch. ``run()`` it on one thread; ``amend()`` may be called from any."""
+
+    def __init__(
+        self,
+        spec: BatchSpec,
+        trainer_factory: Callable[[], Trainer],
+        store: CheckpointStore,
+        emit: Emit,
+        should_preempt: Callable[[], bool] = lambda: False,
+        *,
+        device: torch.device | None = None,
+        background_saves: bool = True,
+        max_pending_saves: int = 2,
+        progress_interval_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.spec = spec
+        self._factory = trainer_factory
+        self._store = store
+        self._emit = emit
+        self._should_preempt = should_preempt
+        if device is None:
+            use_cuda = spec.gpus > 0 and torch.cuda.is_available()
+            device = torch.device("cuda" if use_cuda else "cpu")
+        self._device = device
+        self._background = background_saves
+        self._max_pending = max(1, max_pending_saves)
+        self._progress_interval = progress_interval_s
+        self._clock = clock
+        self._ids = {"batch_id": spec.batch_id, "attempt": spec.attempt}
+        self._lock = Lock()
+        self._saves = set(spec.saves)
+        self._evals = set(spec.evals)
+        self._point_steps = {p.step for p in self._saves | self._evals}
+        self._handled = spec.start_step - 1  # points at steps <= this were handled (under _lock)
+        self._pending: deque[_Save] = deque()
+        self._pool: ThreadPoolExecutor | None = None
+        self._trainer: Trainer | None = None
+        self._last_save: _Save | None = None
+        self._last_ckpt_step = spec.start_step
+        self._last_ckpt_time = 0.0
+
+    # -- control ------------------------------------------------------------------------------
+
+    def on_path(self, point: Point) -> bool:
+        if point == self.spec.source.point:
+            return True
+        return any(s.node == point.node and s.start <= point.step <= s.end for s in self.spec.stages)
+
+    def amend(self, point: Point, eval: bool) -> bool:
+        """Also save (``eval=False``) or evaluate (``eval=True``) at ``point``; False if the point is not
+        on this batch's path or the batch has already passed it."""
+        with self._lock:
+            if not self.on_path(point) or point.step <= self._handled:
+                return False
+            (self._evals if eval else self._saves).add(point)
+            self._point_steps.add(point.step)
+            return True
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def run(self) -> BatchOutcome:
+        spec = self.spec
+        self._emit("batch_started", dict(self._ids))
+        step = spec.start_step
+        trained = 0
+        try:
+            with ThreadPoolExecutor(1, thread_name_prefix=f"ckpt-b{spec.batch_id}") as pool:
+                self._pool = pool
+                trainer = self._start()
+                trainer.step = step
+                applied = self._setup(trainer, spec.stages[0].config.values_at(step), {})
+                self._handle_points(trainer, step, initial=True)
+                self._last_ckpt_step, self._last_ckpt_time = step, self._clock()
+                last_progress = float("-inf")
+                end = spec.end.step
+                for stage in spec.stages:
+                    same_until: float = -1  # the stage's values at steps < this equal those last applied
+                    for s in range(stage.start, stage.end):
+                        if s >= same_until:
+                            applied = self._setup(trainer, stage.config.values_at(s), applied)
+                            same_until = constant_until(stage.config, s)
+                        trainer.step = s
+                        trainer.train()
+                        step, trained = s + 1, trained + 1
+                        now = self._clock()
+                        if self._progress_interval <= 0 or now - last_progress >= self._progress_interval:
+                            self._emit("progress", {**self._ids, "node": stage.node, "step": step})
+                            last_progress = now
+                        saved = self._handle_points(trainer, step)
+                        if step < end and not saved and self._peripheral_due(step, now):
+                            self._save(trainer, (Point(stage.node, step),), "peripheral", step)
+                        self._drain(block=False)
+                        if step < end and self._should_preempt():
+                            return self._preempt(trainer, stage.node, step, trained)
+                self._drain(block=True)
+            self._emit("batch_finished", {**self._ids, "steps": trained})
+            return BatchOutcome("finished", step, trained)
+        except Exception as e:
+            return self._fail(e, step, trained)
+        finally:
+            self._pool = None
+
+    def _start(self) -> Trainer:
+        spec = self.spec
+        trainer = self._factory()
+        trainer.bind(TrainerContext(fixed=spec.fixed.values, seed=spec.fixed.seed, device=self._device))
+        seed_everything(spec.fixed.seed)
+        trainer.init()
+        self._trainer = trainer
+        if spec.source.uri is not None:
+            at = restore(trainer, self._store, spec.source.uri)
+            if at.step != spec.source.point.step:
+                log.warning(
+                    "source checkpoint is at step %d, the batch says %d",
+                    at.step,
+                    spec.source.point.step,
+                    extra={"batch_id": spec.batch_id, "uri": spec.source.uri},
+                )
+        elif spec.source.point.step != 0:
+            log.warning(
+                "batch starts at step %d without a checkpoint: training from a fresh model",
+                spec.source.point.step,
+                extra={"batch_id": spec.batch_id},
+            )
+        return trainer
+
+    @staticmethod
+    def _setup(trainer: Trainer, values: dict[str, Value], applied: dict[str, Value]) -> dict[str, Value]:
+        changes = {
+            k: v for k, v in values.items() if k not in applied or applied[k] != v or type(applied[k]) is not type(v)
+        }
+        if changes:
+            trainer.setup(dict(changes))
+            applied = {**applied, **changes}
+        return applied
+
+    def _points_at(self, step: int, initial: bool = False) -> tuple[Point, ...]:
+        pts = [Point(s.node, step) for s in self.spec.stages if s.start <= step <= s.end]
+        if initial and self.spec.source.point not in pts:
+            pts.insert(0, self.spec.source.point)
+        return tuple(pts)
+
+    def _handle_points(self, trainer: Trainer, step: int, *, initial: bool = False) -> bool:
+        with self._lock:
+            self._handled = step
+            if step not in self._point_steps:
+                return False
+            candidates = self._points_at(step, initial)
+            evals = tuple(p for p in candidates if p in self._evals)
+            saves = tuple(p for p in candidates if p in self._saves)
+        if initial and self.spec.source.uri is not None:
+            saves = ()  # the source checkpoint already holds this point
+        if saves:
+            self._save(trainer, saves, "central", step)
+        if evals:
+            rng = capture_rng_state()
+            metrics = {str(k): float(v) for k, v in trainer.evaluate().items()}
+            restore_rng_state(rng)  # evaluation must not shift the training trajectory
+            for p in evals:
+                self._emit("metrics", {**self._ids, "node": p.node, "step": step, "metrics": metrics})
+        return bool(saves)
+
+    def _peripheral_due(self, step: int, now: float) -> bool:
+        spec = self.spec
+        if spec.peripheral_every_steps > 0 and step - self._last_ckpt_step >= spec.peripheral_every_steps:
+            return True
+        return spec.peripheral_every_s > 0 and now - self._last_ckpt_time >= spec.peripheral_every_s
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def _key(self, node: int, step: int, kind: CheckpointKind) -> str:
+        spec = self.spec
+        plan = _KEY_UNSAFE.sub("_", spec.plan_key) or "plan"
+        return f"{plan}/n{node}/s{step}-{kind}-b{spec.batch_id}a{spec.attempt}"
+
+    def _save(self, trainer: Trainer, points: tuple[Point, ...], kind: CheckpointKind, step: int) -> None:
+        point = Point(points[0].node, step)
+        key = self._key(point.node, step, kind)
+        assert self._pool is not None
+        if self._background and type(trainer).snapshots_in_memory():
+            snapshot = take_snapshot(trainer, point)
+            # Bound the snapshots held in memory: wait for the oldest write when too many are queued.
+            while sum(not p.future.done() for p in self._pending) >= self._max_pending:
+                next(p for p in self._pending if not p.future.done()).future.exception()
+            future = self._pool.submit(self._store.put, key, snapshot.write)
+        else:
+            future = _done_future(self._store.put(key, lambda d: save_now(trainer, point, d)))
+        record = _Save(future, points, kind, step)
+        self._pending.append(record)
+        self._last_save = record
+        self._last_ckpt_step, self._last_ckpt_time = step, self._clock()
+
+    def _drain(self, *, block: bool) -> None:
+        """Emit ``checkpoint_saved`` for finished writes, in order; re-raise a failed write."""
+        while self._pending and (block or self._pending[0].future.done()):
+            record = self._pending.popleft()
+            stored = record.future.result()
+            for p in record.points:
+                self._emit(
+                    "checkpoint_saved",
+                    {
+                        **self._ids,
+                        "node": p.node,
+                        "step": record.step,
+                        "uri": stored.uri,
+                        "bytes": stored.bytes,
+                        "kind": record.kind,
+                    },
+                )
+
+    def _preempt(self, trainer: Trainer, node: int, step: int, trained: int) -> BatchOutcome:
+        record = self._last_save
+        if record is None or record.step != step:
+            self._save(trainer, (Point(node, step),), "peripheral", step)
+            record = self._last_save
+        assert record is not None
+        self._drain(block=True)
+        uri = record.future.result().uri
+        at = record.points[0].node
+        self._emit("batch_preempted", {**self._ids, "node": at, "step": step, "uri": uri})
+        log.info("batch preempted", extra={"batch_id": self.spec.batch_id, "step": step, "uri": uri})
+        return BatchOutcome("preempted", step, trained, uri=uri)
+
+    def _fail(self, exc: Exception, step: int, trained: int) -> BatchOutcome:
+        tb = traceback.format_exc()
+        oom = is_oom(exc)
+        try:  # checkpoints snapshotted before the failure are still good: report them
+            self._drain(block=True)
+        except Exception:
+            log.exception("checkpoint write failed while failing batch", extra={"batch_id": self.spec.batch_id})
+        self._pending.clear()
+        error = f"{type(exc).__name__}: {exc}"
+        log.warning("batch failed: %s", error, extra={"batch_id": self.spec.batch_id, "oom": oom})
+        self._emit("batch_failed", {**self._ids, "error": error, "traceback": tb, "oom": oom})
+        return BatchOutcome("failed", step, trained, error=error, oom=oom)
+
+
+def run_batch(
+    spec: BatchSpec,
+    trainer_factory: Callable[[], Trainer],
+    store: CheckpointStore,
+    emit: Emit,
+    should_preempt: Callable[[], bool] = lambda: False,
+    **options: Any,
+) -> BatchOutcome:
+    """Run one batch to its end, a preemption, or a failure (see ``BatchRun`` for ``options``)."""
+    return BatchRun(spec, trainer_factory, store, emit, should_preempt, **options).run()

@@ -1,0 +1,111 @@
+"""How a trainer's state becomes a checkpoint directory and back.
+
+Layout of a checkpoint directory::
+
+    user/          what the trainer's ``save`` wrote (``trainer.pt`` for the default save)
+    runtime.pt     the runtime's part: RNG states, the point, a format version
+
+A ``Snapshot`` is the same state held in memory, detached from the live trainer: every tensor is
+copied (to CPU), every container rebuilt, so training may go on while a thread writes it. Restores
+always read from the store, never from a shared in-memory object: ``Optimizer.load_state_dict`` keeps
+references to the tensors it is given, so two trainers restored from one object would share their
+momentum buffers.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stagetree.core.batch import Point
+from stagetree.core.errors import FailedPrecondition
+from stagetree.nodemanager.runtime.checkpoints import CheckpointStore
+from stagetree.nodemanager.runtime.trainer import (
+    USER_STATE_FILE,
+    Trainer,
+    capture_rng_state,
+    restore_rng_state,
+)
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+USER_DIR = "user"
+RUNTIME_FILE = "runtime.pt"
+
+
+def detached_copy(obj: Any) -> Any:
+    """A deep copy of ``obj`` whose tensors are fresh CPU tensors sharing nothing with the original."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        return t.clone() if t.device.type == "cpu" else t.to("cpu", copy=True)
+    if isinstance(obj, Mapping):
+        items = [(k, detached_copy(v)) for k, v in obj.items()]
+        out: dict[Any, Any] = OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
+        metadata = getattr(obj, "_metadata", None)  # nn.Module.state_dict versions its entries
+        if metadata is not None:
+            out._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
+        return out
+    if isinstance(obj, list):
+        return [detached_copy(v) for v in obj]
+    if isinstance(obj, tuple):
+        vals = [detached_copy(v) for v in obj]
+        return type(obj)(*vals) if hasattr(obj, "_fields") else tuple(vals)
+    if obj is None or isinstance(obj, int | float | str | bool | bytes):
+        return obj
+    return copy.deepcopy(obj)
+
+
+def runtime_state(point: Point) -> dict[str, Any]:
+    return {
+        "format": FORMAT_VERSION,
+        "node": point.node,
+        "step": point.step,
+        "rng": capture_rng_state(),
+    }
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A trainer's checkpoint held in memory, safe to write from another thread."""
+
+    user: dict[str, Any]
+    runtime: dict[str, Any]
+
+    def write(self, directory: Path) -> None:
+        (directory / USER_DIR).mkdir()
+        torch.save(self.user, directory / USER_DIR / USER_STATE_FILE)
+        torch.save(self.runtime, directory / RUNTIME_FILE)
+
+
+def take_snapshot(trainer: Trainer, point: Point) -> Snapshot:
+    """Only for trainers whose class ``snapshots_in_memory()``."""
+    return Snapshot(user=detached_copy(trainer.state_dict()), runtime=detached_copy(runtime_state(point)))
+
+
+def save_now(trainer: Trainer, point: Point, directory: Path) -> None:
+    """Write the trainer's checkpoint into ``directory`` synchronously (the user's ``save``)."""
+    user = directory / USER_DIR
+    user.mkdir()
+    trainer.save(user)
+    torch.save(runtime_state(point), directory / RUNTIME_FILE)
+
+
+def restore(trainer: Trainer, store: CheckpointStore, uri: str) -> Point:
+    """Load the checkpoint at ``uri`` into an ``init``-ed trainer and the process RNGs; its point."""
+    with store.open(uri) as directory:
+        rt = torch.load(directory / RUNTIME_FILE, weights_only=True)
+        if rt.get("format") != FORMAT_VERSION:
+            raise FailedPrecondition(
+                f"checkpoint {uri} has format {rt.get('format')!r}, this runtime reads {FORMAT_VERSION}"
+            )
+        trainer.load(directory / USER_DIR)
+    restore_rng_state(rt["rng"])
+    return Point(int(rt["node"]), int(rt["step"]))

@@ -1,0 +1,184 @@
+"""The ``Trainer`` base class users subclass, and the process-wide RNG state the runtime owns.
+
+A trainer is the user's training logic (TreeML §5.1): ``init`` builds model, optimizer and data;
+``setup(hp_changes)`` applies the hyper-parameters whose value changes at the coming step (all of
+them at the first step of a run or resume); ``train`` runs one logical step; ``evaluate`` returns
+metrics; ``save``/``load`` persist the trainer's own state into / from a directory.
+
+A trainer that implements ``state_dict``/``load_state_dict`` (tensors and plain containers) and keeps
+the default ``save``/``load`` gets background checkpoints: the runtime snapshots that state in memory
+and writes it in a thread while training continues. One that overrides ``save``/``load`` is saved
+synchronously.
+
+The runtime, not the user, seeds and checkpoints the RNGs of python ``random``, numpy and torch
+(CPU, and CUDA when it is in use), so a resumed run continues the same random streams.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from stagetree.core.errors import InvalidArgument
+from stagetree.core.sequences import Value
+
+log = logging.getLogger(__name__)
+
+USER_STATE_FILE = "trainer.pt"
+
+
+@dataclass(frozen=True)
+class TrainerContext:
+    """What the runtime tells a trainer before ``init``: the fixed part's values, the seed, the device."""
+
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+class Trainer(ABC):
+    """Base class of a user's training logic; the runtime drives it one step at a time.
+
+    Attributes set by the runtime before ``init``: ``fixed`` (the fixed part's values), ``seed``,
+    ``device``; and before each ``train`` call: ``step`` (the number of steps trained so far).
+    """
+
+    fixed: Mapping[str, Any]
+    seed: int
+    device: torch.device
+    step: int
+
+    def bind(self, ctx: TrainerContext) -> None:
+        """Called by the runtime, once, before ``init``."""
+        self.fixed = dict(ctx.fixed)
+        self.seed = ctx.seed
+        self.device = ctx.device
+        self.step = 0
+
+    @abstractmethod
+    def init(self) -> None:
+        """Build the model, optimizer and data loaders (the runtime has seeded every RNG)."""
+
+    @abstractmethod
+    def setup(self, hp_changes: dict[str, Value]) -> None:
+        """Apply the hyper-parameters whose value changes at the coming step."""
+
+    @abstractmethod
+    def train(self) -> None:
+        """Run one logical training step."""
+
+    @abstractmethod
+    def evaluate(self) -> dict[str, float]:
+        """Metrics of the model trained so far. Any randomness used here does not leak into training:
+        the runtime restores the RNG states after it."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The trainer's whole state (model, optimizer, data loader) as tensors and plain containers.
+
+        Implement it together with ``load_state_dict`` to get background checkpoints, or override
+        ``save``/``load`` instead."""
+        raise NotImplementedError(f"{type(self).__name__}: implement state_dict/load_state_dict, or override save/load")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError(f"{type(self).__name__}: implement state_dict/load_state_dict, or override save/load")
+
+    def save(self, directory: Path) -> None:
+        """Write the trainer's state into ``directory`` (it exists and is empty)."""
+        torch.save(self.state_dict(), directory / USER_STATE_FILE)
+
+    def load(self, directory: Path) -> None:
+        """Restore the state ``save`` wrote; called after ``init``."""
+        self.load_state_dict(torch.load(directory / USER_STATE_FILE, weights_only=True))
+
+    @classmethod
+    def snapshots_in_memory(cls) -> bool:
+        """Whether the runtime may checkpoint this trainer in the background (see the module doc)."""
+        return cls.save is Trainer.save and cls.state_dict is not Trainer.state_dict
+
+
+def load_trainer_class(entry_point: str) -> type[Trainer]:
+    """The class named by ``"package.module:ClassName"`` (the fixed part's ``trainer``)."""
+    module_name, sep, attr = entry_point.partition(":")
+    if not sep or not module_name or not attr:
+        raise InvalidArgument(f"trainer entry point {entry_point!r}: expected 'package.module:ClassName'")
+    module = importlib.import_module(module_name)
+    obj: Any = module
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise InvalidArgument(f"trainer entry point {entry_point!r}: {module_name} has no {attr}")
+    if not isinstance(obj, type) or not issubclass(obj, Trainer):
+        raise InvalidArgument(f"trainer entry point {entry_point!r} is not a subclass of stagetree Trainer")
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG state: stored with tensors and ints only, so checkpoints load with ``weights_only=True``.
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # seeds every CUDA device too
+
+
+def _cuda_in_use() -> bool:
+    return torch.cuda.is_available() and bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
+
+
+def capture_rng_state() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": {
+            "version": int(version),
+            "internal": torch.tensor(internal, dtype=torch.int64),
+            "gauss": gauss,
+        },
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if _cuda_in_use():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["internal"].tolist()), py["gauss"]))
+    npst = state["numpy"]
+    np.random.set_state(
+        (
+            npst["kind"],
+            npst["keys"].numpy().astype(np.uint32),
+            npst["pos"],
+            npst["has_gauss"],
+            npst["cached"],
+        )
+    )
+    torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+        else:
+            log.warning(
+                "checkpoint holds CUDA RNG states for %d devices, this process sees %d: not restored",
+                len(cuda),
+                torch.cuda.device_count(),
+            )

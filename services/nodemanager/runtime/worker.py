@@ -1,0 +1,153 @@
+"""The worker process: runs one batch and exits (so its GPU memory is freed with it).
+
+    python -m stagetree.nodemanager.runtime.worker --spec FILE.json --checkpoint-root DIR
+        [--events-fd N] [--control-fd N] [--threads N] [--progress-interval S]
+
+* The trainer is ``spec.fixed.trainer``, an entry point ``"package.module:ClassName"``.
+* Events are JSON lines (``events.encode_event``) on stdout, or on ``--events-fd``. With stdout, the
+  process's fd 1 is pointed at stderr first, so a ``print`` in user code cannot corrupt the stream.
+* SIGTERM or SIGUSR1 preempts: the current step finishes, a peripheral checkpoint is saved,
+  ``batch_preempted`` is emitted, the process exits 0.
+* ``--control-fd`` is one end of a socket pair: the node manager writes JSON lines
+  ``{"op": "amend", "id": ..., "node": N, "step": S, "eval": false}`` and reads back
+  ``{"id": ..., "ok": true|false}`` (``BatchRun.amend``), or ``{"id": ..., "error": "..."}``.
+* Exit codes: 0 finished or preempted; 1 the batch failed (after ``batch_failed``); 2 bad arguments
+  or an unreadable spec. Any other code (a signal, ``os._exit``) means the process died unreported.
+* ``torch.set_num_threads`` comes from ``--threads``, else ``STAGETREE_WORKER_THREADS``, else 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import traceback
+from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO
+
+import torch
+
+from stagetree.core.batch import BatchSpec, Point
+from stagetree.core.errors import StagetreeError
+from stagetree.nodemanager.runtime.checkpoints import LocalCheckpointStore
+from stagetree.nodemanager.runtime.events import encode_event
+from stagetree.nodemanager.runtime.executor import BatchRun
+from stagetree.nodemanager.runtime.trainer import load_trainer_class
+
+log = logging.getLogger(__name__)
+
+THREADS_ENV = "STAGETREE_WORKER_THREADS"
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+class EventWriter:
+    """Writes one event per line and flushes it, from whichever thread emits."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._lock = threading.Lock()
+
+    def __call__(self, kind: str, payload: dict[str, Any]) -> None:
+        line = encode_event(kind, payload)
+        with self._lock:
+            self._stream.write(line)
+            self._stream.flush()
+
+
+def _events_stream(events_fd: int | None) -> TextIO:
+    if events_fd is not None:
+        return os.fdopen(events_fd, "w", encoding="utf-8")
+    sys.stdout.flush()
+    fd = os.dup(1)
+    os.dup2(2, 1)  # user prints now land on stderr
+    return os.fdopen(fd, "w", encoding="utf-8")
+
+
+def _serve_control(fd: int, run: BatchRun) -> None:
+    sock = socket.socket(fileno=fd)
+    with sock, sock.makefile("rb") as lines:
+        for raw in lines:
+            reply: dict[str, Any]
+            try:
+                cmd = json.loads(raw)
+                if cmd.get("op") != "amend":
+                    raise ValueError(f"unknown op {cmd.get('op')!r}; known: ['amend']")
+                point = Point(int(cmd["node"]), int(cmd["step"]))
+                reply = {"id": cmd.get("id"), "ok": run.amend(point, bool(cmd.get("eval", False)))}
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                reply = {"id": None, "error": f"bad control command {raw!r}: {e}"}
+            try:
+                sock.sendall((json.dumps(reply) + "\n").encode())
+            except OSError:
+                log.warning("control channel closed", extra={"batch_id": run.spec.batch_id})
+                return
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="stagetree-worker", description="Run one stagetree batch.")
+    p.add_argument("--spec", required=True, type=Path, help="the batch spec (BatchSpec JSON)")
+    p.add_argument("--checkpoint-root", required=True, help="checkpoint store root: a directory or file:// URI")
+    p.add_argument("--events-fd", type=int, default=None, help="write events here instead of stdout")
+    p.add_argument("--control-fd", type=int, default=None, help="socket fd for amend commands")
+    p.add_argument("--threads", type=int, default=None, help=f"torch threads (default ${THREADS_ENV} or 1)")
+    p.add_argument(
+        "--progress-interval", type=float, default=0.0, help="seconds between progress events (0: every step)"
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("STAGETREE_LOG_LEVEL", "INFO"),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    threads = args.threads if args.threads is not None else int(os.environ.get(THREADS_ENV, "1"))
+    torch.set_num_threads(max(1, threads))
+
+    try:
+        spec = BatchSpec.from_json(json.loads(args.spec.read_text()))
+        store = LocalCheckpointStore(args.checkpoint_root)
+    except (OSError, ValueError, StagetreeError) as e:
+        log.error("cannot start the batch: %s", e)
+        return EXIT_USAGE
+
+    preempt = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("signal %d: preempting after the current step", signum, extra={"batch_id": spec.batch_id})
+        preempt.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGUSR1, on_signal)
+
+    stream = _events_stream(args.events_fd)
+    emit = EventWriter(stream)
+    ids = {"batch_id": spec.batch_id, "attempt": spec.attempt}
+    try:
+        trainer_cls = load_trainer_class(spec.fixed.trainer)
+    except Exception as e:
+        emit(
+            "batch_failed",
+            {**ids, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(), "oom": False},
+        )
+        return EXIT_FAILED
+
+    run = BatchRun(spec, trainer_cls, store, emit, preempt.is_set, progress_interval_s=args.progress_interval)
+    if args.control_fd is not None:
+        threading.Thread(target=_serve_control, args=(args.control_fd, run), name="control", daemon=True).start()
+    outcome = run.run()
+    stream.flush()
+    return EXIT_FAILED if outcome.status == "failed" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""The worker entry point as a real subprocess: signals, exit codes, the event stream, control fd."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stagetree.core.batch import BatchSpec, Point, Source
+from stagetree.nodemanager.examples.digits import digits_batch
+from stagetree.nodemanager.examples.faults import ENTRY_POINT as FAULTY
+from stagetree.nodemanager.examples.faults import EXIT_CODE
+from stagetree.nodemanager.runtime.events import decode_event
+
+HP = {"lr": 0.1, "momentum": 0.9, "bs": 32}
+SLOW = {"sleep_s": 0.005, "dropout": 0.1}  # >= 0.75 s of training: time for a signal to arrive
+STEPS = 150
+_SPEC_IDS = itertools.count()
+
+
+class Worker:
+    def __init__(self, spec: BatchSpec, tmp: Path, *extra: str, pass_fds: tuple[int, ...] = ()) -> None:
+        path = tmp / f"spec-{next(_SPEC_IDS)}.json"
+        path.write_text(json.dumps(spec.to_json()))
+        cmd = [sys.executable, "-m", "stagetree.nodemanager.runtime.worker", "--spec", str(path)]
+        cmd += ["--checkpoint-root", str(tmp / "ckpt"), *extra]
+        env = {**os.environ, "STAGETREE_WORKER_THREADS": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, pass_fds=pass_fds)
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def read_until(self, kind: str, step: int | None = None) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            k, _ts, payload = decode_event(line)  # every line is a well-formed event
+            self.events.append((k, payload))
+            if k == kind and (step is None or payload.get("step", -1) >= step):
+                return payload
+        raise AssertionError(f"stream ended before {kind}: {[k for k, _ in self.events]}")
+
+    def finish(self, timeout: float = 60) -> int:
+        assert self.proc.stdout is not None
+        out, _ = self.proc.communicate(timeout=timeout)
+        self.events += [decode_event(line)[::2] for line in out.splitlines()]  # type: ignore[misc]
+        return self.proc.returncode
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [p for k, p in self.events if k == kind]
+
+
+def _final_metrics(w: Worker) -> dict[str, float]:
+    (m,) = [p["metrics"] for p in w.of("metrics") if p["step"] == STEPS]
+    return dict(m)
+
+
+def test_signal_preempts_and_resume_matches_straight(tmp_path: Path) -> None:
+    straight = Worker(
+        digits_batch([(1, 0, STEPS, HP)], trainer=FAULTY, fixed_values=SLOW, evals=[(1, STEPS)]), tmp_path
+    )
+    spec = digits_batch([(1, 0, STEPS, HP)], trainer=FAULTY, fixed_values=SLOW, evals=[(1, STEPS)], batch_id=2)
+    victim = Worker(spec, tmp_path)
+    victim.read_until("progress", step=10)
+    victim.proc.send_signal(signal.SIGTERM)
+    assert victim.finish() == 0
+    (stop,) = victim.of("batch_preempted")
+    assert 10 <= stop["step"] < STEPS and not victim.of("batch_finished")
+    assert victim.of("checkpoint_saved")[-1]["uri"] == stop["uri"]
+
+    resume = digits_batch(
+        [(1, stop["step"], STEPS, HP)],
+        trainer=FAULTY,
+        fixed_values=SLOW,
+        source=Source(Point(1, stop["step"]), stop["uri"]),
+        evals=[(1, STEPS)],
+        batch_id=2,
+        attempt=2,
+    )
+    resumed = Worker(resume, tmp_path)
+    assert resumed.finish() == 0 and straight.finish() == 0
+    assert resumed.of("batch_finished") == [{"batch_id": 2, "attempt": 2, "steps": STEPS - stop["step"]}]
+    a, b = _final_metrics(resumed), _final_metrics(straight)
+    assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], abs=1e-6) for k in a)
+
+
+def test_crash_in_user_code_is_a_nonzero_exit_without_batch_finished(tmp_path: Path) -> None:
+    crash = Worker(
+        digits_batch([(1, 0, 20, HP)], trainer=FAULTY, fixed_values={"fault": "exit", "fault_step": 5}), tmp_path
+    )
+    failing = Worker(
+        digits_batch([(1, 0, 20, HP)], trainer=FAULTY, fixed_values={"fault": "raise", "fault_step": 5}),
+        tmp_path,
+        "--events-fd",
+        "1",
+    )
+    assert crash.finish() == EXIT_CODE
+    kinds = [k for k, _ in crash.events]
+    assert "batch_finished" not in kinds and "batch_failed" not in kinds
+    assert crash.of("progress")[-1]["step"] == 5
+
+    assert failing.finish() == 1
+    (failed,) = failing.of("batch_failed")
+    assert "ValueError: injected fault" in failed["error"] and "Traceback" in failed["traceback"]
+    assert failed["oom"] is False
+
+
+def test_unknown_trainer_fails_the_batch_and_bad_spec_is_a_usage_error(tmp_path: Path) -> None:
+    unknown = Worker(digits_batch([(1, 0, 2, HP)], trainer="no_such_module_xyz:Trainer"), tmp_path)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"batch_id": 1}')
+    cmd = [sys.executable, "-m", "stagetree.nodemanager.runtime.worker", "--spec", str(bad)]
+    rc = subprocess.run([*cmd, "--checkpoint-root", str(tmp_path)], capture_output=True, check=False).returncode
+    assert rc == 2
+    assert unknown.finish() == 1
+    assert "no_such_module_xyz" in unknown.of("batch_failed")[0]["error"]
+
+
+def test_control_fd_amends_a_running_batch(tmp_path: Path) -> None:
+    ours, theirs = socket.socketpair()
+    spec = digits_batch([(1, 0, 120, HP)], trainer=FAULTY, fixed_values={"sleep_s": 0.005})
+    w = Worker(spec, tmp_path, "--control-fd", str(theirs.fileno()), pass_fds=(theirs.fileno(),))
+    theirs.close()
+    w.read_until("progress", step=10)
+    replies = ours.makefile("r")
+    for i, (node, step) in enumerate([(1, 100), (1, 2), (9, 100)]):
+        ours.sendall((json.dumps({"op": "amend", "id": i, "node": node, "step": step, "eval": False}) + "\n").encode())
+    ours.sendall(b'{"op": "explode"}\n')
+    got = [json.loads(replies.readline()) for _ in range(4)]
+    assert got[:3] == [{"id": 0, "ok": True}, {"id": 1, "ok": False}, {"id": 2, "ok": False}]
+    assert "unknown op" in got[3]["error"]
+    assert w.finish() == 0
+    assert [(p["step"], p["kind"]) for p in w.of("checkpoint_saved")] == [(100, "central")]
+    ours.close()
