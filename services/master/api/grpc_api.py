@@ -1,0 +1,208 @@
+"""gRPC adapter (``stagetree.v1.MasterService`` on ``grpc.aio``): protobuf in, use cases, protobuf out.
+
+Owns only translation: the bearer token from metadata, messages to use-case arguments, records to
+messages, and domain errors to status codes through ``master.errors.status_of``. Use cases are
+synchronous and run in a worker thread; streams wait on coordination wake-ups with a polling fallback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from stagetree.core.errors import InvalidArgument, StagetreeError
+from stagetree.master.auth import Authenticator, Principal, bearer
+from stagetree.master.coordination import Coordination
+from stagetree.master.errors import status_of
+from stagetree.master.service import (
+    CH_RESULTS,
+    CheckpointReport,
+    MasterService,
+    MetricReport,
+    SubmitItem,
+    ch_node_manager,
+)
+from stagetree.master.store.store import RequestRecord, StudyRecord
+from stagetree.proto.stagetree.v1 import master_pb2 as pb
+from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+POLL_S = 1.0  # a stream re-checks at least this often even when a wake-up is missed
+
+
+def study_pb(s: StudyRecord) -> pb.Study:
+    return pb.Study(id=s.id, name=s.name, owner=s.owner, fixed_json=s.fixed_json or "", created_at=s.created_at)
+
+
+def result_pb(r: RequestRecord) -> pb.RequestResult:
+    return pb.RequestResult(
+        request_id=r.id,
+        client_request_id=r.client_request_id,
+        state=r.state,  # the enum value's name
+        metrics=r.metrics or {},
+        node=r.node,
+        step=r.step,
+    )
+
+
+class MasterGrpc(pb_grpc.MasterServiceServicer):
+    def __init__(
+        self, service: MasterService, auth: Authenticator, coordination: Coordination, heartbeat_interval_s: float
+    ) -> None:
+        self.svc = service
+        self.auth = auth
+        self.coord = coordination
+        self.heartbeat_interval_s = heartbeat_interval_s
+
+    def _who(self, context: grpc.aio.ServicerContext) -> Principal:
+        md = dict(context.invocation_metadata() or ())
+        return self.auth.authenticate(bearer(md.get("authorization")))
+
+    async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+        st = status_of(exc)
+        if isinstance(exc, StagetreeError):
+            await context.abort(st.grpc, exc.message)
+        log.exception("internal error in gRPC call", exc_info=exc)
+        await context.abort(st.grpc, "internal error; see the master's log")
+
+    async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[[Principal], T]) -> T:
+        try:
+            who = self._who(context)
+            return await asyncio.to_thread(fn, who)
+        except Exception as exc:
+            await self._abort(context, exc)
+            raise  # unreachable: abort raises
+
+    # -- studies --------------------------------------------------------------------------------
+
+    async def CreateStudy(self, request: pb.CreateStudyRequest, context: Any) -> pb.Study:
+        rec = await self._call(context, lambda who: self.svc.create_study(who, request.name, request.fixed_json))
+        return study_pb(rec)
+
+    async def GetStudy(self, request: pb.GetStudyRequest, context: Any) -> pb.Study:
+        return study_pb(await self._call(context, lambda who: self.svc.get_study(who, request.study_id)))
+
+    async def ListStudies(self, request: pb.ListStudiesRequest, context: Any) -> pb.ListStudiesResponse:
+        recs = await self._call(context, self.svc.list_studies)
+        return pb.ListStudiesResponse(studies=[study_pb(s) for s in recs])
+
+    # -- requests -------------------------------------------------------------------------------
+
+    async def SubmitRequests(self, request: pb.SubmitRequestsRequest, context: Any) -> pb.SubmitRequestsResponse:
+        items = [SubmitItem(i.client_request_id, i.config_json, i.step) for i in request.items]
+        recs = await self._call(context, lambda who: self.svc.submit(who, request.study_id, items))
+        return pb.SubmitRequestsResponse(results=[result_pb(r) for r in recs])
+
+    async def CancelRequest(self, request: pb.CancelRequestRequest, context: Any) -> pb.RequestResult:
+        rec = await self._call(context, lambda who: self.svc.cancel(who, request.study_id, request.request_id))
+        return result_pb(rec)
+
+    async def GetMetrics(self, request: pb.GetMetricsRequest, context: Any) -> pb.GetMetricsResponse:
+        point, metrics = await self._call(
+            context, lambda who: self.svc.get_metrics(who, request.study_id, request.config_json, request.step)
+        )
+        if point is None or metrics is None:
+            return pb.GetMetricsResponse(found=False)
+        return pb.GetMetricsResponse(found=True, metrics=metrics, node=point.node, step=point.step)
+
+    async def GetPlan(self, request: pb.GetPlanRequest, context: Any) -> pb.Plan:
+        view = await self._call(context, lambda who: self.svc.get_plan(who, request.study_id, request.plan_key))
+        return pb.Plan(
+            key=view.key,
+            fixed_json=view.fixed_json,
+            nodes=[
+                pb.PlanNode(
+                    id=n.id,
+                    parent=n.parent or 0,
+                    start=n.start,
+                    config_json=n.config_json,
+                    requests=n.requests,
+                    checkpoint_steps=n.checkpoints,
+                    metric_steps=n.metrics,
+                )
+                for n in view.nodes
+            ],
+        )
+
+    async def StreamResults(self, request: pb.StreamResultsRequest, context: Any) -> AsyncIterator[pb.RequestResult]:
+        wanted = set(request.request_ids)
+        try:
+            who = self._who(context)
+            if not wanted:
+                raise InvalidArgument("request_ids: name at least one request")
+            # validates ownership and existence of every id up front
+            known = await asyncio.to_thread(self.svc.get_requests, who, request.study_id, sorted(wanted))
+            missing = wanted - {r.id for r in known}
+            if missing:
+                raise InvalidArgument(f"request_ids: {sorted(missing)[:10]} are not requests of this study")
+            while wanted:
+                recs = await asyncio.to_thread(self.svc.finished, who, request.study_id, sorted(wanted))
+                for r in recs:
+                    wanted.discard(r.id)
+                    yield result_pb(r)
+                if wanted:
+                    await self.coord.wait(CH_RESULTS, POLL_S)
+        except Exception as exc:
+            await self._abort(context, exc)
+
+    # -- node managers --------------------------------------------------------------------------
+
+    async def RegisterNodeManager(
+        self, request: pb.RegisterNodeManagerRequest, context: Any
+    ) -> pb.RegisterNodeManagerResponse:
+        slots = [(s.id, s.gpu_type or "cpu") for s in request.slots]
+
+        def register(who: Principal) -> None:
+            self.svc.register_node_manager(who, request.node_manager_id, request.address, slots)
+            self.coord.heartbeat(request.node_manager_id, self.heartbeat_interval_s * 3)
+
+        await self._call(context, register)
+        return pb.RegisterNodeManagerResponse(heartbeat_interval_s=self.heartbeat_interval_s)
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
+        def beat(who: Principal) -> None:
+            self.svc.heartbeat(who, request.node_manager_id)
+            self.coord.heartbeat(request.node_manager_id, self.heartbeat_interval_s * 3)
+
+        await self._call(context, beat)
+        return pb.HeartbeatResponse()
+
+    async def StreamAssignments(
+        self, request: pb.StreamAssignmentsRequest, context: Any
+    ) -> AsyncIterator[pb.Assignment]:
+        nm = request.node_manager_id
+        try:
+            who = self._who(context)
+            who.require_admin()
+            while True:
+                for bid, att, spec in await asyncio.to_thread(self.svc.take_assignments, who, nm):
+                    log.info("assignment sent", extra={"batch_id": bid, "attempt": att, "node_manager_id": nm})
+                    yield pb.Assignment(batch_id=bid, attempt=att, batch_spec_json=spec)
+                await self.coord.wait(ch_node_manager(nm), POLL_S)
+        except Exception as exc:
+            await self._abort(context, exc)
+
+    async def ReportBatch(self, request: pb.ReportBatchRequest, context: Any) -> pb.ReportBatchResponse:
+        metrics = [MetricReport(m.node, m.step, dict(m.values)) for m in request.metrics]
+        ckpts = [CheckpointReport(c.node, c.step, c.uri, c.bytes, c.kind or "central") for c in request.checkpoints]
+        done = await self._call(
+            context,
+            lambda who: self.svc.report_batch(who, request.batch_id, request.attempt, request.ok, metrics, ckpts),
+        )
+        return pb.ReportBatchResponse(completed_request_ids=done)
+
+
+async def start_grpc_server(servicer: MasterGrpc, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """Start serving; ``port`` 0 picks a free one. Returns the server and the bound port."""
+    server = grpc.aio.server()
+    pb_grpc.add_MasterServiceServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    log.info("gRPC server listening", extra={"host": host, "port": bound})
+    return server, bound

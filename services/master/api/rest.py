@@ -1,0 +1,213 @@
+"""REST adapter (FastAPI, OpenAPI at ``/api/v1/openapi.json``): the same use cases as gRPC.
+
+Owns only translation: JSON bodies to use-case arguments (configs as JSON objects here, serialized
+to the core's JSON text), records to JSON, and domain errors to HTTP statuses through
+``master.errors.status_of``. Routes are plain ``def``: FastAPI runs them in its thread pool, as the
+use cases are synchronous.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING, Annotated, Any
+
+from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from stagetree.core.errors import StagetreeError
+from stagetree.master.auth import Principal, bearer
+from stagetree.master.errors import status_of
+from stagetree.master.service import SubmitItem
+from stagetree.master.store.store import RequestRecord, StudyRecord
+
+if TYPE_CHECKING:
+    from stagetree.master.app import MasterApp
+
+log = logging.getLogger(__name__)
+PREFIX = "/api/v1"
+
+
+class StudyIn(BaseModel):
+    name: str
+    fixed: dict[str, Any] | None = None
+
+
+class StudyOut(BaseModel):
+    id: str
+    name: str
+    owner: str
+    fixed: dict[str, Any] | None
+    created_at: float
+
+
+class ItemIn(BaseModel):
+    client_request_id: str
+    config: dict[str, Any] = Field(description='{"fixed": {...}, "tuned": {name: sequence}}; fixed may be omitted')
+    step: int
+
+
+class SubmitIn(BaseModel):
+    items: list[ItemIn]
+
+
+class RequestOut(BaseModel):
+    request_id: int
+    client_request_id: str
+    state: str
+    metrics: dict[str, float] | None
+    node: int
+    step: int
+
+
+class MetricsQuery(BaseModel):
+    config: dict[str, Any]
+    step: int
+
+
+class MetricsOut(BaseModel):
+    found: bool
+    metrics: dict[str, float] | None = None
+    node: int | None = None
+    step: int | None = None
+
+
+class SlotIn(BaseModel):
+    id: str
+    gpu_type: str = "cpu"
+
+
+class NodeManagerIn(BaseModel):
+    node_manager_id: str
+    address: str = ""
+    slots: list[SlotIn] = Field(default_factory=list)
+
+
+def _principal(request: Request, authorization: Annotated[str | None, Header()] = None) -> Principal:
+    return request.app.state.master.auth.authenticate(bearer(authorization))  # type: ignore[no-any-return]
+
+
+Who = Annotated[Principal, Depends(_principal)]
+
+
+def _study(s: StudyRecord) -> StudyOut:
+    return StudyOut(
+        id=s.id,
+        name=s.name,
+        owner=s.owner,
+        fixed=None if s.fixed_json is None else json.loads(s.fixed_json),
+        created_at=s.created_at,
+    )
+
+
+def _request(r: RequestRecord) -> RequestOut:
+    return RequestOut(
+        request_id=r.id,
+        client_request_id=r.client_request_id,
+        state=r.state,
+        metrics=r.metrics,
+        node=r.node,
+        step=r.step,
+    )
+
+
+def create_rest_app(master: MasterApp) -> FastAPI:
+    svc = master.service
+    api = FastAPI(
+        title="stagetree master",
+        version="1",
+        openapi_url=f"{PREFIX}/openapi.json",
+        docs_url=f"{PREFIX}/docs",
+        redoc_url=None,
+    )
+    api.state.master = master
+
+    @api.exception_handler(StagetreeError)
+    async def _domain_error(_req: Request, exc: StagetreeError) -> JSONResponse:
+        return JSONResponse(status_code=status_of(exc).http, content={"error": exc.code, "message": exc.message})
+
+    @api.exception_handler(Exception)
+    async def _internal_error(_req: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error in REST call", exc_info=exc)
+        return JSONResponse(status_code=500, content={"error": "INTERNAL", "message": "internal error; see the log"})
+
+    @api.get(f"{PREFIX}/health")
+    def health() -> dict[str, str]:
+        master.store.list_studies("")  # a round trip: the database answers
+        return {"status": "ok"}
+
+    @api.post(f"{PREFIX}/studies", status_code=201)
+    def create_study(body: StudyIn, who: Who) -> StudyOut:
+        fixed = "" if body.fixed is None else json.dumps(body.fixed)
+        return _study(svc.create_study(who, body.name, fixed))
+
+    @api.get(f"{PREFIX}/studies")
+    def list_studies(who: Who) -> list[StudyOut]:
+        return [_study(s) for s in svc.list_studies(who)]
+
+    @api.get(f"{PREFIX}/studies/{{study_id}}")
+    def get_study(study_id: str, who: Who) -> StudyOut:
+        return _study(svc.get_study(who, study_id))
+
+    @api.post(f"{PREFIX}/studies/{{study_id}}/requests")
+    def submit(study_id: str, body: SubmitIn, who: Who) -> list[RequestOut]:
+        items = [SubmitItem(i.client_request_id, json.dumps(i.config), i.step) for i in body.items]
+        return [_request(r) for r in svc.submit(who, study_id, items)]
+
+    @api.get(f"{PREFIX}/studies/{{study_id}}/requests")
+    def get_requests(study_id: str, who: Who, ids: Annotated[list[int] | None, Query()] = None) -> list[RequestOut]:
+        return [_request(r) for r in svc.get_requests(who, study_id, ids)]
+
+    @api.delete(f"{PREFIX}/studies/{{study_id}}/requests/{{request_id}}")
+    def cancel(study_id: str, request_id: int, who: Who) -> RequestOut:
+        return _request(svc.cancel(who, study_id, request_id))
+
+    @api.post(f"{PREFIX}/studies/{{study_id}}/metrics/query")
+    def metrics(study_id: str, body: MetricsQuery, who: Who) -> MetricsOut:
+        point, values = svc.get_metrics(who, study_id, json.dumps(body.config), body.step)
+        if point is None or values is None:
+            return MetricsOut(found=False)
+        return MetricsOut(found=True, metrics=values, node=point.node, step=point.step)
+
+    @api.get(f"{PREFIX}/studies/{{study_id}}/plan")
+    def plan(study_id: str, who: Who, plan_key: str = "") -> dict[str, Any]:
+        view = svc.get_plan(who, study_id, plan_key)
+        return {
+            "key": view.key,
+            "fixed": json.loads(view.fixed_json),
+            "nodes": [
+                {
+                    "id": n.id,
+                    "parent": n.parent,
+                    "start": n.start,
+                    "config": json.loads(n.config_json),
+                    "requests": n.requests,
+                    "checkpoint_steps": n.checkpoints,
+                    "metric_steps": n.metrics,
+                }
+                for n in view.nodes
+            ],
+        }
+
+    @api.post(f"{PREFIX}/nodes", status_code=201)
+    def register_node(body: NodeManagerIn, who: Who) -> dict[str, str]:
+        svc.register_node_manager(who, body.node_manager_id, body.address, [(s.id, s.gpu_type) for s in body.slots])
+        master.coordination.heartbeat(body.node_manager_id, master.settings.scheduling.heartbeat_ttl_s)
+        return {"node_manager_id": body.node_manager_id}
+
+    @api.get(f"{PREFIX}/nodes")
+    def list_nodes(who: Who) -> list[dict[str, Any]]:
+        who.require_admin()
+        return [
+            {
+                "node_manager_id": n.id,
+                "address": n.address,
+                "state": n.state,
+                "last_heartbeat": n.last_heartbeat,
+                "slots": [{"id": s, "gpu_type": g} for s, g in n.slots],
+            }
+            for n in master.store.node_managers()
+        ]
+
+    return api

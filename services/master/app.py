@@ -1,0 +1,77 @@
+"""Composition root of the master: builds every part once from ``MasterSettings`` and runs them.
+
+Nothing here runs at import time; ``MasterApp.build`` connects (and refuses an old schema),
+``MasterApp.run`` serves gRPC and REST and runs the scheduling loop until stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+import grpc
+
+from stagetree.master.api.grpc_api import MasterGrpc, start_grpc_server
+from stagetree.master.auth import Authenticator
+from stagetree.master.coordination import Coordination, InProcessCoordination, RedisCoordination
+from stagetree.master.plans import PlanCache
+from stagetree.master.scheduling import SchedulingLoop
+from stagetree.master.service import MasterService
+from stagetree.master.settings import MasterSettings
+from stagetree.master.store.store import SqlStore, make_engine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class MasterApp:
+    settings: MasterSettings
+    store: SqlStore
+    coordination: Coordination
+    auth: Authenticator
+    service: MasterService
+    scheduler: SchedulingLoop
+
+    @classmethod
+    def build(cls, settings: MasterSettings, coordination: Coordination | None = None) -> MasterApp:
+        store = SqlStore(make_engine(settings.database_url))  # raises FailedPrecondition on an old schema
+        if coordination is None:
+            coordination = RedisCoordination(settings.redis_url) if settings.redis_url else InProcessCoordination()
+        plans = PlanCache(store)
+        service = MasterService(store, settings.limits, coordination, plans)
+        instance = settings.instance_id or f"{socket.gethostname()}:{os.getpid()}"
+        scheduler = SchedulingLoop(store, plans, coordination, settings.scheduling, instance)
+        return cls(settings, store, coordination, Authenticator(settings.auth), service, scheduler)
+
+    def grpc_servicer(self) -> MasterGrpc:
+        return MasterGrpc(self.service, self.auth, self.coordination, self.settings.scheduling.heartbeat_ttl_s / 3)
+
+    async def start_grpc(self, port: int | None = None) -> tuple[grpc.aio.Server, int]:
+        s = self.settings
+        return await start_grpc_server(self.grpc_servicer(), s.grpc_host, s.grpc_port if port is None else port)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        import uvicorn
+
+        from stagetree.master.api.rest import create_rest_app
+
+        server, port = await self.start_grpc()
+        http = uvicorn.Server(
+            uvicorn.Config(create_rest_app(self), host=self.settings.http_host, port=self.settings.http_port)
+        )
+        http_task = asyncio.create_task(http.serve())
+        log.info("master running", extra={"grpc_port": port, "http_port": self.settings.http_port})
+        try:
+            await self.scheduler.run(stop)
+        finally:
+            http.should_exit = True
+            await http_task
+            await server.stop(grace=2)
+            self.close()
+
+    def close(self) -> None:
+        self.coordination.close()
+        self.store.dispose()

@@ -1,0 +1,163 @@
+"""In-memory cache of each search plan's node structure, and the walk that turns configs into points.
+
+The plan is append-only, so a core ``SearchPlan`` per plan, refreshed with the nodes whose id is above
+the last one seen, is always a correct prefix of the database. Walking happens here with core code;
+writing happens in the store. When the walk needs a node that does not exist, the node is written
+insert-or-ignore under its unique key (plan, parent-or-0, start, branch digest), the cache is
+refreshed, and the walk is repeated: whichever master wrote first, every master ends on the same node.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import itertools
+import json
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from stagetree.core.batch import Point
+from stagetree.core.config import Config
+from stagetree.core.errors import Conflict
+from stagetree.core.searchplan import Node, SearchPlan
+from stagetree.master.store.store import NewNode, SqlStore
+
+log = logging.getLogger(__name__)
+
+
+def config_text(config: Config) -> str:
+    return json.dumps(config.to_json(), sort_keys=True, separators=(",", ":"))
+
+
+def branch_digest(config: Config, step: int) -> str:
+    """Digest of the segments in force at ``step``: two configs that agree before ``step`` take the same
+    child at ``step`` exactly when these agree (the core's ``divergence`` compares the same fields)."""
+    parts = []
+    for name, segs in config.items:
+        i = bisect.bisect_right([s.start for s in segs], step) - 1
+        seg = segs[max(i, 0)]
+        parts.append([name, seg.start, seg.kind, list(seg.params)])
+    blob = json.dumps(parts, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+class _CachedPlan(SearchPlan):
+    """A core plan whose locally created (not yet written) nodes get negative ids, never a database id."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self._node_ids = itertools.count(-1, -1)
+
+
+@dataclass
+class _Entry:
+    plan: _CachedPlan
+    last_id: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class PlanCache:
+    """Node structure of every plan this master touched, kept in step with the store."""
+
+    def __init__(self, store: SqlStore, max_passes: int = 64) -> None:
+        self._store = store
+        self._entries: dict[int, _Entry] = {}
+        self._lock = threading.Lock()
+        self._max_passes = max_passes
+
+    def _entry(self, plan_id: int) -> _Entry:
+        with self._lock:
+            e = self._entries.get(plan_id)
+            if e is None:
+                e = self._entries[plan_id] = _Entry(_CachedPlan(str(plan_id)))
+            return e
+
+    def _refresh(self, e: _Entry, plan_id: int, *, full: bool = False) -> None:
+        """Add the nodes written since the last refresh. Ids come from a sequence but transactions commit
+        in any order, so a node can appear below ``last_id`` after we moved past it: ``full`` re-reads
+        the whole plan (parents always have smaller ids than their children) and adds what is missing."""
+        for rec in self._store.load_nodes(plan_id, after=0 if full else e.last_id):
+            if rec.id in e.plan.nodes:
+                continue
+            e.plan.add_node(rec.parent, rec.start, Config.from_json(json.loads(rec.config_json)), node_id=rec.id)
+            e.last_id = max(e.last_id, rec.id)
+
+    def refresh(self, plan_id: int) -> SearchPlan:
+        """The plan with every node written so far (callers must treat it as read-only)."""
+        e = self._entry(plan_id)
+        with e.lock:
+            self._refresh(e, plan_id)
+            return e.plan
+
+    def find(self, plan_id: int, config: Config, step: int) -> Point | None:
+        """The point of ``config`` at ``step`` if its node exists; never writes."""
+        e = self._entry(plan_id)
+        with e.lock:
+            self._refresh(e, plan_id)
+            point, _ = e.plan.locate(config, step, create=False)
+            return point
+
+    def canonical(self, plan_id: int, p: Point) -> Point:
+        e = self._entry(plan_id)
+        with e.lock:
+            if p.node not in e.plan.nodes:
+                self._refresh(e, plan_id)
+            if p.node not in e.plan.nodes:
+                self._refresh(e, plan_id, full=True)
+            return e.plan.canonical(p)
+
+    def ensure(self, plan_id: int, node_ids: Iterable[int]) -> SearchPlan:
+        """The plan, refreshed until it holds every node in ``node_ids`` (read-only for callers)."""
+        e = self._entry(plan_id)
+        with e.lock:
+            missing = [n for n in node_ids if n not in e.plan.nodes]
+            if missing:
+                self._refresh(e, plan_id)
+                if any(n not in e.plan.nodes for n in missing):
+                    self._refresh(e, plan_id, full=True)
+            return e.plan
+
+    def locate_many(self, plan_id: int, items: Sequence[tuple[Config, int]]) -> list[Point]:
+        """Canonical points for (config, step) items, creating the nodes they need."""
+        e = self._entry(plan_id)
+        with e.lock:
+            self._refresh(e, plan_id)
+            previous: set[tuple[int | None, int, str]] = set()
+            for attempt in range(self._max_passes):
+                points: list[Point | None] = []
+                needed: dict[tuple[int | None, int, str], NewNode] = {}
+                for config, step in items:
+                    point, created = e.plan.locate(config, step)
+                    if created:
+                        node = created[0]
+                        _forget(e.plan, node)
+                        digest = branch_digest(config, node.start)
+                        needed.setdefault(
+                            (node.parent, node.start, digest),
+                            NewNode(node.parent, node.start, digest, config_text(config)),
+                        )
+                        points.append(None)
+                    else:
+                        points.append(point)
+                if not needed:
+                    return [p for p in points if p is not None]
+                log.debug("creating nodes", extra={"plan_id": plan_id, "nodes": len(needed), "pass": attempt})
+                self._store.insert_nodes(plan_id, list(needed.values()))
+                # asking twice for the same key means another writer's node committed below last_id
+                self._refresh(e, plan_id, full=bool(previous & needed.keys()))
+                previous = set(needed)
+        raise Conflict(f"plan {plan_id}: could not settle new nodes after {self._max_passes} passes; retry")
+
+
+def _forget(plan: SearchPlan, node: Node) -> None:
+    """Undo a node the walk created in memory only (the database decides which node exists)."""
+    del plan.nodes[node.id]
+    if node.parent is None:
+        plan.roots.remove(node.id)
+    else:
+        kids = plan.nodes[node.parent].children[node.start]
+        kids.remove(node.id)
+        if not kids:
+            del plan.nodes[node.parent].children[node.start]

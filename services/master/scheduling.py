@@ -1,0 +1,175 @@
+"""The scheduling loop: event-driven rounds of the core scheduler over a snapshot of the database.
+
+A round (``SchedulingLoop.run_round``) is: requeue the work of node managers whose heartbeat key
+lapsed; snapshot the NOT_SCHED requests, checkpoints and running batches; build each plan's stage tree
+and run ``core.scheduler.schedule_round`` on the free slots of live node managers; write each dispatch
+(batch + attempt 1 + requests SCHED, in one transaction) and wake the node manager's assignment stream.
+The core decides, this module carries the decisions out. Only the holder of the leader lease runs
+rounds (``run``); a standby keeps trying to take the lease and takes over when it lapses.
+
+Requests that the stage tree attaches to an in-flight batch stay NOT_SCHED: amending a running batch
+is not implemented yet, so they are served by a later round from the checkpoint that batch leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+from stagetree.core.batch import BatchSpec, Point, Source, StageSpec
+from stagetree.core.config import FixedPart
+from stagetree.core.scheduler import PlannedBatch, Slot, schedule_round, steps_cost
+from stagetree.core.stagetree import InflightBatch, InflightStage, StageForest, build_stage_tree
+from stagetree.master.coordination import Coordination
+from stagetree.master.plans import PlanCache
+from stagetree.master.service import CH_ROUND, ch_node_manager
+from stagetree.master.settings import SchedulingSettings
+from stagetree.master.store.store import ALIVE, SqlStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    pending: int
+    dispatched: list[int]  # batch ids
+    lost_node_managers: list[str]
+    queued: int
+    snapshot_ms: float
+    decide_ms: float
+
+
+def inflight_of(spec_json: str) -> InflightBatch:
+    spec = json.loads(spec_json)
+    stages = tuple(InflightStage(s["node"], s["start"], s["end"], s["start"]) for s in spec["stages"])
+    return InflightBatch(int(spec["batch_id"]), stages, frozenset(Point(a, b) for a, b in spec.get("saves", [])))
+
+
+class SchedulingLoop:
+    def __init__(
+        self,
+        store: SqlStore,
+        plans: PlanCache,
+        coordination: Coordination,
+        settings: SchedulingSettings,
+        instance_id: str,
+    ) -> None:
+        self.store = store
+        self.plans = plans
+        self.coord = coordination
+        self.settings = settings
+        self.instance_id = instance_id
+        self.is_leader = False
+
+    # -- one round ------------------------------------------------------------------------------
+
+    def requeue_lost(self) -> list[str]:
+        nms = [n for n in self.store.node_managers() if n.state == ALIVE]
+        alive = self.coord.alive(n.id for n in nms)
+        lost = [n.id for n in nms if n.id not in alive]
+        for nm in lost:
+            batches = self.store.mark_lost(nm)
+            log.warning("node manager lost; work requeued", extra={"node_manager_id": nm, "batches": batches})
+        return lost
+
+    def free_slots(self) -> list[Slot]:
+        nms = [n for n in self.store.node_managers() if n.state == ALIVE]
+        busy = self.store.busy_slots()
+        return [Slot(sid, n.id, gpu) for n in nms for sid, gpu in n.slots if (n.id, sid) not in busy]
+
+    def snapshot(self) -> tuple[StageForest, dict[int, dict[Point, str]], int]:
+        """The stage forest of every plan with NOT_SCHED requests (stage ``plan`` = plan id)."""
+        pending = self.store.pending()
+        inflight: dict[int, list[InflightBatch]] = {}
+        for b in self.store.running_batches():
+            inflight.setdefault(b.plan_id, []).append(inflight_of(b.spec_json))
+        forest = StageForest()
+        uris = self.store.checkpoints_of(sorted(pending))
+        count = 0
+        for plan_id, reqs in pending.items():
+            count += len(reqs)
+            plan = self.plans.ensure(plan_id, {p.node for _, p in reqs})
+            ckpts = uris.setdefault(plan_id, {})
+            steps: dict[int, list[int]] = {}
+            for p in ckpts:
+                steps.setdefault(p.node, []).append(p.step)
+            for lst in steps.values():
+                lst.sort()
+            forest.extend(build_stage_tree(plan.nodes, steps, reqs, inflight.get(plan_id, ()), plan=str(plan_id)))
+        return forest, uris, count
+
+    def spec_of(self, batch: PlannedBatch, batch_id: int, attempt: int, uris: dict[Point, str]) -> str:
+        plan_id = int(batch.plan)
+        key, fixed_json = self.store.plan_fixed(plan_id)
+        plan = self.plans.ensure(plan_id, {s.node for s in batch.stages})
+        uri = uris.get(batch.source)
+        spec = BatchSpec(
+            batch_id=batch_id,
+            attempt=attempt,
+            plan_key=key,
+            fixed=FixedPart.from_json(json.loads(fixed_json)),
+            source=Source(batch.source, uri),
+            stages=tuple(StageSpec(s.node, s.start, s.end, plan.nodes[s.node].config) for s in batch.stages),
+            saves=frozenset(batch.saves),
+            evals=frozenset(batch.evals),
+        )
+        return json.dumps(spec.to_json(), separators=(",", ":"))
+
+    def run_round(self) -> RoundReport:
+        lost = self.requeue_lost()
+        t0 = time.perf_counter()
+        slots = self.free_slots()
+        forest, uris, count = self.snapshot()
+        t1 = time.perf_counter()
+        result = schedule_round(forest, slots, steps_cost(self.settings.default_step_seconds), self.settings.policy)
+        t2 = time.perf_counter()
+        dispatched: list[int] = []
+        for d in result.dispatches:
+            plan_uris = uris.get(int(d.batch.plan), {})
+            rec = self.store.dispatch(
+                int(d.batch.plan),
+                lambda bid, att, b=d.batch, u=plan_uris: self.spec_of(b, bid, att, u),
+                d.batch.requests,
+                d.slot.node_manager,
+                d.slot.id,
+            )
+            if rec is None:
+                continue
+            dispatched.append(rec.id)
+            log.info(
+                "batch dispatched",
+                extra={"batch_id": rec.id, "node_manager_id": d.slot.node_manager, "slot_id": d.slot.id},
+            )
+            self.coord.notify(ch_node_manager(d.slot.node_manager))
+        return RoundReport(count, dispatched, lost, len(result.queue), (t1 - t0) * 1000, (t2 - t1) * 1000)
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Rounds on every wake-up (and at least every ``round_interval_s``) while holding the lease."""
+        s = self.settings
+        while not stop.is_set():
+            leader = await asyncio.to_thread(self.coord.acquire_lease, self.instance_id, s.lease_ttl_s)
+            if leader != self.is_leader:
+                log.info("leadership changed", extra={"instance_id": self.instance_id, "leader": leader})
+                self.is_leader = leader
+            if not leader:
+                await _sleep_or_stop(stop, s.lease_ttl_s / 3)
+                continue
+            try:
+                report = await asyncio.to_thread(self.run_round)
+                if report.dispatched or report.lost_node_managers:
+                    log.info("round", extra={"dispatched": len(report.dispatched), "pending": report.pending})
+            except Exception:
+                log.exception("scheduling round failed; retrying on the next wake-up")
+            await self.coord.wait(CH_ROUND, min(s.round_interval_s, s.lease_ttl_s / 3))
+        await asyncio.to_thread(self.coord.release_lease, self.instance_id)
+
+
+async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)

@@ -1,0 +1,308 @@
+"""The master's use-case layer: the one place both API adapters (gRPC and REST) call.
+
+Owns input validation, authorization (a study is visible only to its owner; node-manager calls need
+the admin token) and the order of effects: everything is validated before anything is written, so a
+bad item changes nothing. Methods are synchronous (the store is); the async adapters run them in a
+worker thread. Results and new work are announced on wake-up channels (``CH_*``), never awaited here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from stagetree.core.batch import Point
+from stagetree.core.config import Config, FixedPart
+from stagetree.core.errors import InvalidArgument, NotFound, ResourceExhausted, StagetreeError
+from stagetree.core.searchplan import check_step
+from stagetree.master.auth import Principal
+from stagetree.master.plans import PlanCache, config_text
+from stagetree.master.settings import LimitSettings
+from stagetree.master.store.store import NewRequest, RequestRecord, SqlStore, StudyRecord
+
+log = logging.getLogger(__name__)
+
+CH_ROUND = "round"  # something a scheduling round should look at happened
+CH_RESULTS = "results"  # some requests finished
+
+
+def ch_node_manager(nm_id: str) -> str:
+    return f"nm:{nm_id}"
+
+
+class Wakeups(Protocol):
+    def notify(self, channel: str) -> None: ...
+
+
+class NoWakeups:
+    def notify(self, channel: str) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class SubmitItem:
+    client_request_id: str
+    config_json: str
+    step: int
+
+
+@dataclass(frozen=True)
+class NodeView:
+    id: int
+    parent: int | None
+    start: int
+    config_json: str
+    requests: dict[str, int]
+    checkpoints: list[int]
+    metrics: list[int]
+
+
+@dataclass(frozen=True)
+class PlanView:
+    key: str
+    fixed_json: str
+    nodes: list[NodeView] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class MetricReport:
+    node: int
+    step: int
+    values: dict[str, float]
+
+
+@dataclass(frozen=True)
+class CheckpointReport:
+    node: int
+    step: int
+    uri: str
+    bytes: int
+    kind: str = "central"
+
+
+def _json_object(text: str, what: str, limit: int) -> Any:
+    if not isinstance(text, str) or not text:
+        raise InvalidArgument(f"{what}: must be a non-empty JSON string")
+    if len(text) > limit:
+        raise InvalidArgument(f"{what}: {len(text)} bytes is over the {limit}-byte limit")
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise InvalidArgument(f"{what}: not valid JSON ({e})") from None
+
+
+class MasterService:
+    """Studies, requests, metrics, plans and node managers, for an authenticated principal."""
+
+    def __init__(
+        self, store: SqlStore, limits: LimitSettings, wakeups: Wakeups | None = None, plans: PlanCache | None = None
+    ) -> None:
+        self.store = store
+        self.limits = limits
+        self.wakeups: Wakeups = wakeups or NoWakeups()
+        self.plans = plans or PlanCache(store)
+
+    # -- studies --------------------------------------------------------------------------------
+
+    def create_study(self, who: Principal, name: str, fixed_json: str = "") -> StudyRecord:
+        if not isinstance(name, str) or not name.strip() or len(name) > self.limits.max_name_len:
+            raise InvalidArgument(f"study name: must be a non-empty string of at most {self.limits.max_name_len}")
+        fixed = None
+        if fixed_json:
+            fixed = FixedPart.from_json(_json_object(fixed_json, "fixed", self.limits.max_config_bytes))
+        rec = self.store.create_study(
+            who.name, name, None if fixed is None else json.dumps(fixed.to_json(), sort_keys=True)
+        )
+        log.info("study created", extra={"study_id": rec.id, "owner": who.name})
+        return rec
+
+    def get_study(self, who: Principal, study_id: str) -> StudyRecord:
+        if not isinstance(study_id, str) or not study_id:
+            raise InvalidArgument("study_id: required")
+        try:
+            rec = self.store.get_study(study_id)
+        except NotFound:
+            rec = None
+        if rec is None or (rec.owner != who.name and not who.admin):
+            # another owner's study is invisible, not forbidden: its existence is not disclosed
+            raise NotFound(f"study {study_id!r} does not exist")
+        return rec
+
+    def list_studies(self, who: Principal) -> list[StudyRecord]:
+        return self.store.list_studies(who.name)
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def _parse_config(self, study: StudyRecord, text: str, what: str) -> tuple[FixedPart, Config]:
+        obj = _json_object(text, what, self.limits.max_config_bytes)
+        if not isinstance(obj, dict) or "tuned" not in obj:
+            raise InvalidArgument(f'{what}: must be an object {{"fixed": {{...}}, "tuned": {{name: sequence}}}}')
+        unknown = set(obj) - {"fixed", "tuned"}
+        if unknown:
+            raise InvalidArgument(f"{what}: unknown fields {sorted(unknown)}")
+        fixed_obj = obj.get("fixed")
+        if fixed_obj is None:
+            if study.fixed_json is None:
+                raise InvalidArgument(f"{what}: no 'fixed' part and the study has no default one")
+            fixed_obj = json.loads(study.fixed_json)
+        try:
+            return FixedPart.from_json(fixed_obj), Config.of(obj["tuned"])
+        except StagetreeError as e:
+            raise InvalidArgument(f"{what}: {e.message}") from None
+
+    def submit(self, who: Principal, study_id: str, items: Sequence[SubmitItem]) -> list[RequestRecord]:
+        """Record requests (one per item, in order); a retried client request id returns the first
+        record. Items whose metrics exist come back DONE with them."""
+        study = self.get_study(who, study_id)
+        if not items:
+            raise InvalidArgument("submit: at least one item is needed")
+        if len(items) > self.limits.max_batch_items:
+            raise ResourceExhausted(
+                f"submit: {len(items)} items is over the limit of {self.limits.max_batch_items}; split the batch"
+            )
+        parsed: list[tuple[str, FixedPart, Config, int]] = []
+        seen: set[str] = set()
+        for i, it in enumerate(items):
+            cid = it.client_request_id
+            if not isinstance(cid, str) or not cid or len(cid) > 128:
+                raise InvalidArgument(f"items[{i}].client_request_id: must be a non-empty string of at most 128")
+            if cid in seen:
+                raise InvalidArgument(f"items[{i}].client_request_id: {cid!r} appears twice in one batch")
+            seen.add(cid)
+            step = check_step(it.step, f"items[{i}].step")
+            fixed, config = self._parse_config(study, it.config_json, f"items[{i}].config")
+            parsed.append((cid, fixed, config, step))
+        by_plan: dict[str, list[int]] = {}
+        fixed_of: dict[str, FixedPart] = {}
+        for i, (_, fixed, _, _) in enumerate(parsed):
+            key = fixed.key()
+            by_plan.setdefault(key, []).append(i)
+            fixed_of[key] = fixed
+        out: list[RequestRecord | None] = [None] * len(parsed)
+        for key, idxs in by_plan.items():
+            plan_id = self.store.ensure_plan(key, json.dumps(fixed_of[key].to_json(), sort_keys=True))
+            points = self.plans.locate_many(plan_id, [(parsed[i][2], parsed[i][3]) for i in idxs])
+            recs = self.store.add_requests(
+                study.id, plan_id, [NewRequest(parsed[i][0], p.node, p.step) for i, p in zip(idxs, points, strict=True)]
+            )
+            for i, r in zip(idxs, recs, strict=True):
+                out[i] = r
+        log.debug("requests submitted", extra={"study_id": study.id, "items": len(items)})
+        self.wakeups.notify(CH_ROUND)
+        return [r for r in out if r is not None]
+
+    def cancel(self, who: Principal, study_id: str, request_id: int) -> RequestRecord:
+        study = self.get_study(who, study_id)
+        rec, abort = self.store.cancel_request(study.id, request_id)
+        if abort is not None:
+            self.store.abort_batch(abort)
+            log.info("batch aborted: no live request needs it", extra={"batch_id": abort, "request_id": request_id})
+        self.wakeups.notify(CH_ROUND)
+        self.wakeups.notify(CH_RESULTS)
+        return rec
+
+    def get_requests(self, who: Principal, study_id: str, request_ids: Sequence[int] | None) -> list[RequestRecord]:
+        study = self.get_study(who, study_id)
+        return self.store.get_requests(study.id, request_ids)
+
+    def finished(self, who: Principal, study_id: str, request_ids: Sequence[int]) -> list[RequestRecord]:
+        study = self.get_study(who, study_id)
+        return self.store.done_since(study.id, request_ids)
+
+    def get_metrics(
+        self, who: Principal, study_id: str, config_json: str, step: int
+    ) -> tuple[Point | None, dict[str, float] | None]:
+        """Metrics of a config at a step if they exist; never creates anything."""
+        study = self.get_study(who, study_id)
+        step = check_step(step)
+        fixed, config = self._parse_config(study, config_json, "config")
+        plan_id = self.store.plan_ids_by_key([fixed.key()]).get(fixed.key())
+        if plan_id is None:
+            return None, None
+        point = self.plans.find(plan_id, config, step)
+        if point is None:
+            return None, None
+        return point, self.store.metrics_at(point.node, point.step)
+
+    def get_plan(self, who: Principal, study_id: str, plan_key: str = "") -> PlanView:
+        study = self.get_study(who, study_id)
+        plan_ids = self.store.study_plan_ids(study.id)
+        keys = {self.store.plan_fixed(pid)[0]: pid for pid in plan_ids}
+        if study.fixed_json is not None:
+            key = FixedPart.from_json(json.loads(study.fixed_json)).key()
+            keys.update(self.store.plan_ids_by_key([key]))
+        if not plan_key:
+            if len(keys) != 1:
+                raise InvalidArgument(f"plan_key: the study uses {len(keys)} plans; name one of {sorted(keys)}")
+            plan_key = next(iter(keys))
+        pid = keys.get(plan_key)
+        if pid is None:
+            raise NotFound(f"plan {plan_key!r} is not used by study {study.id!r}")
+        plan = self.plans.refresh(pid)
+        counts, ckpts, mets = self.store.plan_state(pid)
+        nodes = [
+            NodeView(
+                n.id,
+                n.parent,
+                n.start,
+                config_text(n.config),
+                counts.get(n.id, {}),
+                sorted(ckpts.get(n.id, [])),
+                sorted(mets.get(n.id, [])),
+            )
+            for n in sorted(plan.nodes.values(), key=lambda n: n.id)
+        ]
+        return PlanView(plan_key, self.store.plan_fixed(pid)[1], nodes)
+
+    # -- node managers --------------------------------------------------------------------------
+
+    def register_node_manager(self, who: Principal, nm_id: str, address: str, slots: Sequence[tuple[str, str]]) -> None:
+        who.require_admin()
+        if not nm_id or len(nm_id) > 128:
+            raise InvalidArgument("node_manager_id: must be a non-empty string of at most 128 characters")
+        ids = [s for s, _ in slots]
+        if len(set(ids)) != len(ids) or any(not s for s in ids):
+            raise InvalidArgument("slots: slot ids must be non-empty and distinct")
+        self.store.register_node_manager(nm_id, address, slots)
+        log.info("node manager registered", extra={"node_manager_id": nm_id, "slots": len(slots)})
+        self.wakeups.notify(CH_ROUND)
+
+    def heartbeat(self, who: Principal, nm_id: str) -> None:
+        who.require_admin()
+        self.store.heartbeat(nm_id)
+
+    def take_assignments(self, who: Principal, nm_id: str) -> list[tuple[int, int, str]]:
+        who.require_admin()
+        return [(a.batch_id, a.attempt, a.spec_json) for a in self.store.take_assignments(nm_id)]
+
+    def report_batch(
+        self,
+        who: Principal,
+        batch_id: int,
+        attempt: int,
+        ok: bool,
+        metrics: Sequence[MetricReport] = (),
+        checkpoints: Sequence[CheckpointReport] = (),
+    ) -> list[int]:
+        """A node manager reports what a batch attempt produced and whether it ended well. Returns the
+        requests it completed."""
+        who.require_admin()
+        batch = self.store.get_batch(batch_id)
+        for c in checkpoints:
+            p = self.plans.canonical(batch.plan_id, Point(c.node, check_step(c.step)))
+            self.store.record_checkpoint(p.node, p.step, c.uri, c.bytes, c.kind)
+        done: list[int] = []
+        for mr in metrics:
+            p = self.plans.canonical(batch.plan_id, Point(mr.node, check_step(mr.step)))
+            done.extend(self.store.record_metrics(batch.plan_id, p.node, p.step, dict(mr.values)))
+        requeued = self.store.finish_batch(batch_id, attempt, ok)
+        log.info(
+            "batch reported",
+            extra={"batch_id": batch_id, "attempt": attempt, "ok": ok, "done": len(done), "requeued": len(requeued)},
+        )
+        self.wakeups.notify(CH_RESULTS)
+        self.wakeups.notify(CH_ROUND)
+        return done

@@ -1,0 +1,46 @@
+"""The master's one settings class (pydantic-settings, env prefix ``STAGETREE_MASTER_``).
+
+Built once in the entry point and passed down; nested groups use ``__`` in environment names, e.g.
+``STAGETREE_MASTER_AUTH__ADMIN_TOKEN``. Tokens are ``SecretStr`` so they never show in logs or reprs.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class AuthSettings(BaseModel):
+    # owner name -> bearer token; a study is visible only to its owner's token
+    tokens: dict[str, SecretStr] = Field(default_factory=dict)
+    # node managers (and operators) authenticate with this one
+    admin_token: SecretStr = SecretStr("")
+
+
+class LimitSettings(BaseModel):
+    max_batch_items: int = Field(default=1000, ge=1)
+    max_config_bytes: int = Field(default=64 * 1024, ge=256)
+    max_name_len: int = Field(default=256, ge=1)
+
+
+class SchedulingSettings(BaseModel):
+    policy: str = "critical_path"
+    default_step_seconds: float = Field(default=1.0, gt=0)
+    heartbeat_ttl_s: float = Field(default=15.0, gt=0)
+    round_interval_s: float = Field(default=5.0, gt=0)  # a round at least this often even without events
+    lease_ttl_s: float = Field(default=10.0, gt=0)
+
+
+class MasterSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="STAGETREE_MASTER_", env_nested_delimiter="__", extra="ignore")
+
+    database_url: str = "sqlite:///stagetree.db"
+    redis_url: str | None = None  # None: in-process coordination (embedded mode)
+    grpc_host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    http_host: str = "127.0.0.1"
+    http_port: int = 8080
+    instance_id: str = ""  # leader-lease holder name; defaults to host:pid
+    auth: AuthSettings = Field(default_factory=lambda: AuthSettings())
+    limits: LimitSettings = Field(default_factory=lambda: LimitSettings())
+    scheduling: SchedulingSettings = Field(default_factory=lambda: SchedulingSettings())

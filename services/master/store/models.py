@@ -1,0 +1,173 @@
+"""SQLAlchemy 2 models of the master's database: the search plans and everything hung on them.
+
+Owns the table layout only; the queries live in ``store.py`` and the schema history in ``migrations/``
+(a test checks that the migrations produce exactly these models). The same models serve Postgres
+(cluster mode) and SQLite (embedded mode), so only portable types are used.
+
+Uniqueness is what makes concurrent masters safe: a node is unique per
+(plan, parent-or-0, start, digest of the config's segments at the branch step), a request per
+(study, client request id), a batch attempt per (batch, attempt).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Explicit constraint names so that Alembic migrations are stable across dialects.
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# SQLite only auto-increments INTEGER PRIMARY KEY; Postgres wants BIGINT for large tables.
+Id = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class Study(Base):
+    __tablename__ = "studies"
+    __table_args__ = (UniqueConstraint("owner", "name"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(128))
+    name: Mapped[str] = mapped_column(String(256))
+    fixed_json: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class Plan(Base):
+    __tablename__ = "plans"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True, autoincrement=True)
+    key: Mapped[str] = mapped_column(String(32), unique=True)
+    fixed_json: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+    __table_args__ = (UniqueConstraint("plan_id", "parent_key", "start", "branch_digest"),)
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True, autoincrement=True)
+    plan_id: Mapped[int] = mapped_column(ForeignKey("plans.id"), index=True)
+    parent_id: Mapped[int | None] = mapped_column(ForeignKey("nodes.id"), nullable=True)
+    parent_key: Mapped[int] = mapped_column(BigInteger)  # parent id, or 0 for a root (NULLs are never equal)
+    start: Mapped[int] = mapped_column(Integer)
+    branch_digest: Mapped[str] = mapped_column(String(32))
+    config_json: Mapped[str] = mapped_column(Text)
+
+
+class Batch(Base):
+    __tablename__ = "batches"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True, autoincrement=True)
+    plan_id: Mapped[int] = mapped_column(ForeignKey("plans.id"), index=True)
+    state: Mapped[str] = mapped_column(String(16), index=True)  # RUNNING, DONE, FAILED, LOST, ABORTED
+    attempt: Mapped[int] = mapped_column(Integer)
+    spec_json: Mapped[str] = mapped_column(Text)
+    node_manager_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    slot_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class BatchAttempt(Base):
+    __tablename__ = "batch_attempts"
+
+    batch_id: Mapped[int] = mapped_column(ForeignKey("batches.id"), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    node_manager_id: Mapped[str] = mapped_column(String(128), index=True)
+    slot_id: Mapped[str] = mapped_column(String(128))
+    state: Mapped[str] = mapped_column(String(16))
+    dispatched_at: Mapped[float] = mapped_column(Float)
+    sent_at: Mapped[float | None] = mapped_column(Float, nullable=True)  # set once: never sent twice
+    finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class Request(Base):
+    __tablename__ = "requests"
+    __table_args__ = (
+        UniqueConstraint("study_id", "client_request_id"),
+        Index("ix_requests_plan_id_state", "plan_id", "state"),
+        Index("ix_requests_node_id_step", "node_id", "step"),
+    )
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True, autoincrement=True)
+    study_id: Mapped[str] = mapped_column(ForeignKey("studies.id"))
+    plan_id: Mapped[int] = mapped_column(ForeignKey("plans.id"))
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id"))
+    step: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16))
+    batch_id: Mapped[int | None] = mapped_column(ForeignKey("batches.id"), nullable=True, index=True)
+    client_request_id: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[float] = mapped_column(Float)
+    done_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    uri: Mapped[str] = mapped_column(Text)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    kind: Mapped[str] = mapped_column(String(16))
+    refcount: Mapped[int] = mapped_column(Integer, default=0)
+    last_used: Mapped[float] = mapped_column(Float)
+
+
+class Metric(Base):
+    __tablename__ = "metrics"
+
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    values: Mapped[dict[str, Any]] = mapped_column(JSON)
+    recorded_at: Mapped[float] = mapped_column(Float)
+
+
+class NodeManager(Base):
+    __tablename__ = "node_managers"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    address: Mapped[str] = mapped_column(String(256))
+    state: Mapped[str] = mapped_column(String(16))  # ALIVE, LOST
+    registered_at: Mapped[float] = mapped_column(Float)
+    last_heartbeat: Mapped[float] = mapped_column(Float)
+
+
+class Slot(Base):
+    __tablename__ = "slots"
+
+    node_manager_id: Mapped[str] = mapped_column(ForeignKey("node_managers.id"), primary_key=True)
+    slot_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    gpu_type: Mapped[str] = mapped_column(String(64))
+
+
+class CostProfile(Base):
+    __tablename__ = "cost_profiles"
+
+    plan_id: Mapped[int] = mapped_column(ForeignKey("plans.id"), primary_key=True)
+    gpu_type: Mapped[str] = mapped_column(String(64), primary_key=True)
+    step_seconds: Mapped[float] = mapped_column(Float)
+    peak_memory_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    samples: Mapped[int] = mapped_column(Integer, default=0)
+    updated_at: Mapped[float] = mapped_column(Float)

@@ -1,0 +1,709 @@
+"""The master's persistent store: every read and write of the search-plan database.
+
+``SqlStore`` is one adapter over two dialects, Postgres (cluster mode, psycopg2) and SQLite (embedded
+mode); the same contract suite runs against both. It owns transactions and the translation of
+database errors into the domain error tree (``IntegrityError`` -> ``Conflict`` or ``AlreadyExists``,
+a lost connection -> ``Unavailable``); nothing above it sees SQLAlchemy exceptions.
+
+The store never walks the search plan itself: the use-case layer walks an in-memory core
+``SearchPlan`` and asks the store to write what it decided. Concurrent writers are reconciled by the
+unique constraints (``insert_nodes`` and ``add_requests`` are insert-or-ignore, then read back).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from sqlalchemy import Engine, create_engine, event, func, or_, select, tuple_, update
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from stagetree.core.batch import Point
+from stagetree.core.errors import AlreadyExists, Conflict, InvalidArgument, NotFound, Unavailable
+from stagetree.master.store import models as m
+from stagetree.master.store.schema import check_schema
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+NOT_SCHED, SCHED, DONE, CANCELLED = "NOT_SCHED", "SCHED", "DONE", "CANCELLED"
+LIVE_STATES = (NOT_SCHED, SCHED)
+RUNNING, BATCH_DONE, FAILED, LOST, ABORTED = "RUNNING", "DONE", "FAILED", "LOST", "ABORTED"
+ALIVE = "ALIVE"
+
+
+@dataclass(frozen=True)
+class StudyRecord:
+    id: str
+    owner: str
+    name: str
+    fixed_json: str | None
+    created_at: float
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    id: int
+    parent: int | None
+    start: int
+    config_json: str
+
+
+@dataclass(frozen=True)
+class NewNode:
+    parent: int | None
+    start: int
+    branch_digest: str
+    config_json: str
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    client_request_id: str
+    node: int
+    step: int
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    id: int
+    study_id: str
+    plan_id: int
+    node: int
+    step: int
+    state: str
+    client_request_id: str
+    batch_id: int | None
+    metrics: dict[str, float] | None = None
+
+
+@dataclass(frozen=True)
+class NodeManagerRecord:
+    id: str
+    address: str
+    state: str
+    last_heartbeat: float
+    slots: tuple[tuple[str, str], ...]  # (slot id, gpu type)
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    id: int
+    plan_id: int
+    state: str
+    attempt: int
+    spec_json: str
+    node_manager_id: str | None
+    slot_id: str | None
+
+
+@dataclass(frozen=True)
+class Assignment:
+    batch_id: int
+    attempt: int
+    spec_json: str
+
+
+def make_engine(url: str, *, pool_size: int = 10) -> Engine:
+    """An engine for ``url`` with the per-dialect settings the master relies on (no connection yet)."""
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.close()
+
+        return engine
+    return create_engine(url, pool_size=pool_size, max_overflow=2 * pool_size, pool_pre_ping=True)
+
+
+class SqlStore:
+    """The search-plan database (Postgres or SQLite) behind the master's use cases."""
+
+    def __init__(self, engine: Engine, *, check: bool = True) -> None:
+        self.engine = engine
+        self._sessions = sessionmaker(engine, expire_on_commit=False)
+        self._pg = engine.dialect.name == "postgresql"
+        if check:
+            with self._translate("check schema"):
+                check_schema(engine)
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def _insert(self, table: Any) -> Any:
+        if self._pg:
+            from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+            return pg_insert(table)
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        return sqlite_insert(table)
+
+    @contextmanager
+    def _translate(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except IntegrityError as e:
+            raise Conflict(f"{what}: a concurrent writer changed the same rows; retry ({e.orig})") from e
+        except OperationalError as e:
+            if self._is_busy(e):
+                raise Conflict(f"{what}: the database is busy; retry") from e
+            raise Unavailable(f"{what}: the database is unreachable: {e.orig}; check the database URL") from e
+        except DBAPIError as e:
+            if e.connection_invalidated:
+                raise Unavailable(f"{what}: lost the database connection; retry") from e
+            raise
+
+    def _retry(self, fn: Callable[[], T], attempts: int = 8) -> T:
+        """Run an idempotent write again when a concurrent writer made the database give up on it."""
+        for i in range(attempts):
+            try:
+                return fn()
+            except Conflict:
+                if i == attempts - 1:
+                    raise
+                time.sleep(random.uniform(0.001, 0.01) * (i + 1))
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _is_busy(e: OperationalError) -> bool:
+        return "locked" in str(e.orig) or "deadlock" in str(e.orig)
+
+    @contextmanager
+    def _tx(self, what: str) -> Iterator[Session]:
+        with self._translate(what), self._sessions.begin() as s:
+            yield s
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+    # -- studies --------------------------------------------------------------------------------
+
+    def create_study(self, owner: str, name: str, fixed_json: str | None) -> StudyRecord:
+        rec = StudyRecord(uuid.uuid4().hex, owner, name, fixed_json, time.time())
+        try:
+            with self._tx("create study") as s:
+                s.add(m.Study(id=rec.id, owner=owner, name=name, fixed_json=fixed_json, created_at=rec.created_at))
+        except Conflict as e:
+            raise AlreadyExists(f"study {name!r} already exists for {owner!r}; pick another name") from e
+        return rec
+
+    def get_study(self, study_id: str) -> StudyRecord:
+        with self._tx("get study") as s:
+            row = s.get(m.Study, study_id)
+            if row is None:
+                raise NotFound(f"study {study_id!r} does not exist")
+            return StudyRecord(row.id, row.owner, row.name, row.fixed_json, row.created_at)
+
+    def list_studies(self, owner: str) -> list[StudyRecord]:
+        with self._tx("list studies") as s:
+            rows = s.scalars(select(m.Study).where(m.Study.owner == owner).order_by(m.Study.created_at)).all()
+            return [StudyRecord(r.id, r.owner, r.name, r.fixed_json, r.created_at) for r in rows]
+
+    # -- plans and nodes ------------------------------------------------------------------------
+
+    def ensure_plan(self, key: str, fixed_json: str) -> int:
+        with self._tx("ensure plan") as s:
+            pid = s.scalar(select(m.Plan.id).where(m.Plan.key == key))
+            if pid is not None:
+                return int(pid)
+            s.execute(
+                self._insert(m.Plan.__table__)
+                .values(key=key, fixed_json=fixed_json, created_at=time.time())
+                .on_conflict_do_nothing(index_elements=["key"])
+            )
+            return int(s.scalar(select(m.Plan.id).where(m.Plan.key == key)))  # type: ignore[arg-type]
+
+    def plan_ids_by_key(self, keys: Iterable[str]) -> dict[str, int]:
+        with self._tx("find plans") as s:
+            rows = s.execute(select(m.Plan.key, m.Plan.id).where(m.Plan.key.in_(list(keys)))).all()
+            return {k: int(i) for k, i in rows}
+
+    def plan_fixed(self, plan_id: int) -> tuple[str, str]:
+        """(key, fixed part JSON) of a plan."""
+        with self._tx("get plan") as s:
+            row = s.get(m.Plan, plan_id)
+            if row is None:
+                raise NotFound(f"plan {plan_id} does not exist")
+            return row.key, row.fixed_json
+
+    def load_nodes(self, plan_id: int, after: int = 0) -> list[NodeRecord]:
+        """Nodes of a plan with id above ``after``, parents before children (ids grow)."""
+        with self._tx("load nodes") as s:
+            rows = s.execute(
+                select(m.Node.id, m.Node.parent_id, m.Node.start, m.Node.config_json)
+                .where(m.Node.plan_id == plan_id, m.Node.id > after)
+                .order_by(m.Node.id)
+            ).all()
+            return [NodeRecord(int(i), None if p is None else int(p), st, cj) for i, p, st, cj in rows]
+
+    def insert_nodes(self, plan_id: int, nodes: Sequence[NewNode]) -> None:
+        """Insert-or-ignore: a node another writer created first under the same key is kept."""
+        if not nodes:
+            return
+        rows = [
+            {
+                "plan_id": plan_id,
+                "parent_id": n.parent,
+                "parent_key": n.parent or 0,
+                "start": n.start,
+                "branch_digest": n.branch_digest,
+                "config_json": n.config_json,
+            }
+            for n in nodes
+        ]
+        # one global order of rows so that concurrent writers take row locks in the same order
+        rows.sort(key=lambda r: (r["parent_key"], r["start"], r["branch_digest"]))
+        stmt = self._insert(m.Node.__table__).on_conflict_do_nothing(
+            index_elements=["plan_id", "parent_key", "start", "branch_digest"]
+        )
+
+        def write() -> None:
+            with self._tx("insert nodes") as s:
+                s.execute(stmt, rows)
+
+        self._retry(write)
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_requests(self, study_id: str, plan_id: int, items: Sequence[NewRequest]) -> list[RequestRecord]:
+        """Record requests (idempotent per client request id); a request whose point already has
+        metrics is recorded DONE and returned with them. Returns one record per item, in order."""
+        if not items:
+            return []
+        return self._retry(lambda: self._add_requests(study_id, plan_id, items))
+
+    def _add_requests(self, study_id: str, plan_id: int, items: Sequence[NewRequest]) -> list[RequestRecord]:
+        now = time.time()
+        with self._tx("add requests") as s:
+            points = {(it.node, it.step) for it in items}
+            known = self._metrics_at(s, points)
+            rows = [
+                {
+                    "study_id": study_id,
+                    "plan_id": plan_id,
+                    "node_id": it.node,
+                    "step": it.step,
+                    "state": DONE if (it.node, it.step) in known else NOT_SCHED,
+                    "client_request_id": it.client_request_id,
+                    "created_at": now,
+                    "done_at": now if (it.node, it.step) in known else None,
+                }
+                for it in sorted(items, key=lambda it: it.client_request_id)
+            ]
+            s.execute(
+                self._insert(m.Request.__table__).on_conflict_do_nothing(
+                    index_elements=["study_id", "client_request_id"]
+                ),
+                rows,
+            )
+            by_client = self._requests_by_client(s, study_id, [it.client_request_id for it in items])
+            known.update(self._metrics_at(s, {(r.node, r.step) for r in by_client.values() if r.state == DONE}))
+        out = []
+        for it in items:
+            r = by_client[it.client_request_id]
+            out.append(_with_metrics(r, known.get((r.node, r.step)) if r.state == DONE else None))
+        return out
+
+    def _requests_by_client(self, s: Session, study_id: str, client_ids: list[str]) -> dict[str, RequestRecord]:
+        rows = s.execute(
+            select(m.Request).where(m.Request.study_id == study_id, m.Request.client_request_id.in_(client_ids))
+        ).scalars()
+        return {r.client_request_id: _request_record(r) for r in rows}
+
+    def _metrics_at(self, s: Session, points: set[tuple[int, int]]) -> dict[tuple[int, int], dict[str, float]]:
+        if not points:
+            return {}
+        out: dict[tuple[int, int], dict[str, float]] = {}
+        pts = list(points)
+        for i in range(0, len(pts), 500):
+            chunk = pts[i : i + 500]
+            rows = s.execute(
+                select(m.Metric.node_id, m.Metric.step, m.Metric.values).where(
+                    tuple_(m.Metric.node_id, m.Metric.step).in_(chunk)
+                )
+            ).all()
+            out.update({(int(n), int(st)): dict(v) for n, st, v in rows})
+        return out
+
+    def get_requests(self, study_id: str, request_ids: Sequence[int] | None = None) -> list[RequestRecord]:
+        """Requests of a study (all, or those ids), DONE ones with their metrics."""
+        with self._tx("get requests") as s:
+            q = select(m.Request).where(m.Request.study_id == study_id)
+            if request_ids is not None:
+                q = q.where(m.Request.id.in_(list(request_ids)))
+            recs = [_request_record(r) for r in s.scalars(q.order_by(m.Request.id))]
+            metrics = self._metrics_at(s, {(r.node, r.step) for r in recs if r.state == DONE})
+        return [_with_metrics(r, metrics.get((r.node, r.step))) for r in recs]
+
+    def cancel_request(self, study_id: str, request_id: int) -> tuple[RequestRecord, int | None]:
+        """Cancel a live request. Returns it and the batch to abort (SCHED, and no other live request
+        needs that batch), else None. A finished request is returned unchanged."""
+        with self._tx("cancel request") as s:
+            row = s.scalar(
+                select(m.Request).where(m.Request.id == request_id, m.Request.study_id == study_id).with_for_update()
+            )
+            if row is None:
+                raise NotFound(f"request {request_id} does not exist in study {study_id!r}")
+            abort = None
+            if row.state in LIVE_STATES:
+                batch = row.batch_id if row.state == SCHED else None
+                row.state = CANCELLED
+                row.done_at = time.time()
+                s.flush()
+                if batch is not None:
+                    others = s.scalar(
+                        select(func.count())
+                        .select_from(m.Request)
+                        .where(m.Request.batch_id == batch, m.Request.state.in_(LIVE_STATES))
+                    )
+                    abort = None if others else batch
+            return _request_record(row), abort
+
+    def metrics_at(self, node: int, step: int) -> dict[str, float] | None:
+        with self._tx("get metrics") as s:
+            return self._metrics_at(s, {(node, step)}).get((node, step))
+
+    def record_metrics(self, plan_id: int, node: int, step: int, values: dict[str, float]) -> list[int]:
+        """Store metrics at a canonical point; the live requests waiting there become DONE (ids returned)."""
+        now = time.time()
+        with self._tx("record metrics") as s:
+            s.execute(
+                self._insert(m.Metric.__table__)
+                .values(node_id=node, step=step, values=values, recorded_at=now)
+                .on_conflict_do_nothing(index_elements=["node_id", "step"])
+            )
+            ids = s.scalars(
+                select(m.Request.id).where(
+                    m.Request.node_id == node, m.Request.step == step, m.Request.state.in_(LIVE_STATES)
+                )
+            ).all()
+            if ids:
+                s.execute(update(m.Request).where(m.Request.id.in_(ids)).values(state=DONE, done_at=now))
+            return [int(i) for i in ids]
+
+    def record_checkpoint(self, node: int, step: int, uri: str, nbytes: int, kind: str) -> None:
+        with self._tx("record checkpoint") as s:
+            s.execute(
+                self._insert(m.Checkpoint.__table__)
+                .values(node_id=node, step=step, uri=uri, bytes=nbytes, kind=kind, refcount=0, last_used=time.time())
+                .on_conflict_do_nothing(index_elements=["node_id", "step"])
+            )
+
+    def checkpoints(self, plan_id: int) -> dict[Point, str]:
+        """Checkpoint uri per canonical point of a plan."""
+        return self.checkpoints_of([plan_id]).get(plan_id, {})
+
+    def checkpoints_of(self, plan_ids: Sequence[int]) -> dict[int, dict[Point, str]]:
+        """Checkpoint uri per canonical point, per plan, in one query."""
+        out: dict[int, dict[Point, str]] = {}
+        if not plan_ids:
+            return out
+        with self._tx("load checkpoints") as s:
+            rows = s.execute(
+                select(m.Node.plan_id, m.Checkpoint.node_id, m.Checkpoint.step, m.Checkpoint.uri)
+                .join(m.Node, m.Node.id == m.Checkpoint.node_id)
+                .where(m.Node.plan_id.in_(list(plan_ids)))
+            ).all()
+        for pid, n, st, uri in rows:
+            out.setdefault(int(pid), {})[Point(int(n), int(st))] = uri
+        return out
+
+    def plan_state(self, plan_id: int) -> tuple[dict[int, dict[str, int]], dict[int, list[int]], dict[int, list[int]]]:
+        """Per node: request counts by state; checkpoint steps; metric steps (for the plan view)."""
+        with self._tx("plan state") as s:
+            counts: dict[int, dict[str, int]] = {}
+            for node, state, n in s.execute(
+                select(m.Request.node_id, m.Request.state, func.count())
+                .where(m.Request.plan_id == plan_id)
+                .group_by(m.Request.node_id, m.Request.state)
+            ):
+                counts.setdefault(int(node), {})[state] = int(n)
+            ckpts: dict[int, list[int]] = {}
+            for node, step in s.execute(
+                select(m.Checkpoint.node_id, m.Checkpoint.step)
+                .join(m.Node, m.Node.id == m.Checkpoint.node_id)
+                .where(m.Node.plan_id == plan_id)
+            ):
+                ckpts.setdefault(int(node), []).append(int(step))
+            mets: dict[int, list[int]] = {}
+            for node, step in s.execute(
+                select(m.Metric.node_id, m.Metric.step)
+                .join(m.Node, m.Node.id == m.Metric.node_id)
+                .where(m.Node.plan_id == plan_id)
+            ):
+                mets.setdefault(int(node), []).append(int(step))
+            return counts, ckpts, mets
+
+    def study_plan_ids(self, study_id: str) -> list[int]:
+        with self._tx("study plans") as s:
+            return [
+                int(p) for p in s.scalars(select(m.Request.plan_id).where(m.Request.study_id == study_id).distinct())
+            ]
+
+    # -- node managers --------------------------------------------------------------------------
+
+    def register_node_manager(self, nm_id: str, address: str, slots: Sequence[tuple[str, str]]) -> None:
+        now = time.time()
+        with self._tx("register node manager") as s:
+            row = s.get(m.NodeManager, nm_id, with_for_update=True)
+            if row is None:
+                s.add(m.NodeManager(id=nm_id, address=address, state=ALIVE, registered_at=now, last_heartbeat=now))
+            else:
+                row.address, row.state, row.last_heartbeat = address, ALIVE, now
+            s.flush()
+            s.query(m.Slot).filter(m.Slot.node_manager_id == nm_id).delete()
+            s.add_all(m.Slot(node_manager_id=nm_id, slot_id=sid, gpu_type=g) for sid, g in slots)
+
+    def heartbeat(self, nm_id: str) -> None:
+        with self._tx("heartbeat") as s:
+            res = s.execute(
+                update(m.NodeManager).where(m.NodeManager.id == nm_id).values(last_heartbeat=time.time(), state=ALIVE)
+            )
+            if res.rowcount == 0:  # type: ignore[attr-defined]
+                raise NotFound(f"node manager {nm_id!r} is not registered; register it first")
+
+    def node_managers(self) -> list[NodeManagerRecord]:
+        with self._tx("list node managers") as s:
+            slots: dict[str, list[tuple[str, str]]] = {}
+            for nm, sid, g in s.execute(
+                select(m.Slot.node_manager_id, m.Slot.slot_id, m.Slot.gpu_type).order_by(m.Slot.slot_id)
+            ):
+                slots.setdefault(nm, []).append((sid, g))
+            return [
+                NodeManagerRecord(r.id, r.address, r.state, r.last_heartbeat, tuple(slots.get(r.id, ())))
+                for r in s.scalars(select(m.NodeManager).order_by(m.NodeManager.id))
+            ]
+
+    def mark_lost(self, nm_id: str) -> list[int]:
+        """The node manager stopped heartbeating: its running batches are LOST and their requests go back
+        to NOT_SCHED (the next round rebuilds them from the latest checkpoint). Returns the batch ids."""
+        with self._tx("mark node manager lost") as s:
+            s.execute(update(m.NodeManager).where(m.NodeManager.id == nm_id).values(state=LOST))
+            ids = [
+                int(b)
+                for b in s.scalars(select(m.Batch.id).where(m.Batch.node_manager_id == nm_id, m.Batch.state == RUNNING))
+            ]
+            self._end_batches(s, ids, LOST)
+            return ids
+
+    def _end_batches(self, s: Session, ids: list[int], state: str) -> None:
+        if not ids:
+            return
+        now = time.time()
+        s.execute(update(m.Batch).where(m.Batch.id.in_(ids)).values(state=state, updated_at=now))
+        s.execute(
+            update(m.BatchAttempt)
+            .where(m.BatchAttempt.batch_id.in_(ids), m.BatchAttempt.state == RUNNING)
+            .values(state=state, finished_at=now)
+        )
+        s.execute(
+            update(m.Request)
+            .where(m.Request.batch_id.in_(ids), m.Request.state == SCHED)
+            .values(state=NOT_SCHED, batch_id=None)
+        )
+
+    # -- scheduling -----------------------------------------------------------------------------
+
+    def pending(self) -> dict[int, list[tuple[int, Point]]]:
+        """(request id, point) of every NOT_SCHED request, per plan."""
+        with self._tx("load pending") as s:
+            out: dict[int, list[tuple[int, Point]]] = {}
+            for rid, pid, node, step in s.execute(
+                select(m.Request.id, m.Request.plan_id, m.Request.node_id, m.Request.step).where(
+                    m.Request.state == NOT_SCHED
+                )
+            ):
+                out.setdefault(pid, []).append((rid, Point(node, step)))
+            return out
+
+    def running_batches(self) -> list[BatchRecord]:
+        with self._tx("load running batches") as s:
+            return [_batch_record(b) for b in s.scalars(select(m.Batch).where(m.Batch.state == RUNNING))]
+
+    def get_batch(self, batch_id: int) -> BatchRecord:
+        with self._tx("get batch") as s:
+            b = s.get(m.Batch, batch_id)
+            if b is None:
+                raise NotFound(f"batch {batch_id} does not exist")
+            return _batch_record(b)
+
+    def dispatch(
+        self, plan_id: int, spec_for: Any, request_ids: Sequence[int], nm_id: str, slot_id: str
+    ) -> BatchRecord | None:
+        """Create a batch and its first attempt on a slot and mark its requests SCHED, in one transaction.
+        ``spec_for(batch_id, attempt) -> str`` renders the spec. Returns None (and writes nothing) when
+        none of the requests is still NOT_SCHED (another round or a cancel got there first)."""
+        now = time.time()
+        try:
+            return self._dispatch(plan_id, spec_for, request_ids, nm_id, slot_id, now)
+        except _NothingToDispatch:
+            return None
+
+    def _dispatch(
+        self, plan_id: int, spec_for: Any, request_ids: Sequence[int], nm_id: str, slot_id: str, now: float
+    ) -> BatchRecord:
+        with self._tx("dispatch batch") as s:
+            b = m.Batch(
+                plan_id=plan_id,
+                state=RUNNING,
+                attempt=1,
+                spec_json="",
+                node_manager_id=nm_id,
+                slot_id=slot_id,
+                created_at=now,
+                updated_at=now,
+            )
+            s.add(b)
+            s.flush()
+            if request_ids:
+                res = s.execute(
+                    update(m.Request)
+                    .where(m.Request.id.in_(list(request_ids)), m.Request.state == NOT_SCHED)
+                    .values(state=SCHED, batch_id=b.id)
+                )
+                if res.rowcount == 0:  # type: ignore[attr-defined]
+                    raise _NothingToDispatch
+            b.spec_json = spec_for(b.id, 1)
+            s.add(
+                m.BatchAttempt(
+                    batch_id=b.id, attempt=1, node_manager_id=nm_id, slot_id=slot_id, state=RUNNING, dispatched_at=now
+                )
+            )
+            s.flush()
+            return _batch_record(b)
+
+    def take_assignments(self, nm_id: str) -> list[Assignment]:
+        """Running attempts for this node manager not yet sent; each is marked sent exactly once even
+        when two streams (or two masters) race for it."""
+        now = time.time()
+        out: list[Assignment] = []
+        with self._tx("take assignments") as s:
+            rows = s.execute(
+                select(m.BatchAttempt.batch_id, m.BatchAttempt.attempt, m.Batch.spec_json)
+                .join(m.Batch, m.Batch.id == m.BatchAttempt.batch_id)
+                .where(
+                    m.BatchAttempt.node_manager_id == nm_id,
+                    m.BatchAttempt.state == RUNNING,
+                    m.BatchAttempt.sent_at.is_(None),
+                )
+                .order_by(m.BatchAttempt.batch_id)
+            ).all()
+            for bid, att, spec in rows:
+                res = s.execute(
+                    update(m.BatchAttempt)
+                    .where(
+                        m.BatchAttempt.batch_id == bid,
+                        m.BatchAttempt.attempt == att,
+                        m.BatchAttempt.sent_at.is_(None),
+                    )
+                    .values(sent_at=now)
+                )
+                if res.rowcount == 1:  # type: ignore[attr-defined]
+                    out.append(Assignment(int(bid), int(att), spec))
+        return out
+
+    def finish_batch(self, batch_id: int, attempt: int, ok: bool) -> list[int]:
+        """A batch attempt ended. On failure its requests that got no metrics go back to NOT_SCHED
+        (returned). A report for an attempt that is not the running one is ignored."""
+        with self._tx("finish batch") as s:
+            b = s.get(m.Batch, batch_id, with_for_update=True)
+            if b is None:
+                raise NotFound(f"batch {batch_id} does not exist")
+            if b.attempt != attempt or b.state != RUNNING:
+                log.info("stale batch report ignored", extra={"batch_id": batch_id, "attempt": attempt})
+                return []
+            requeued = [
+                int(r)
+                for r in s.scalars(select(m.Request.id).where(m.Request.batch_id == batch_id, m.Request.state == SCHED))
+            ]
+            self._end_batches(s, [batch_id], BATCH_DONE if ok else FAILED)
+            return requeued
+
+    def abort_batch(self, batch_id: int) -> None:
+        with self._tx("abort batch") as s:
+            self._end_batches(s, [batch_id], ABORTED)
+
+    def busy_slots(self) -> set[tuple[str, str]]:
+        with self._tx("busy slots") as s:
+            rows = s.execute(
+                select(m.Batch.node_manager_id, m.Batch.slot_id).where(
+                    m.Batch.state == RUNNING, m.Batch.node_manager_id.is_not(None)
+                )
+            ).all()
+            return {(str(a), str(b)) for a, b in rows}
+
+    def cost_profile(self, plan_id: int, gpu_type: str) -> float | None:
+        with self._tx("cost profile") as s:
+            row = s.get(m.CostProfile, (plan_id, gpu_type))
+            return None if row is None else row.step_seconds
+
+    def set_cost_profile(self, plan_id: int, gpu_type: str, step_seconds: float, peak_memory_bytes: int = 0) -> None:
+        if not step_seconds > 0:
+            raise InvalidArgument(f"step_seconds must be positive, got {step_seconds}")
+        with self._tx("set cost profile") as s:
+            row = s.get(m.CostProfile, (plan_id, gpu_type), with_for_update=True)
+            if row is None:
+                s.add(
+                    m.CostProfile(
+                        plan_id=plan_id,
+                        gpu_type=gpu_type,
+                        step_seconds=step_seconds,
+                        peak_memory_bytes=peak_memory_bytes,
+                        samples=1,
+                        updated_at=time.time(),
+                    )
+                )
+            else:
+                row.step_seconds, row.peak_memory_bytes = step_seconds, peak_memory_bytes
+                row.samples += 1
+                row.updated_at = time.time()
+
+    def done_since(self, study_id: str, request_ids: Sequence[int]) -> list[RequestRecord]:
+        """The requests among ``request_ids`` that are finished (DONE or CANCELLED), with metrics."""
+        with self._tx("finished requests") as s:
+            recs = [
+                _request_record(r)
+                for r in s.scalars(
+                    select(m.Request).where(
+                        m.Request.study_id == study_id,
+                        m.Request.id.in_(list(request_ids)),
+                        or_(m.Request.state == DONE, m.Request.state == CANCELLED),
+                    )
+                )
+            ]
+            metrics = self._metrics_at(s, {(r.node, r.step) for r in recs if r.state == DONE})
+        return [_with_metrics(r, metrics.get((r.node, r.step))) for r in recs]
+
+
+class _NothingToDispatch(Exception):
+    """Rolls a dispatch back when its requests were taken meanwhile."""
+
+
+def _request_record(r: m.Request) -> RequestRecord:
+    return RequestRecord(
+        int(r.id), r.study_id, int(r.plan_id), int(r.node_id), r.step, r.state, r.client_request_id, r.batch_id
+    )
+
+
+def _with_metrics(r: RequestRecord, metrics: dict[str, float] | None) -> RequestRecord:
+    if metrics is None:
+        return r
+    return RequestRecord(
+        r.id, r.study_id, r.plan_id, r.node, r.step, r.state, r.client_request_id, r.batch_id, dict(metrics)
+    )
+
+
+def _batch_record(b: m.Batch) -> BatchRecord:
+    return BatchRecord(int(b.id), int(b.plan_id), b.state, b.attempt, b.spec_json, b.node_manager_id, b.slot_id)

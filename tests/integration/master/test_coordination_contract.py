@@ -1,0 +1,55 @@
+"""Coordination contract: the same behaviour from real Redis and the in-process implementation."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from stagetree.master.coordination import Coordination, InProcessCoordination, RedisCoordination
+from tests.integration.master.conftest import REDIS_URL
+from tests.integration.master.helpers import unique
+
+
+@pytest.fixture(params=["redis", "inprocess"])
+def coord(request: pytest.FixtureRequest) -> Iterator[Coordination]:
+    c: Coordination = (
+        RedisCoordination(REDIS_URL, prefix=unique("st")) if request.param == "redis" else InProcessCoordination()
+    )
+    yield c
+    c.close()
+
+
+def test_heartbeat_keys_expire(coord: Coordination) -> None:
+    coord.heartbeat("a", 0.3)
+    coord.heartbeat("b", 30)
+    assert coord.alive(["a", "b", "c"]) == {"a", "b"}
+    time.sleep(0.45)
+    assert coord.alive(["a", "b", "c"]) == {"b"}
+    assert coord.alive([]) == set()
+
+
+def test_leader_lease_is_exclusive_until_it_lapses(coord: Coordination) -> None:
+    assert coord.acquire_lease("m1", 0.3)
+    assert not coord.acquire_lease("m2", 0.3)
+    assert coord.acquire_lease("m1", 0.3)  # renew
+    time.sleep(0.45)
+    assert coord.acquire_lease("m2", 5)  # the standby takes over
+    assert not coord.acquire_lease("m1", 5)
+    coord.release_lease("m1")  # not the holder: no effect
+    assert not coord.acquire_lease("m1", 5)
+    coord.release_lease("m2")
+    assert coord.acquire_lease("m1", 5)
+
+
+async def test_wait_is_woken_by_notify_and_times_out_otherwise(coord: Coordination) -> None:
+    assert not await coord.wait("ch", 0.1)
+    waiter = asyncio.create_task(coord.wait("ch", 5))
+    await asyncio.sleep(0.1)  # let it subscribe
+    t0 = time.monotonic()
+    await asyncio.to_thread(coord.notify, "ch")
+    assert await waiter
+    assert time.monotonic() - t0 < 2
+    assert not await coord.wait("other", 0.05)

@@ -1,0 +1,110 @@
+"""Scheduling loop against real databases: dispatch to live node managers' free slots, requeue the work
+of a lost node manager from its latest checkpoint, leader lease with a standby (real Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from stagetree.core.batch import BatchSpec, Point
+from stagetree.master.app import MasterApp
+from stagetree.master.auth import Principal
+from stagetree.master.coordination import RedisCoordination
+from stagetree.master.scheduling import SchedulingLoop
+from stagetree.master.service import SubmitItem
+from stagetree.master.settings import SchedulingSettings
+from tests.integration.master.conftest import REDIS_URL
+from tests.integration.master.helpers import config_json, fixed, unique
+
+ALICE = Principal("alice")
+ADMIN = Principal("admin", admin=True)
+
+
+def _submit(app: MasterApp, n: int, step: int = 10) -> tuple[str, list[int]]:
+    study = app.service.create_study(ALICE, unique("s"))
+    f = fixed()
+    items = [SubmitItem(f"r{i}", config_json(f, lr=0.01 * (i + 1)), step) for i in range(n)]
+    return study.id, [r.id for r in app.service.submit(ALICE, study.id, items)]
+
+
+def _node_manager(app: MasterApp, slots: int, ttl: float = 30) -> str:
+    nm = unique("nm")
+    app.service.register_node_manager(ADMIN, nm, "local", [(f"g{i}", "cpu") for i in range(slots)])
+    app.coordination.heartbeat(nm, ttl)
+    return nm
+
+
+def test_round_fills_free_slots_and_never_sends_an_attempt_twice(app: MasterApp) -> None:
+    _, _ = _submit(app, 3)
+    nm = _node_manager(app, 2)
+    first = app.scheduler.run_round()
+    assert first.pending == 3 and len(first.dispatched) == 2 and first.queued == 1
+    assert app.scheduler.run_round().dispatched == []  # no free slot left
+    sent = app.service.take_assignments(ADMIN, nm)
+    assert sorted(b for b, _, _ in sent) == sorted(first.dispatched)
+    assert app.service.take_assignments(ADMIN, nm) == []
+    specs = [BatchSpec.from_json(json.loads(s)) for _, _, s in sent]
+    assert {s.steps for s in specs} == {10}
+    app.service.report_batch(ADMIN, specs[0].batch_id, 1, ok=True, metrics=[])
+    assert len(app.scheduler.run_round().dispatched) == 1  # the freed slot takes the queued batch
+
+
+def test_lost_node_manager_work_restarts_from_its_latest_checkpoint(app: MasterApp) -> None:
+    study, (rid,) = _submit(app, 1, step=20)
+    lost = _node_manager(app, 1, ttl=0.3)
+    (bid,) = app.scheduler.run_round().dispatched
+    ((_, _, spec_text),) = app.service.take_assignments(ADMIN, lost)
+    spec = BatchSpec.from_json(json.loads(spec_text))
+    node = spec.stages[-1].node
+    app.store.record_checkpoint(node, 8, "file:///peripheral-8", 100, "peripheral")  # as the aggregator would
+    time.sleep(0.4)
+    other = _node_manager(app, 1)
+    report = app.scheduler.run_round()
+    assert report.lost_node_managers == [lost]
+    (new_bid,) = report.dispatched
+    assert app.store.get_batch(bid).state == "LOST"
+    ((_, attempt, text),) = app.service.take_assignments(ADMIN, other)
+    again = BatchSpec.from_json(json.loads(text))
+    assert attempt == 1 and again.batch_id == new_bid
+    assert again.source.point == Point(node, 8) and again.source.uri == "file:///peripheral-8"
+    assert again.steps == 12
+    assert app.service.report_batch(ADMIN, bid, 1, ok=True, metrics=[]) == []  # late report of the lost attempt
+    (req,) = app.service.get_requests(ALICE, study, [rid])
+    assert req.state == "SCHED" and req.batch_id == new_bid
+
+
+def test_snapshot_of_many_pending_requests_is_fast(app: MasterApp) -> None:
+    study = app.service.create_study(ALICE, unique("s"))
+    f = fixed()
+    for chunk in range(10):
+        items = [SubmitItem(f"r{chunk}-{i}", config_json(f, lr=0.001 * (i + 1), bs=chunk + 1), 50) for i in range(50)]
+        app.service.submit(ALICE, study.id, items)
+    _node_manager(app, 4)
+    report = app.scheduler.run_round()
+    assert report.pending == 500 and len(report.dispatched) == 4
+    assert report.snapshot_ms + report.decide_ms < 2000
+
+
+async def test_standby_takes_over_when_the_lease_lapses(app: MasterApp) -> None:
+    coord = RedisCoordination(REDIS_URL, prefix=unique("lease"))
+    try:
+        assert coord.acquire_lease("crashed-master", 0.6)  # a leader that will never renew
+        standby = SchedulingLoop(
+            app.store, app.service.plans, coord, SchedulingSettings(lease_ttl_s=0.3, round_interval_s=0.1), "standby"
+        )
+        stop = asyncio.Event()
+        task = asyncio.create_task(standby.run(stop))
+        await asyncio.sleep(0.3)
+        assert not standby.is_leader
+        deadline = time.monotonic() + 5
+        while not standby.is_leader:
+            assert time.monotonic() < deadline, "the standby never took the lease"
+            await asyncio.sleep(0.05)
+        assert not coord.acquire_lease("crashed-master", 5)
+        stop.set()
+        coord.notify("round")
+        await asyncio.wait_for(task, 5)
+        assert coord.acquire_lease("next", 5)  # released on a clean stop
+    finally:
+        coord.close()
