@@ -42,6 +42,7 @@ class MasterApp:
             coordination = RedisCoordination(settings.redis_url) if settings.redis_url else InProcessCoordination()
         plans = PlanCache(store)
         service = MasterService(store, settings.limits, coordination, plans)
+        service.max_attempts = settings.scheduling.max_attempts
         instance = settings.instance_id or f"{socket.gethostname()}:{os.getpid()}"
         scheduler = SchedulingLoop(store, plans, coordination, settings.scheduling, instance)
         return cls(settings, store, coordination, Authenticator(settings.auth), service, scheduler)

@@ -1,6 +1,6 @@
 """Command line of the master: ``db upgrade``, ``db check`` and ``serve`` (argparse).
 
-``main(argv)`` is meant to be mounted by the project's main CLI (``stagetree db upgrade --url ...``);
+``main(argv)`` is meant to be mounted by the project's main CLI (``stagetree master db upgrade --url ...``);
 it prints and returns an exit status instead of raising.
 """
 
@@ -16,7 +16,7 @@ from stagetree.core.errors import StagetreeError
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="stagetree", description="stagetree master")
+    p = argparse.ArgumentParser(prog="stagetree master", description="stagetree master")
     sub = p.add_subparsers(dest="command", required=True)
     db = sub.add_parser("db", help="database schema")
     dbsub = db.add_subparsers(dest="db_command", required=True)

@@ -21,7 +21,7 @@ from stagetree.core.searchplan import check_step
 from stagetree.master.auth import Principal
 from stagetree.master.plans import PlanCache, config_text
 from stagetree.master.settings import LimitSettings
-from stagetree.master.store.store import NewRequest, RequestRecord, SqlStore, StudyRecord
+from stagetree.master.store.store import Assignment, NewRequest, RequestRecord, SlotInfo, SqlStore, StudyRecord
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,7 @@ class MasterService:
         self.limits = limits
         self.wakeups: Wakeups = wakeups or NoWakeups()
         self.plans = plans or PlanCache(store)
+        self.max_attempts = 3  # failed attempts of a request's work before the request fails
 
     # -- studies --------------------------------------------------------------------------------
 
@@ -198,7 +199,9 @@ class MasterService:
         study = self.get_study(who, study_id)
         rec, abort = self.store.cancel_request(study.id, request_id)
         if abort is not None:
-            self.store.abort_batch(abort)
+            nm = self.store.abort_batch(abort)
+            if nm is not None:
+                self.wakeups.notify(ch_node_manager(nm))
             log.info("batch aborted: no live request needs it", extra={"batch_id": abort, "request_id": request_id})
         self.wakeups.notify(CH_ROUND)
         self.wakeups.notify(CH_RESULTS)
@@ -259,11 +262,22 @@ class MasterService:
 
     # -- node managers --------------------------------------------------------------------------
 
-    def register_node_manager(self, who: Principal, nm_id: str, address: str, slots: Sequence[tuple[str, str]]) -> None:
+    def register_node_manager(
+        self, who: Principal, nm_id: str, address: str, slots: Sequence[SlotInfo | tuple[str, str]]
+    ) -> None:
         who.require_admin()
         if not nm_id or len(nm_id) > 128:
             raise InvalidArgument("node_manager_id: must be a non-empty string of at most 128 characters")
-        ids = [s for s, _ in slots]
+        infos = [s if isinstance(s, SlotInfo) else SlotInfo(s[0], s[1]) for s in slots]
+        if not infos:
+            raise InvalidArgument("slots: a node manager needs at least one slot")
+        for i, info in enumerate(infos):
+            if not 0.0 <= info.share <= 1.0:
+                raise InvalidArgument(f"slots[{i}].share: must be in [0, 1] (0 = the whole GPU), got {info.share}")
+            if info.memory_bytes < 0 or info.cpu_cores < 0:
+                raise InvalidArgument(f"slots[{i}]: memory_bytes and cpu_cores must not be negative")
+        slots = infos
+        ids = [s.id for s in infos]
         if len(set(ids)) != len(ids) or any(not s for s in ids):
             raise InvalidArgument("slots: slot ids must be non-empty and distinct")
         self.store.register_node_manager(nm_id, address, slots)
@@ -274,9 +288,20 @@ class MasterService:
         who.require_admin()
         self.store.heartbeat(nm_id)
 
-    def take_assignments(self, who: Principal, nm_id: str) -> list[tuple[int, int, str]]:
+    def take_assignments(self, who: Principal, nm_id: str) -> list[Assignment]:
+        """What the node manager should do next: batch attempts to run, then control actions."""
         who.require_admin()
-        return [(a.batch_id, a.attempt, a.spec_json) for a in self.store.take_assignments(nm_id)]
+        return self.store.take_assignments(nm_id)
+
+    def preempt(self, who: Principal, batch_id: int) -> bool:
+        """Ask a running batch to yield (finish the step, save, exit); its rest is rescheduled."""
+        who.require_admin()
+        asked = self.store.preempt_batch(batch_id)
+        if asked:
+            batch = self.store.get_batch(batch_id)
+            if batch.node_manager_id:
+                self.wakeups.notify(ch_node_manager(batch.node_manager_id))
+        return asked
 
     def report_batch(
         self,
@@ -286,9 +311,14 @@ class MasterService:
         ok: bool,
         metrics: Sequence[MetricReport] = (),
         checkpoints: Sequence[CheckpointReport] = (),
+        *,
+        error: str = "",
+        oom: bool = False,
+        preempted: bool = False,
     ) -> list[int]:
         """A node manager reports what a batch attempt produced and whether it ended well. Returns the
-        requests it completed."""
+        requests it completed. A failed attempt's requests are retried up to ``max_attempts`` times, then
+        fail with the error; a preempted one's are rescheduled from its checkpoint without counting."""
         who.require_admin()
         batch = self.store.get_batch(batch_id)
         for c in checkpoints:
@@ -298,7 +328,11 @@ class MasterService:
         for mr in metrics:
             p = self.plans.canonical(batch.plan_id, Point(mr.node, check_step(mr.step)))
             done.extend(self.store.record_metrics(batch.plan_id, p.node, p.step, dict(mr.values)))
-        requeued = self.store.finish_batch(batch_id, attempt, ok)
+        if oom and not ok:
+            error = f"out of memory: {error}" if error else "out of memory"
+        requeued = self.store.finish_batch(
+            batch_id, attempt, ok, error=error, preempted=preempted, max_failures=self.max_attempts
+        )
         log.info(
             "batch reported",
             extra={"batch_id": batch_id, "attempt": attempt, "ok": ok, "done": len(done), "requeued": len(requeued)},

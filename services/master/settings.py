@@ -29,6 +29,7 @@ class SchedulingSettings(BaseModel):
     heartbeat_ttl_s: float = Field(default=15.0, gt=0)
     round_interval_s: float = Field(default=5.0, gt=0)  # a round at least this often even without events
     lease_ttl_s: float = Field(default=10.0, gt=0)
+    max_attempts: int = Field(default=3, ge=1)  # failed attempts of a request's work before it fails
 
 
 class MasterSettings(BaseSettings):

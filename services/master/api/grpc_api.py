@@ -26,7 +26,7 @@ from stagetree.master.service import (
     SubmitItem,
     ch_node_manager,
 )
-from stagetree.master.store.store import RequestRecord, StudyRecord
+from stagetree.master.store.store import RequestRecord, SlotInfo, StudyRecord
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
 from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
 
@@ -48,6 +48,7 @@ def result_pb(r: RequestRecord) -> pb.RequestResult:
         metrics=r.metrics or {},
         node=r.node,
         step=r.step,
+        error=r.error or "",
     )
 
 
@@ -156,7 +157,18 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
     async def RegisterNodeManager(
         self, request: pb.RegisterNodeManagerRequest, context: Any
     ) -> pb.RegisterNodeManagerResponse:
-        slots = [(s.id, s.gpu_type or "cpu") for s in request.slots]
+        slots = [
+            SlotInfo(
+                s.id,
+                s.gpu_type or "cpu",
+                s.memory_bytes,
+                s.compute_capability,
+                s.share,
+                s.cpu_cores,
+                s.gpu_index if s.gpu_type and s.gpu_type != "cpu" else -1,
+            )
+            for s in request.slots
+        ]
 
         def register(who: Principal) -> None:
             self.svc.register_node_manager(who, request.node_manager_id, request.address, slots)
@@ -181,9 +193,18 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
             who = self._who(context)
             who.require_admin()
             while True:
-                for bid, att, spec in await asyncio.to_thread(self.svc.take_assignments, who, nm):
-                    log.info("assignment sent", extra={"batch_id": bid, "attempt": att, "node_manager_id": nm})
-                    yield pb.Assignment(batch_id=bid, attempt=att, batch_spec_json=spec)
+                for a in await asyncio.to_thread(self.svc.take_assignments, who, nm):
+                    log.info(
+                        "assignment sent",
+                        extra={"batch_id": a.batch_id, "attempt": a.attempt, "kind": a.kind, "node_manager_id": nm},
+                    )
+                    yield pb.Assignment(
+                        batch_id=a.batch_id,
+                        attempt=a.attempt,
+                        batch_spec_json=a.spec_json,
+                        kind=a.kind,  # the enum value's name
+                        checkpoint_uris=a.checkpoint_uris,
+                    )
                 await self.coord.wait(ch_node_manager(nm), POLL_S)
         except Exception as exc:
             await self._abort(context, exc)
@@ -193,7 +214,17 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
         ckpts = [CheckpointReport(c.node, c.step, c.uri, c.bytes, c.kind or "central") for c in request.checkpoints]
         done = await self._call(
             context,
-            lambda who: self.svc.report_batch(who, request.batch_id, request.attempt, request.ok, metrics, ckpts),
+            lambda who: self.svc.report_batch(
+                who,
+                request.batch_id,
+                request.attempt,
+                request.ok,
+                metrics,
+                ckpts,
+                error=request.error,
+                oom=request.oom,
+                preempted=request.preempted,
+            ),
         )
         return pb.ReportBatchResponse(completed_request_ids=done)
 

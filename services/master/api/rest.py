@@ -8,6 +8,7 @@ use cases are synchronous.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from typing import TYPE_CHECKING, Annotated, Any
@@ -20,7 +21,7 @@ from stagetree.core.errors import StagetreeError
 from stagetree.master.auth import Principal, bearer
 from stagetree.master.errors import status_of
 from stagetree.master.service import SubmitItem
-from stagetree.master.store.store import RequestRecord, StudyRecord
+from stagetree.master.store.store import RequestRecord, SlotInfo, StudyRecord
 
 if TYPE_CHECKING:
     from stagetree.master.app import MasterApp
@@ -59,6 +60,7 @@ class RequestOut(BaseModel):
     metrics: dict[str, float] | None
     node: int
     step: int
+    error: str | None = None
 
 
 class MetricsQuery(BaseModel):
@@ -74,8 +76,13 @@ class MetricsOut(BaseModel):
 
 
 class SlotIn(BaseModel):
-    id: str
-    gpu_type: str = "cpu"
+    id: str = Field(min_length=1, max_length=128)
+    gpu_type: str = Field(default="cpu", max_length=64)
+    memory_bytes: int = Field(default=0, ge=0)
+    compute_capability: str = Field(default="", max_length=16)
+    share: float = Field(default=0.0, ge=0.0, le=1.0)
+    cpu_cores: int = Field(default=0, ge=0)
+    gpu_index: int = -1
 
 
 class NodeManagerIn(BaseModel):
@@ -109,6 +116,7 @@ def _request(r: RequestRecord) -> RequestOut:
         metrics=r.metrics,
         node=r.node,
         step=r.step,
+        error=r.error,
     )
 
 
@@ -192,7 +200,9 @@ def create_rest_app(master: MasterApp) -> FastAPI:
 
     @api.post(f"{PREFIX}/nodes", status_code=201)
     def register_node(body: NodeManagerIn, who: Who) -> dict[str, str]:
-        svc.register_node_manager(who, body.node_manager_id, body.address, [(s.id, s.gpu_type) for s in body.slots])
+        svc.register_node_manager(
+            who, body.node_manager_id, body.address, [SlotInfo(**s.model_dump()) for s in body.slots]
+        )
         master.coordination.heartbeat(body.node_manager_id, master.settings.scheduling.heartbeat_ttl_s)
         return {"node_manager_id": body.node_manager_id}
 
@@ -205,7 +215,7 @@ def create_rest_app(master: MasterApp) -> FastAPI:
                 "address": n.address,
                 "state": n.state,
                 "last_heartbeat": n.last_heartbeat,
-                "slots": [{"id": s, "gpu_type": g} for s, g in n.slots],
+                "slots": [dataclasses.asdict(i) for i in n.slot_infos],
             }
             for n in master.store.node_managers()
         ]

@@ -121,6 +121,8 @@ class Request(Base):
     client_request_id: Mapped[str] = mapped_column(String(128))
     created_at: Mapped[float] = mapped_column(Float)
     done_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    failures: Mapped[int] = mapped_column(Integer, default=0)  # failed batch attempts that carried it
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)  # the last failure, shown when FAILED
 
 
 class Checkpoint(Base):
@@ -160,6 +162,11 @@ class Slot(Base):
     node_manager_id: Mapped[str] = mapped_column(ForeignKey("node_managers.id"), primary_key=True)
     slot_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     gpu_type: Mapped[str] = mapped_column(String(64))
+    memory_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    compute_capability: Mapped[str] = mapped_column(String(16), default="")
+    share: Mapped[float] = mapped_column(Float, default=0.0)
+    cpu_cores: Mapped[int] = mapped_column(Integer, default=0)
+    gpu_index: Mapped[int] = mapped_column(Integer, default=-1)
 
 
 class CostProfile(Base):
@@ -171,3 +178,29 @@ class CostProfile(Base):
     peak_memory_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     samples: Mapped[int] = mapped_column(Integer, default=0)
     updated_at: Mapped[float] = mapped_column(Float)
+
+
+class NodeManagerAction(Base):
+    """The outbox of control actions for a node manager (abort, preempt, delete checkpoints), sent once
+    on its assignment stream in id order."""
+
+    __tablename__ = "node_manager_actions"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True, autoincrement=True)
+    node_manager_id: Mapped[str] = mapped_column(String(128), index=True)
+    kind: Mapped[str] = mapped_column(String(32))  # ABORT, PREEMPT, DELETE_CHECKPOINTS
+    batch_id: Mapped[int] = mapped_column(BigInteger, default=0)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    payload: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[float] = mapped_column(Float)
+    sent_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class AppliedMessage(Base):
+    """Bus message ids an aggregator has applied, written in the same transaction as their effects, so
+    a redelivered message changes nothing."""
+
+    __tablename__ = "applied_messages"
+
+    msg_id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    applied_at: Mapped[float] = mapped_column(Float)

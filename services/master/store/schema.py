@@ -1,7 +1,7 @@
 """Schema versioning: applying the packaged Alembic migrations and refusing to run on an old schema.
 
 Migrations ship inside the wheel (``migrations/``) and are applied by an explicit step,
-``stagetree db upgrade --url URL``; a service that opens a database whose revision is not the head
+``stagetree master db upgrade --url URL``; a service that opens a database whose revision is not the head
 raises ``FailedPrecondition`` carrying that exact command.
 """
 
@@ -52,7 +52,7 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
 
 
 def upgrade_command(engine: Engine) -> str:
-    return f"stagetree db upgrade --url {engine.url.render_as_string(hide_password=True)}"
+    return f"stagetree master db upgrade --url {engine.url.render_as_string(hide_password=True)}"
 
 
 def check_schema(engine: Engine) -> None:

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sqlalchemy import Engine, create_engine, event, func, or_, select, tuple_, update
+from sqlalchemy import Engine, create_engine, event, func, select, tuple_, update
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -35,8 +35,12 @@ T = TypeVar("T")
 
 NOT_SCHED, SCHED, DONE, CANCELLED = "NOT_SCHED", "SCHED", "DONE", "CANCELLED"
 LIVE_STATES = (NOT_SCHED, SCHED)
+REQUEST_FAILED = "FAILED"  # a request whose work failed more than the retry limit
 RUNNING, BATCH_DONE, FAILED, LOST, ABORTED = "RUNNING", "DONE", "FAILED", "LOST", "ABORTED"
+PREEMPTED = "PREEMPTED"
 ALIVE = "ALIVE"
+# node-manager actions (the outbox sent on the assignment stream; RUN attempts come from batch_attempts)
+RUN, ABORT, PREEMPT, DELETE_CHECKPOINTS = "RUN", "ABORT", "PREEMPT", "DELETE_CHECKPOINTS"
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,20 @@ class RequestRecord:
     client_request_id: str
     batch_id: int | None
     metrics: dict[str, float] | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """A slot as a node manager registers it (the GPU's details come from NVML; a CPU slot has none)."""
+
+    id: str
+    gpu_type: str = "cpu"
+    memory_bytes: int = 0
+    compute_capability: str = ""
+    share: float = 0.0
+    cpu_cores: int = 0
+    gpu_index: int = -1
 
 
 @dataclass(frozen=True)
@@ -91,6 +109,7 @@ class NodeManagerRecord:
     state: str
     last_heartbeat: float
     slots: tuple[tuple[str, str], ...]  # (slot id, gpu type)
+    slot_infos: tuple[SlotInfo, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -106,9 +125,13 @@ class BatchRecord:
 
 @dataclass(frozen=True)
 class Assignment:
+    """One message of a node manager's assignment stream: RUN a batch attempt, or a control action."""
+
     batch_id: int
     attempt: int
     spec_json: str
+    kind: str = RUN
+    checkpoint_uris: tuple[str, ...] = ()
 
 
 def make_engine(url: str, *, pool_size: int = 10) -> Engine:
@@ -454,7 +477,8 @@ class SqlStore:
 
     # -- node managers --------------------------------------------------------------------------
 
-    def register_node_manager(self, nm_id: str, address: str, slots: Sequence[tuple[str, str]]) -> None:
+    def register_node_manager(self, nm_id: str, address: str, slots: Sequence[SlotInfo | tuple[str, str]]) -> None:
+        infos = [s if isinstance(s, SlotInfo) else SlotInfo(s[0], s[1]) for s in slots]
         now = time.time()
         with self._tx("register node manager") as s:
             row = s.get(m.NodeManager, nm_id, with_for_update=True)
@@ -464,7 +488,19 @@ class SqlStore:
                 row.address, row.state, row.last_heartbeat = address, ALIVE, now
             s.flush()
             s.query(m.Slot).filter(m.Slot.node_manager_id == nm_id).delete()
-            s.add_all(m.Slot(node_manager_id=nm_id, slot_id=sid, gpu_type=g) for sid, g in slots)
+            s.add_all(
+                m.Slot(
+                    node_manager_id=nm_id,
+                    slot_id=i.id,
+                    gpu_type=i.gpu_type,
+                    memory_bytes=i.memory_bytes,
+                    compute_capability=i.compute_capability,
+                    share=i.share,
+                    cpu_cores=i.cpu_cores,
+                    gpu_index=i.gpu_index,
+                )
+                for i in infos
+            )
 
     def heartbeat(self, nm_id: str) -> None:
         with self._tx("heartbeat") as s:
@@ -476,15 +512,19 @@ class SqlStore:
 
     def node_managers(self) -> list[NodeManagerRecord]:
         with self._tx("list node managers") as s:
-            slots: dict[str, list[tuple[str, str]]] = {}
-            for nm, sid, g in s.execute(
-                select(m.Slot.node_manager_id, m.Slot.slot_id, m.Slot.gpu_type).order_by(m.Slot.slot_id)
-            ):
-                slots.setdefault(nm, []).append((sid, g))
-            return [
-                NodeManagerRecord(r.id, r.address, r.state, r.last_heartbeat, tuple(slots.get(r.id, ())))
-                for r in s.scalars(select(m.NodeManager).order_by(m.NodeManager.id))
-            ]
+            infos: dict[str, list[SlotInfo]] = {}
+            for r in s.scalars(select(m.Slot).order_by(m.Slot.slot_id)):
+                infos.setdefault(r.node_manager_id, []).append(
+                    SlotInfo(
+                        r.slot_id, r.gpu_type, r.memory_bytes, r.compute_capability, r.share, r.cpu_cores, r.gpu_index
+                    )
+                )
+            out = []
+            for r in s.scalars(select(m.NodeManager).order_by(m.NodeManager.id)):
+                mine = tuple(infos.get(r.id, ()))
+                slots = tuple((i.id, i.gpu_type) for i in mine)
+                out.append(NodeManagerRecord(r.id, r.address, r.state, r.last_heartbeat, slots, mine))
+            return out
 
     def mark_lost(self, nm_id: str) -> list[int]:
         """The node manager stopped heartbeating: its running batches are LOST and their requests go back
@@ -585,8 +625,8 @@ class SqlStore:
             return _batch_record(b)
 
     def take_assignments(self, nm_id: str) -> list[Assignment]:
-        """Running attempts for this node manager not yet sent; each is marked sent exactly once even
-        when two streams (or two masters) race for it."""
+        """Running attempts for this node manager not yet sent, then its queued control actions; each is
+        marked sent exactly once even when two streams (or two masters) race for it."""
         now = time.time()
         out: list[Assignment] = []
         with self._tx("take assignments") as s:
@@ -612,11 +652,71 @@ class SqlStore:
                 )
                 if res.rowcount == 1:  # type: ignore[attr-defined]
                     out.append(Assignment(int(bid), int(att), spec))
+            actions = s.scalars(
+                select(m.NodeManagerAction)
+                .where(m.NodeManagerAction.node_manager_id == nm_id, m.NodeManagerAction.sent_at.is_(None))
+                .order_by(m.NodeManagerAction.id)
+            ).all()
+            for a in actions:
+                res = s.execute(
+                    update(m.NodeManagerAction)
+                    .where(m.NodeManagerAction.id == a.id, m.NodeManagerAction.sent_at.is_(None))
+                    .values(sent_at=now)
+                )
+                if res.rowcount == 1:  # type: ignore[attr-defined]
+                    uris = tuple(str(u) for u in a.payload.get("uris", ()))
+                    out.append(Assignment(int(a.batch_id), int(a.attempt), "", a.kind, uris))
         return out
 
-    def finish_batch(self, batch_id: int, attempt: int, ok: bool) -> list[int]:
-        """A batch attempt ended. On failure its requests that got no metrics go back to NOT_SCHED
-        (returned). A report for an attempt that is not the running one is ignored."""
+    def _enqueue_action(
+        self, s: Session, nm_id: str, kind: str, batch_id: int = 0, attempt: int = 0, uris: Sequence[str] = ()
+    ) -> None:
+        s.add(
+            m.NodeManagerAction(
+                node_manager_id=nm_id,
+                kind=kind,
+                batch_id=batch_id,
+                attempt=attempt,
+                payload={"uris": list(uris)},
+                created_at=time.time(),
+            )
+        )
+
+    def delete_checkpoints(self, points: Sequence[Point]) -> dict[str, list[str]]:
+        """Forget these checkpoints and queue their deletion on every live node manager (the store is
+        shared; whichever gets there first deletes, the others find nothing). Returns uris per manager."""
+        if not points:
+            return {}
+        with self._tx("delete checkpoints") as s:
+            keys = [(p.node, p.step) for p in points]
+            uris = [
+                str(u)
+                for u in s.scalars(
+                    select(m.Checkpoint.uri).where(tuple_(m.Checkpoint.node_id, m.Checkpoint.step).in_(keys))
+                )
+            ]
+            if not uris:
+                return {}
+            s.execute(m.Checkpoint.__table__.delete().where(tuple_(m.Checkpoint.node_id, m.Checkpoint.step).in_(keys)))
+            nms = [str(n) for n in s.scalars(select(m.NodeManager.id).where(m.NodeManager.state == ALIVE))]
+            for nm in nms:
+                self._enqueue_action(s, nm, DELETE_CHECKPOINTS, uris=uris)
+            return {nm: uris for nm in nms}
+
+    def finish_batch(
+        self,
+        batch_id: int,
+        attempt: int,
+        ok: bool,
+        *,
+        error: str = "",
+        preempted: bool = False,
+        max_failures: int = 3,
+    ) -> list[int]:
+        """A batch attempt ended. Its requests that got no metrics go back to NOT_SCHED (returned) so the
+        next round serves them from the latest checkpoint, except after a failure that is their
+        ``max_failures``-th: those become FAILED with ``error``. A preemption is not a failure. A report
+        for an attempt that is not the running one is ignored (it was lost, aborted or already reported)."""
         with self._tx("finish batch") as s:
             b = s.get(m.Batch, batch_id, with_for_update=True)
             if b is None:
@@ -624,16 +724,47 @@ class SqlStore:
             if b.attempt != attempt or b.state != RUNNING:
                 log.info("stale batch report ignored", extra={"batch_id": batch_id, "attempt": attempt})
                 return []
+            failed = not ok and not preempted
+            if failed:
+                s.execute(
+                    update(m.Request)
+                    .where(m.Request.batch_id == batch_id, m.Request.state == SCHED)
+                    .values(failures=m.Request.failures + 1, error=error[-4000:] or "the batch failed")
+                )
+                now = time.time()
+                s.execute(
+                    update(m.Request)
+                    .where(m.Request.batch_id == batch_id, m.Request.state == SCHED, m.Request.failures >= max_failures)
+                    .values(state=REQUEST_FAILED, done_at=now)
+                )
             requeued = [
                 int(r)
                 for r in s.scalars(select(m.Request.id).where(m.Request.batch_id == batch_id, m.Request.state == SCHED))
             ]
-            self._end_batches(s, [batch_id], BATCH_DONE if ok else FAILED)
+            self._end_batches(s, [batch_id], BATCH_DONE if ok else (PREEMPTED if preempted else FAILED))
             return requeued
 
-    def abort_batch(self, batch_id: int) -> None:
+    def abort_batch(self, batch_id: int) -> str | None:
+        """End a running batch no live request needs and queue the order to stop it for its node
+        manager (returned, to be woken)."""
         with self._tx("abort batch") as s:
+            b = s.get(m.Batch, batch_id, with_for_update=True)
+            if b is None or b.state != RUNNING:
+                return None
+            if b.node_manager_id:
+                self._enqueue_action(s, b.node_manager_id, ABORT, batch_id, b.attempt)
             self._end_batches(s, [batch_id], ABORTED)
+            return b.node_manager_id
+
+    def preempt_batch(self, batch_id: int) -> bool:
+        """Ask the batch's node manager to preempt it (the batch stays RUNNING until it reports). Returns
+        False when the batch is not running."""
+        with self._tx("preempt batch") as s:
+            b = s.get(m.Batch, batch_id)
+            if b is None or b.state != RUNNING or not b.node_manager_id:
+                return False
+            self._enqueue_action(s, b.node_manager_id, PREEMPT, batch_id, b.attempt)
+            return True
 
     def busy_slots(self) -> set[tuple[str, str]]:
         with self._tx("busy slots") as s:
@@ -671,7 +802,7 @@ class SqlStore:
                 row.updated_at = time.time()
 
     def done_since(self, study_id: str, request_ids: Sequence[int]) -> list[RequestRecord]:
-        """The requests among ``request_ids`` that are finished (DONE or CANCELLED), with metrics."""
+        """The requests among ``request_ids`` that are finished (DONE, CANCELLED or FAILED), with metrics."""
         with self._tx("finished requests") as s:
             recs = [
                 _request_record(r)
@@ -679,7 +810,7 @@ class SqlStore:
                     select(m.Request).where(
                         m.Request.study_id == study_id,
                         m.Request.id.in_(list(request_ids)),
-                        or_(m.Request.state == DONE, m.Request.state == CANCELLED),
+                        m.Request.state.in_((DONE, CANCELLED, REQUEST_FAILED)),
                     )
                 )
             ]
@@ -693,7 +824,16 @@ class _NothingToDispatch(Exception):
 
 def _request_record(r: m.Request) -> RequestRecord:
     return RequestRecord(
-        int(r.id), r.study_id, int(r.plan_id), int(r.node_id), r.step, r.state, r.client_request_id, r.batch_id
+        int(r.id),
+        r.study_id,
+        int(r.plan_id),
+        int(r.node_id),
+        r.step,
+        r.state,
+        r.client_request_id,
+        r.batch_id,
+        None,
+        r.error if r.state == REQUEST_FAILED else None,
     )
 
 
@@ -701,7 +841,7 @@ def _with_metrics(r: RequestRecord, metrics: dict[str, float] | None) -> Request
     if metrics is None:
         return r
     return RequestRecord(
-        r.id, r.study_id, r.plan_id, r.node, r.step, r.state, r.client_request_id, r.batch_id, dict(metrics)
+        r.id, r.study_id, r.plan_id, r.node, r.step, r.state, r.client_request_id, r.batch_id, dict(metrics), r.error
     )
 
 

@@ -42,9 +42,9 @@ def test_round_fills_free_slots_and_never_sends_an_attempt_twice(app: MasterApp)
     assert first.pending == 3 and len(first.dispatched) == 2 and first.queued == 1
     assert app.scheduler.run_round().dispatched == []  # no free slot left
     sent = app.service.take_assignments(ADMIN, nm)
-    assert sorted(b for b, _, _ in sent) == sorted(first.dispatched)
+    assert sorted(a.batch_id for a in sent) == sorted(first.dispatched)
     assert app.service.take_assignments(ADMIN, nm) == []
-    specs = [BatchSpec.from_json(json.loads(s)) for _, _, s in sent]
+    specs = [BatchSpec.from_json(json.loads(a.spec_json)) for a in sent]
     assert {s.steps for s in specs} == {10}
     app.service.report_batch(ADMIN, specs[0].batch_id, 1, ok=True, metrics=[])
     assert len(app.scheduler.run_round().dispatched) == 1  # the freed slot takes the queued batch
@@ -54,7 +54,8 @@ def test_lost_node_manager_work_restarts_from_its_latest_checkpoint(app: MasterA
     study, (rid,) = _submit(app, 1, step=20)
     lost = _node_manager(app, 1, ttl=0.3)
     (bid,) = app.scheduler.run_round().dispatched
-    ((_, _, spec_text),) = app.service.take_assignments(ADMIN, lost)
+    (sent,) = app.service.take_assignments(ADMIN, lost)
+    spec_text = sent.spec_json
     spec = BatchSpec.from_json(json.loads(spec_text))
     node = spec.stages[-1].node
     app.store.record_checkpoint(node, 8, "file:///peripheral-8", 100, "peripheral")  # as the aggregator would
@@ -64,7 +65,8 @@ def test_lost_node_manager_work_restarts_from_its_latest_checkpoint(app: MasterA
     assert report.lost_node_managers == [lost]
     (new_bid,) = report.dispatched
     assert app.store.get_batch(bid).state == "LOST"
-    ((_, attempt, text),) = app.service.take_assignments(ADMIN, other)
+    (again,) = app.service.take_assignments(ADMIN, other)
+    attempt, text = again.attempt, again.spec_json
     again = BatchSpec.from_json(json.loads(text))
     assert attempt == 1 and again.batch_id == new_bid
     assert again.source.point == Point(node, 8) and again.source.uri == "file:///peripheral-8"

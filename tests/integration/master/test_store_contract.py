@@ -152,12 +152,15 @@ def test_checkpoints_cost_profiles_and_plan_state(store: SqlStore) -> None:
 def test_old_schema_refuses_with_the_upgrade_command(tmp_path: object) -> None:
     url = f"sqlite:///{tmp_path}/old.db"
     engine = make_engine(url)
-    with pytest.raises(FailedPrecondition, match=r"stagetree db upgrade --url sqlite:///"):
+    with pytest.raises(FailedPrecondition, match=r"stagetree master db upgrade --url sqlite:///"):
+        SqlStore(engine)
+    upgrade(engine, "0001")  # a database left at an older release
+    with pytest.raises(FailedPrecondition, match=r"stagetree master db upgrade"):
         SqlStore(engine)
     upgrade(engine)
     check_schema(engine)
     SqlStore(engine)
-    assert head_revision() == "0001"
+    assert head_revision() == "0002"
     engine.dispose()
 
 

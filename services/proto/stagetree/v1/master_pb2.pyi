@@ -15,11 +15,24 @@ class RequestState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SCHED: _ClassVar[RequestState]
     DONE: _ClassVar[RequestState]
     CANCELLED: _ClassVar[RequestState]
+    FAILED: _ClassVar[RequestState]
+
+class AssignmentKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RUN: _ClassVar[AssignmentKind]
+    ABORT: _ClassVar[AssignmentKind]
+    PREEMPT: _ClassVar[AssignmentKind]
+    DELETE_CHECKPOINTS: _ClassVar[AssignmentKind]
 REQUEST_STATE_UNSPECIFIED: RequestState
 NOT_SCHED: RequestState
 SCHED: RequestState
 DONE: RequestState
 CANCELLED: RequestState
+FAILED: RequestState
+RUN: AssignmentKind
+ABORT: AssignmentKind
+PREEMPT: AssignmentKind
+DELETE_CHECKPOINTS: AssignmentKind
 
 class Study(_message.Message):
     __slots__ = ("id", "name", "owner", "fixed_json", "created_at")
@@ -78,7 +91,7 @@ class SubmitRequestsRequest(_message.Message):
     def __init__(self, study_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[SubmitItem, _Mapping]]] = ...) -> None: ...
 
 class RequestResult(_message.Message):
-    __slots__ = ("request_id", "client_request_id", "state", "metrics", "node", "step")
+    __slots__ = ("request_id", "client_request_id", "state", "metrics", "node", "step", "error")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -92,13 +105,15 @@ class RequestResult(_message.Message):
     METRICS_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     client_request_id: str
     state: RequestState
     metrics: _containers.ScalarMap[str, float]
     node: int
     step: int
-    def __init__(self, request_id: _Optional[int] = ..., client_request_id: _Optional[str] = ..., state: _Optional[_Union[RequestState, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., node: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+    error: str
+    def __init__(self, request_id: _Optional[int] = ..., client_request_id: _Optional[str] = ..., state: _Optional[_Union[RequestState, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., node: _Optional[int] = ..., step: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class SubmitRequestsResponse(_message.Message):
     __slots__ = ("results",)
@@ -195,12 +210,22 @@ class Plan(_message.Message):
     def __init__(self, key: _Optional[str] = ..., fixed_json: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[PlanNode, _Mapping]]] = ...) -> None: ...
 
 class Slot(_message.Message):
-    __slots__ = ("id", "gpu_type")
+    __slots__ = ("id", "gpu_type", "memory_bytes", "compute_capability", "share", "cpu_cores", "gpu_index")
     ID_FIELD_NUMBER: _ClassVar[int]
     GPU_TYPE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    CPU_CORES_FIELD_NUMBER: _ClassVar[int]
+    GPU_INDEX_FIELD_NUMBER: _ClassVar[int]
     id: str
     gpu_type: str
-    def __init__(self, id: _Optional[str] = ..., gpu_type: _Optional[str] = ...) -> None: ...
+    memory_bytes: int
+    compute_capability: str
+    share: float
+    cpu_cores: int
+    gpu_index: int
+    def __init__(self, id: _Optional[str] = ..., gpu_type: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., compute_capability: _Optional[str] = ..., share: _Optional[float] = ..., cpu_cores: _Optional[int] = ..., gpu_index: _Optional[int] = ...) -> None: ...
 
 class RegisterNodeManagerRequest(_message.Message):
     __slots__ = ("node_manager_id", "address", "slots")
@@ -235,14 +260,18 @@ class StreamAssignmentsRequest(_message.Message):
     def __init__(self, node_manager_id: _Optional[str] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("batch_id", "attempt", "batch_spec_json")
+    __slots__ = ("batch_id", "attempt", "batch_spec_json", "kind", "checkpoint_uris")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     BATCH_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_URIS_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     attempt: int
     batch_spec_json: str
-    def __init__(self, batch_id: _Optional[int] = ..., attempt: _Optional[int] = ..., batch_spec_json: _Optional[str] = ...) -> None: ...
+    kind: AssignmentKind
+    checkpoint_uris: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, batch_id: _Optional[int] = ..., attempt: _Optional[int] = ..., batch_spec_json: _Optional[str] = ..., kind: _Optional[_Union[AssignmentKind, str]] = ..., checkpoint_uris: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class MetricPoint(_message.Message):
     __slots__ = ("node", "step", "values")
@@ -276,18 +305,24 @@ class CheckpointPoint(_message.Message):
     def __init__(self, node: _Optional[int] = ..., step: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class ReportBatchRequest(_message.Message):
-    __slots__ = ("batch_id", "attempt", "ok", "metrics", "checkpoints")
+    __slots__ = ("batch_id", "attempt", "ok", "metrics", "checkpoints", "error", "oom", "preempted")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    OOM_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     attempt: int
     ok: bool
     metrics: _containers.RepeatedCompositeFieldContainer[MetricPoint]
     checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointPoint]
-    def __init__(self, batch_id: _Optional[int] = ..., attempt: _Optional[int] = ..., ok: _Optional[bool] = ..., metrics: _Optional[_Iterable[_Union[MetricPoint, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointPoint, _Mapping]]] = ...) -> None: ...
+    error: str
+    oom: bool
+    preempted: bool
+    def __init__(self, batch_id: _Optional[int] = ..., attempt: _Optional[int] = ..., ok: _Optional[bool] = ..., metrics: _Optional[_Iterable[_Union[MetricPoint, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointPoint, _Mapping]]] = ..., error: _Optional[str] = ..., oom: _Optional[bool] = ..., preempted: _Optional[bool] = ...) -> None: ...
 
 class ReportBatchResponse(_message.Message):
     __slots__ = ("completed_request_ids",)

@@ -1,0 +1,52 @@
+"""The ``stagetree`` command: one entry point that hands each command group to the module that owns it.
+
+Each group module exposes ``main(argv: list[str] | None) -> int`` and is imported only when its
+command runs, so ``stagetree study list`` does not import torch or SQLAlchemy.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# command -> (module, whether the command word itself is passed on, one-line help)
+GROUPS: dict[str, tuple[str, bool, str]] = {
+    "up": ("stagetree.embedded", False, "run master, aggregator and one node manager in this process (no servers)"),
+    "cluster": ("stagetree.cluster", False, "start the cluster topology as local processes"),
+    "master": ("stagetree.master.cli", False, "master: db upgrade | db check | serve"),
+    "nodemanager": ("stagetree.nodemanager.cli", False, "node manager: run"),
+    "aggregator": ("stagetree.aggregator.cli", False, "aggregator: run"),
+    "study": ("stagetree.client.cli", True, "studies: list | show | best"),
+    "plan": ("stagetree.client.cli", True, "plan show: the stage tree as text"),
+    "nodes": ("stagetree.client.cli", True, "node managers and their slots"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: stagetree <command> [args...]", "", "commands:"]
+    lines += [f"  {name:<12} {hlp}" for name, (_, _, hlp) in GROUPS.items()]
+    lines += ["", "Run `stagetree <command> --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name not in GROUPS:
+        print(f"stagetree: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module, keep_word, _ = GROUPS[name]
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        print(f"stagetree {name}: not available in this install ({e}); install the matching extra", file=sys.stderr)
+        return 1
+    result: int = mod.main([name, *rest] if keep_word else rest)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Fixtures shared by the integration suites: a fresh Postgres database per test session (dropped at the
+end) and fresh SQLite files, both migrated to head with the packaged migrations; a master app with
+gRPC on a free port; the Tansu Kafka-protocol broker (``tansu_broker``, from ``tests/integration/bus``)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from pydantic import SecretStr
+from sqlalchemy import create_engine, text
+
+from stagetree.master.app import MasterApp
+from stagetree.master.coordination import InProcessCoordination
+from stagetree.master.settings import AuthSettings, LimitSettings, MasterSettings
+from stagetree.master.store.schema import upgrade
+from stagetree.master.store.store import SqlStore, make_engine
+from tests.integration.bus.conftest import tansu_broker  # noqa: F401  (a fixture shared by every suite)
+
+PG_ADMIN_URL = os.environ.get("STAGETREE_TEST_PG_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("STAGETREE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def _pg_url(name: str) -> str:
+    return PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
+
+
+@contextmanager
+def _fresh_pg() -> Iterator[str]:
+    name = f"stagetree_test_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        url = _pg_url(name)
+        engine = make_engine(url)
+        upgrade(engine)
+        engine.dispose()
+        yield url
+    finally:
+        with admin.connect() as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """One migrated database for the session; tests keep apart by unique names and fixed parts."""
+    with _fresh_pg() as url:
+        yield url
+
+
+@pytest.fixture(params=["postgres", "sqlite"])
+def fresh_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A migrated database of its own, for tests that look at global state (scheduling rounds)."""
+    if request.param == "postgres":
+        with _fresh_pg() as url:
+            yield url
+        return
+    url = f"sqlite:///{tmp_path / 'fresh.db'}"
+    engine = make_engine(url)
+    upgrade(engine)
+    engine.dispose()
+    yield url
+
+
+@pytest.fixture(scope="session")
+def sqlite_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path: Path = tmp_path_factory.mktemp("sqlite") / "master.db"
+    url = f"sqlite:///{path}"
+    engine = make_engine(url)
+    upgrade(engine)
+    engine.dispose()
+    return url
+
+
+@pytest.fixture(params=["postgres", "sqlite"])
+def db_url(request: pytest.FixtureRequest) -> str:
+    name = "pg_url" if request.param == "postgres" else "sqlite_url"
+    return str(request.getfixturevalue(name))
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[SqlStore]:
+    s = SqlStore(make_engine(db_url))
+    yield s
+    s.dispose()
+
+
+@pytest.fixture
+def pg_store(pg_url: str) -> Iterator[SqlStore]:
+    s = SqlStore(make_engine(pg_url))
+    yield s
+    s.dispose()
+
+
+TOKENS = {"alice": "alice-token", "bob": "bob-token"}
+ADMIN_TOKEN = "admin-token"
+
+
+def master_settings(database_url: str, **overrides: object) -> MasterSettings:
+    return MasterSettings(
+        database_url=database_url,
+        auth=AuthSettings(tokens={k: SecretStr(v) for k, v in TOKENS.items()}, admin_token=SecretStr(ADMIN_TOKEN)),
+        limits=LimitSettings(max_batch_items=50),
+        **overrides,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture
+def app(fresh_db_url: str) -> Iterator[MasterApp]:
+    a = MasterApp.build(master_settings(fresh_db_url), coordination=InProcessCoordination())
+    yield a
+    a.close()
+
+
+@pytest.fixture
+async def grpc_target(app: MasterApp) -> AsyncIterator[str]:
+    server, port = await app.start_grpc(port=0)
+    yield f"127.0.0.1:{port}"
+    await server.stop(grace=None)
