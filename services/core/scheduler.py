@@ -16,7 +16,7 @@ The round keeps no state: everything comes in as arguments and goes out as ``Dis
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -73,9 +73,10 @@ class Amend:
 @dataclass
 class RoundResult:
     dispatches: list[Dispatch]
-    queue: list[PlannedBatch]  # everything else, in order (not runnable yet, or no slot)
+    queue: list[PlannedBatch]  # batches looked at and not dispatched, in order (all of them unless every slot filled)
     amendments: list[Amend]
     attachments: dict[int, int]
+    queued: int = 0  # every batch of the forest not dispatched this round (len(queue) or more)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,6 +205,19 @@ def plan_batches(
     same search space most likely branches exactly there, and a background save is far cheaper than
     training the prefix again once the worker has moved past it.
     """
+    return list(iter_batches(forest, policy, cost, boundaries))
+
+
+def count_batches(forest: StageForest) -> int:
+    """How many batches ``iter_batches`` cuts the forest into: every path ends at a leaf."""
+    return sum(1 for st in forest.stages if not st.children)
+
+
+def iter_batches(
+    forest: StageForest, policy: OrderPolicy, cost: StageCost, boundaries: Boundaries | None = None
+) -> Iterator[PlannedBatch]:
+    """``plan_batches`` lazily: a round that fills its few free slots early stops cutting there (a
+    forest of 10,000 pending requests has thousands of paths, of which a round dispatches a handful)."""
     policy.prepare(forest, cost)
     stages = forest.stages
     heap: list[tuple[tuple[float, ...], int, Point, bool]] = []
@@ -212,7 +226,6 @@ def plan_batches(
         assert st.source is not None
         heap.append((policy.root_key(st), r, st.source, st.ready))
     heapq.heapify(heap)
-    out: list[PlannedBatch] = []
     while heap:
         _, sid, source, ready = heapq.heappop(heap)
         path: list[Stage] = []
@@ -237,8 +250,7 @@ def plan_batches(
                     if c != nxt:
                         heapq.heappush(heap, (policy.root_key(stages[c]), c, end, False))
             sid = nxt
-        out.append(batch)
-    return out
+        yield batch
 
 
 def place_first_fit(
@@ -266,8 +278,16 @@ def schedule_round(
     """One round. With ``boundaries``, running batches are also asked to save at branch candidates
     learned since they were dispatched (if they have not passed them yet)."""
     pol = order_policy(policy) if isinstance(policy, str) else policy
-    batches = plan_batches(forest, pol, cost, boundaries)
-    dispatches, queue = place_first_fit(batches, free_slots)
+    free = list(free_slots)
+    dispatches: list[Dispatch] = []
+    queue: list[PlannedBatch] = []
+    for b in iter_batches(forest, pol, cost, boundaries) if free else ():
+        if b.ready and free:
+            dispatches.append(Dispatch(b, free.pop(0)))
+            if not free:
+                break  # first fit: nothing after this can be placed this round
+        else:
+            queue.append(b)
     amendments = [Amend(b, p) for p, b in forest.amendments.items()]
     if boundaries is not None:
         for ib in inflight:
@@ -276,7 +296,8 @@ def schedule_round(
                     p = Point(ist.node, step)
                     if p not in ib.saves and p not in forest.amendments:
                         amendments.append(Amend(ib.id, p))
-    return RoundResult(dispatches, queue, amendments, dict(forest.attachments))
+    queued = count_batches(forest) - len(dispatches)
+    return RoundResult(dispatches, queue, amendments, dict(forest.attachments), queued)
 
 
 def steps_cost(step_seconds: float = 1.0) -> StageCost:

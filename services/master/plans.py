@@ -22,7 +22,7 @@ from stagetree.core.batch import Point
 from stagetree.core.config import Config
 from stagetree.core.errors import Conflict
 from stagetree.core.searchplan import Node, SearchPlan
-from stagetree.master.store.store import NewNode, SqlStore
+from stagetree.master.store.store import NewTreeNode, SqlStore
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,11 @@ class PlanCache:
         for rec in self._store.load_nodes(plan_id, after=0 if full else e.last_id):
             if rec.id in e.plan.nodes:
                 continue
+            if rec.parent is not None and rec.parent not in e.plan.nodes:
+                if full:
+                    raise Conflict(f"plan {plan_id}: node {rec.id}'s parent {rec.parent} is missing; retry")
+                self._refresh(e, plan_id, full=True)  # the parent committed after a later id was read
+                return
             e.plan.add_node(rec.parent, rec.start, Config.from_json(json.loads(rec.config_json)), node_id=rec.id)
             e.last_id = max(e.last_id, rec.id)
 
@@ -120,34 +125,48 @@ class PlanCache:
             return e.plan
 
     def locate_many(self, plan_id: int, items: Sequence[tuple[Config, int]]) -> list[Point]:
-        """Canonical points for (config, step) items, creating the nodes they need."""
+        """Canonical points for (config, step) items, creating the nodes they need.
+
+        One pass walks every item, creating missing nodes in memory (negative ids) so later items of
+        the batch walk through them; all of them are written in one transaction; the cache is refreshed
+        and the items walked again. The second pass normally creates nothing; it creates more only
+        when another master wrote a node under the same key first (its config may diverge later)."""
         e = self._entry(plan_id)
         with e.lock:
+            # The plan is append-only, so a walk that finds every point in the cache is correct as it
+            # is: a node written elsewhere since could only have been needed where this walk stopped.
+            found = [e.plan.locate(config, step, create=False)[0] for config, step in items]
+            if all(p is not None for p in found):
+                return [p for p in found if p is not None]
             self._refresh(e, plan_id)
             previous: set[tuple[int | None, int, str]] = set()
             for attempt in range(self._max_passes):
-                points: list[Point | None] = []
-                needed: dict[tuple[int | None, int, str], NewNode] = {}
+                points: list[Point] = []
+                created: list[tuple[Node, Config]] = []
                 for config, step in items:
-                    point, created = e.plan.locate(config, step)
-                    if created:
-                        node = created[0]
-                        _forget(e.plan, node)
-                        digest = branch_digest(config, node.start)
-                        needed.setdefault(
-                            (node.parent, node.start, digest),
-                            NewNode(node.parent, node.start, digest, config_text(config)),
-                        )
-                        points.append(None)
-                    else:
-                        points.append(point)
-                if not needed:
-                    return [p for p in points if p is not None]
-                log.debug("creating nodes", extra={"plan_id": plan_id, "nodes": len(needed), "pass": attempt})
-                self._store.insert_nodes(plan_id, list(needed.values()))
+                    point, new = e.plan.locate(config, step)
+                    assert point is not None
+                    points.append(point)
+                    created.extend((n, config) for n in new)
+                if not created:
+                    return points
+                for node, _ in reversed(created):
+                    _forget(e.plan, node)
+                rows = [
+                    NewTreeNode(n.id, n.parent, n.start, branch_digest(c, n.start), config_text(c)) for n, c in created
+                ]
+                keys = {(r.parent, r.start, r.branch_digest) for r in rows if r.parent is None or r.parent > 0}
+                log.debug("creating nodes", extra={"plan_id": plan_id, "nodes": len(rows), "pass": attempt})
+                ids = self._store.insert_node_tree(plan_id, rows)
+                if len(ids) == len(rows) and not previous:
+                    # every node is ours as walked: add them and translate the points, no second walk
+                    for (node, config), row in zip(created, rows, strict=True):
+                        parent = ids[row.parent] if row.parent is not None and row.parent < 0 else row.parent
+                        e.plan.add_node(parent, node.start, config, node_id=ids[row.ref])
+                    return [Point(ids[p.node], p.step) if p.node < 0 else p for p in points]
                 # asking twice for the same key means another writer's node committed below last_id
-                self._refresh(e, plan_id, full=bool(previous & needed.keys()))
-                previous = set(needed)
+                self._refresh(e, plan_id, full=bool(previous & keys))
+                previous = keys
         raise Conflict(f"plan {plan_id}: could not settle new nodes after {self._max_passes} passes; retry")
 
 

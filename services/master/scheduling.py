@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from stagetree.core.batch import BatchSpec, Point, Source, StageSpec
 from stagetree.core.config import FixedPart
-from stagetree.core.scheduler import PlannedBatch, Slot, schedule_round, steps_cost
+from stagetree.core.scheduler import PlannedBatch, RoundResult, Slot, schedule_round, steps_cost
 from stagetree.core.stagetree import InflightBatch, InflightStage, StageForest, build_stage_tree
 from stagetree.master.coordination import Coordination
 from stagetree.master.plans import PlanCache
@@ -119,14 +121,28 @@ class SchedulingLoop:
         )
         return json.dumps(spec.to_json(), separators=(",", ":"))
 
+    def decide(self) -> tuple[RoundResult, dict[int, dict[Point, str]], int, float, float]:
+        """Snapshot the database and run the core round on the free slots: (result, checkpoint uris per
+        plan, pending count, snapshot ms, decide ms). Writes nothing.
+
+        The cyclic garbage collector is paused meanwhile: a round allocates tens of thousands of
+        short-lived, acyclic objects, and each collection they trigger would walk the whole plan
+        cache (measured: 25-40% of a 10,000-request round). Reference counting still frees them."""
+        with _gc_paused():
+            t0 = time.perf_counter()
+            slots = self.free_slots()
+            if not slots:
+                return RoundResult([], [], [], {}, 0), {}, 0, (time.perf_counter() - t0) * 1000, 0.0
+            forest, uris, count = self.snapshot()
+            t1 = time.perf_counter()
+            cost = steps_cost(self.settings.default_step_seconds)
+            result = schedule_round(forest, slots, cost, self.settings.policy)
+            t2 = time.perf_counter()
+        return result, uris, count, (t1 - t0) * 1000, (t2 - t1) * 1000
+
     def run_round(self) -> RoundReport:
         lost = self.requeue_lost()
-        t0 = time.perf_counter()
-        slots = self.free_slots()
-        forest, uris, count = self.snapshot()
-        t1 = time.perf_counter()
-        result = schedule_round(forest, slots, steps_cost(self.settings.default_step_seconds), self.settings.policy)
-        t2 = time.perf_counter()
+        result, uris, count, snapshot_ms, decide_ms = self.decide()
         dispatched: list[int] = []
         for d in result.dispatches:
             plan_uris = uris.get(int(d.batch.plan), {})
@@ -145,7 +161,7 @@ class SchedulingLoop:
                 extra={"batch_id": rec.id, "node_manager_id": d.slot.node_manager, "slot_id": d.slot.id},
             )
             self.coord.notify(ch_node_manager(d.slot.node_manager))
-        return RoundReport(count, dispatched, lost, len(result.queue), (t1 - t0) * 1000, (t2 - t1) * 1000)
+        return RoundReport(count, dispatched, lost, result.queued, snapshot_ms, decide_ms)
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -168,6 +184,17 @@ class SchedulingLoop:
                 log.exception("scheduling round failed; retrying on the next wake-up")
             await self.coord.wait(CH_ROUND, min(s.round_interval_s, s.lease_ttl_s / 3))
         await asyncio.to_thread(self.coord.release_lease, self.instance_id)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:

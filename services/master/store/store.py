@@ -69,6 +69,18 @@ class NewNode:
 
 
 @dataclass(frozen=True)
+class NewTreeNode:
+    """A node to write whose parent may itself be new: ``parent`` is a database id (> 0), a ``ref`` of an
+    earlier node of the same write (< 0), or None for a root."""
+
+    ref: int  # < 0, unique within one write
+    parent: int | None
+    start: int
+    branch_digest: str
+    config_json: str
+
+
+@dataclass(frozen=True)
 class NewRequest:
     client_request_id: str
     node: int
@@ -148,7 +160,14 @@ def make_engine(url: str, *, pool_size: int = 10) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_size=pool_size, max_overflow=2 * pool_size, pool_pre_ping=True)
+    # execute_batch for the remaining executemany calls (UPDATEs): pages of statements, not a round trip each
+    return create_engine(
+        url,
+        pool_size=pool_size,
+        max_overflow=2 * pool_size,
+        pool_pre_ping=True,
+        executemany_mode="values_plus_batch",
+    )
 
 
 class SqlStore:
@@ -158,6 +177,7 @@ class SqlStore:
         self.engine = engine
         self._sessions = sessionmaker(engine, expire_on_commit=False)
         self._pg = engine.dialect.name == "postgresql"
+        self._plan_ids: dict[str, int] = {}
         if check:
             with self._translate("check schema"):
                 check_schema(engine)
@@ -172,6 +192,26 @@ class SqlStore:
         from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
         return sqlite_insert(table)
+
+    def _insert_ignore(self, s: Session, table: Any, rows: list[dict[str, Any]], conflict: list[str]) -> None:
+        """Insert rows, skipping those whose ``conflict`` key exists, in as few round trips as possible:
+        psycopg2's ``execute_values`` (pages of multi-row VALUES, no per-call SQL compilation) on
+        Postgres; a cached ``executemany`` on SQLite (in-process, so round trips are free)."""
+        if not rows:
+            return
+        if not self._pg:
+            s.execute(self._insert(table).on_conflict_do_nothing(index_elements=conflict), rows)
+            return
+        from psycopg2.extras import execute_values
+
+        cols = list(rows[0])
+        sql = f"INSERT INTO {table.name} ({', '.join(cols)}) VALUES %s ON CONFLICT ({', '.join(conflict)}) DO NOTHING"
+        template = "(" + ", ".join(f"%({c})s" for c in cols) + ")"
+        cur = s.connection().connection.cursor()
+        try:
+            execute_values(cur, sql, rows, template=template, page_size=1000)
+        finally:
+            cur.close()
 
     @contextmanager
     def _translate(self, what: str) -> Iterator[None]:
@@ -237,6 +277,16 @@ class SqlStore:
     # -- plans and nodes ------------------------------------------------------------------------
 
     def ensure_plan(self, key: str, fixed_json: str) -> int:
+        """The id of the plan with this key, created if needed (plans are never deleted, so ids are
+        remembered)."""
+        known = self._plan_ids.get(key)
+        if known is not None:
+            return known
+        pid = self._ensure_plan(key, fixed_json)
+        self._plan_ids[key] = pid
+        return pid
+
+    def _ensure_plan(self, key: str, fixed_json: str) -> int:
         with self._tx("ensure plan") as s:
             pid = s.scalar(select(m.Plan.id).where(m.Plan.key == key))
             if pid is not None:
@@ -298,6 +348,73 @@ class SqlStore:
 
         self._retry(write)
 
+    def insert_node_tree(self, plan_id: int, nodes: Sequence[NewTreeNode]) -> dict[int, int]:
+        """Insert-or-ignore a forest of new nodes (parents before children) in one transaction, one
+        statement pair per depth level; returns ``ref -> database id`` of the nodes now in the database
+        with the caller's config. Where another master wrote a node under the same key first with a
+        different config, that node is kept and the caller's subtree below it is not written (it was
+        placed relative to the caller's config): the caller walks again."""
+        if not nodes:
+            return {}
+        depth: dict[int, int] = {}
+        levels: list[list[NewTreeNode]] = []
+        for n in nodes:
+            d = depth[n.parent] + 1 if n.parent is not None and n.parent < 0 else 0
+            depth[n.ref] = d
+            if d == len(levels):
+                levels.append([])
+            levels[d].append(n)
+
+        def write() -> dict[int, int]:
+            ids: dict[int, int] = {}
+            foreign: set[int] = set()  # refs whose key holds another writer's config
+            with self._tx("insert nodes") as s:
+                for level in levels:
+                    rows = []
+                    for n in level:
+                        if n.parent is not None and n.parent in foreign:
+                            foreign.add(n.ref)
+                            continue
+                        parent = ids[n.parent] if n.parent is not None and n.parent < 0 else n.parent
+                        rows.append(
+                            {
+                                "plan_id": plan_id,
+                                "parent_id": parent,
+                                "parent_key": parent or 0,
+                                "start": n.start,
+                                "branch_digest": n.branch_digest,
+                                "config_json": n.config_json,
+                                "_ref": n.ref,
+                            }
+                        )
+                    # one global order of rows so that concurrent writers take row locks in the same order
+                    if not rows:
+                        break
+                    rows.sort(key=lambda r: (r["parent_key"], r["start"], r["branch_digest"]))
+                    self._insert_ignore(
+                        s,
+                        m.Node.__table__,
+                        [{k: v for k, v in r.items() if k != "_ref"} for r in rows],
+                        ["plan_id", "parent_key", "start", "branch_digest"],
+                    )
+                    keys = {(r["parent_key"], r["start"], r["branch_digest"]): r for r in rows}
+                    for i, pk, st, dg, cj in s.execute(
+                        select(
+                            m.Node.id, m.Node.parent_key, m.Node.start, m.Node.branch_digest, m.Node.config_json
+                        ).where(
+                            m.Node.plan_id == plan_id,
+                            tuple_(m.Node.parent_key, m.Node.start, m.Node.branch_digest).in_(list(keys)),
+                        )
+                    ):
+                        r = keys[(pk, st, dg)]
+                        if cj == r["config_json"]:
+                            ids[r["_ref"]] = int(i)
+                        else:
+                            foreign.add(r["_ref"])
+            return ids
+
+        return self._retry(write)
+
     # -- requests -------------------------------------------------------------------------------
 
     def add_requests(self, study_id: str, plan_id: int, items: Sequence[NewRequest]) -> list[RequestRecord]:
@@ -325,14 +442,10 @@ class SqlStore:
                 }
                 for it in sorted(items, key=lambda it: it.client_request_id)
             ]
-            s.execute(
-                self._insert(m.Request.__table__).on_conflict_do_nothing(
-                    index_elements=["study_id", "client_request_id"]
-                ),
-                rows,
-            )
+            self._insert_ignore(s, m.Request.__table__, rows, ["study_id", "client_request_id"])
             by_client = self._requests_by_client(s, study_id, [it.client_request_id for it in items])
-            known.update(self._metrics_at(s, {(r.node, r.step) for r in by_client.values() if r.state == DONE}))
+            later = {(r.node, r.step) for r in by_client.values() if r.state == DONE} - known.keys()
+            known.update(self._metrics_at(s, later))  # a retried request finished since its first submission
         out = []
         for it in items:
             r = by_client[it.client_request_id]
