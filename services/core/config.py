@@ -108,14 +108,19 @@ class Config:
 
     @classmethod
     def of(cls, hps: Mapping[str, Any]) -> Config:
-        """From sequences, plain values or their JSON forms."""
+        """From sequences, plain values or their JSON forms (a family object, or the canonical segment
+        list ``[[start, end, kind, params], ...]`` that ``to_json`` and plan views give)."""
         if not isinstance(hps, Mapping) or not hps:
             raise InvalidArgument("config: must be a non-empty mapping of hyper-parameter name to sequence")
         items = []
         for name in sorted(hps):
             _check_name(name, "config key")
+            value = hps[name]
             try:
-                seq = as_sequence(hps[name], field=name)
+                if isinstance(value, list):
+                    items.append((name, segments_from_json(value)))
+                    continue
+                seq = as_sequence(value, field=name)
             except SequenceError as e:
                 raise SequenceError(name, e.field, e.message.split(": ", 2)[-1]) from None
             items.append((name, seq.segments()))

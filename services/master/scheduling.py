@@ -23,8 +23,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from stagetree.core.batch import BatchSpec, Point, Source, StageSpec
+from stagetree.core.cache import choose_evictions, pinned_points, prefix_cost
 from stagetree.core.config import FixedPart
 from stagetree.core.scheduler import PlannedBatch, RoundResult, Slot, schedule_round, steps_cost
+from stagetree.core.searchplan import Checkpoint, CheckpointKind, Node
 from stagetree.core.stagetree import InflightBatch, InflightStage, StageForest, build_stage_tree
 from stagetree.master.coordination import Coordination
 from stagetree.master.plans import PlanCache
@@ -43,6 +45,26 @@ class RoundReport:
     queued: int
     snapshot_ms: float
     decide_ms: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a round decided, before anything is written."""
+
+    result: RoundResult
+    uris: dict[int, dict[Point, str]]  # checkpoint uri per point, per plan
+    pending: int
+    snapshot_ms: float
+    decide_ms: float
+    forest: StageForest | None  # None when no slot was free (nothing was built)
+
+
+def source_of(spec_json: str) -> Point | None:
+    """The checkpoint a dispatched batch loads (None for a fresh model)."""
+    src = json.loads(spec_json).get("source") or {}
+    if not src.get("uri"):
+        return None
+    return Point(int(src["node"]), int(src["step"]))
 
 
 def inflight_of(spec_json: str) -> InflightBatch:
@@ -121,9 +143,48 @@ class SchedulingLoop:
         )
         return json.dumps(spec.to_json(), separators=(",", ":"))
 
-    def decide(self) -> tuple[RoundResult, dict[int, dict[Point, str]], int, float, float]:
-        """Snapshot the database and run the core round on the free slots: (result, checkpoint uris per
-        plan, pending count, snapshot ms, decide ms). Writes nothing.
+    def enforce_checkpoint_budget(self, forest: StageForest | None = None) -> list[Point]:
+        """Evict checkpoints by the core's cost-benefit policy until the rest fit the budget; never one
+        that pending work (``forest``'s sources) or a running batch starts from. The rows go at once;
+        every live node manager is told to delete the files (the checkpoint store may be shared)."""
+        budget = self.settings.checkpoint_budget_bytes
+        if budget is None or self.store.checkpoint_bytes() <= budget:
+            return []
+        records = self.store.checkpoint_records()
+        ckpts: dict[Point, Checkpoint] = {}
+        nodes: dict[int, Node] = {}
+        for plan_id, rows in records.items():
+            plan = self.plans.ensure(plan_id, {p.node for p, *_ in rows})
+            nodes.update(plan.nodes)
+            for p, uri, nbytes, kind, used in rows:
+                ckpts[p] = Checkpoint(p, uri, nbytes, CheckpointKind(kind), used)
+        batches = self.store.running_batches()
+        running = [inflight_of(b.spec_json) for b in batches]
+        sources = {p for b in batches if (p := source_of(b.spec_json)) is not None}
+        pinned = pinned_points(forest, sources) if forest is not None else set(sources)
+        for ib in running:  # a running batch may still load anything on its path
+            pinned.update(p for p in ckpts if any(st.node == p.node for st in ib.stages))
+        result = choose_evictions(
+            ckpts,
+            budget,
+            pinned=pinned,
+            recompute_cost=prefix_cost(nodes, self.settings.default_step_seconds),
+            now=time.time(),
+            nodes=nodes,
+        )
+        if not result.evict:
+            return []
+        told = self.store.delete_checkpoints(result.evict)
+        for nm in told:
+            self.coord.notify(ch_node_manager(nm))
+        log.info(
+            "checkpoints evicted over budget",
+            extra={"evicted": len(result.evict), "bytes_after": result.bytes_after, "shortfall": result.shortfall},
+        )
+        return result.evict
+
+    def decide(self) -> Decision:
+        """Snapshot the database and run the core round on the free slots. Writes nothing.
 
         The cyclic garbage collector is paused meanwhile: a round allocates tens of thousands of
         short-lived, acyclic objects, and each collection they trigger would walk the whole plan
@@ -132,17 +193,18 @@ class SchedulingLoop:
             t0 = time.perf_counter()
             slots = self.free_slots()
             if not slots:
-                return RoundResult([], [], [], {}, 0), {}, 0, (time.perf_counter() - t0) * 1000, 0.0
+                return Decision(RoundResult([], [], [], {}, 0), {}, 0, (time.perf_counter() - t0) * 1000, 0.0, None)
             forest, uris, count = self.snapshot()
             t1 = time.perf_counter()
             cost = steps_cost(self.settings.default_step_seconds)
             result = schedule_round(forest, slots, cost, self.settings.policy)
             t2 = time.perf_counter()
-        return result, uris, count, (t1 - t0) * 1000, (t2 - t1) * 1000
+        return Decision(result, uris, count, (t1 - t0) * 1000, (t2 - t1) * 1000, forest)
 
     def run_round(self) -> RoundReport:
         lost = self.requeue_lost()
-        result, uris, count, snapshot_ms, decide_ms = self.decide()
+        dec = self.decide()
+        result, uris = dec.result, dec.uris
         dispatched: list[int] = []
         for d in result.dispatches:
             plan_uris = uris.get(int(d.batch.plan), {})
@@ -161,7 +223,9 @@ class SchedulingLoop:
                 extra={"batch_id": rec.id, "node_manager_id": d.slot.node_manager, "slot_id": d.slot.id},
             )
             self.coord.notify(ch_node_manager(d.slot.node_manager))
-        return RoundReport(count, dispatched, lost, result.queued, snapshot_ms, decide_ms)
+        if self.settings.checkpoint_budget_bytes is not None:
+            self.enforce_checkpoint_budget(dec.forest)
+        return RoundReport(dec.pending, dispatched, lost, result.queued, dec.snapshot_ms, dec.decide_ms)
 
     # -- the loop -------------------------------------------------------------------------------
 

@@ -30,6 +30,8 @@ class SchedulingSettings(BaseModel):
     round_interval_s: float = Field(default=5.0, gt=0)  # a round at least this often even without events
     lease_ttl_s: float = Field(default=10.0, gt=0)
     max_attempts: int = Field(default=3, ge=1)  # failed attempts of a request's work before it fails
+    # bytes all checkpoints may hold; over it the master evicts by cost-benefit (core.cache). None: no limit
+    checkpoint_budget_bytes: int | None = Field(default=None, ge=0)
 
 
 class MasterSettings(BaseSettings):

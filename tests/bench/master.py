@@ -110,9 +110,9 @@ async def bench(url: str, studies: int, trials: int, batch: int) -> str:
             rounds = []
             for _ in range(5):  # the master's own round, up to the dispatch decisions (it writes nothing)
                 t0 = time.perf_counter()
-                result, _uris, count, _snap_ms, _decide_ms = app.scheduler.decide()
+                d = app.scheduler.decide()
                 rounds.append((time.perf_counter() - t0) * 1000)
-                assert count == studies * trials and len(result.dispatches) == 16
+                assert d.pending == studies * trials and len(d.result.dispatches) == 16
             round_ms = statistics.median(rounds)
             if os.environ.get("STAGETREE_BENCH_PROFILE"):
                 import cProfile

@@ -537,6 +537,29 @@ class SqlStore:
                 .on_conflict_do_nothing(index_elements=["node_id", "step"])
             )
 
+    def checkpoint_bytes(self) -> int:
+        """Bytes held by every recorded checkpoint (what the checkpoint budget limits)."""
+        with self._tx("checkpoint bytes") as s:
+            return int(s.scalar(select(func.coalesce(func.sum(m.Checkpoint.bytes), 0))) or 0)
+
+    def checkpoint_records(self) -> dict[int, list[tuple[Point, str, int, str, float]]]:
+        """Per plan: (point, uri, bytes, kind, last used) of every checkpoint."""
+        out: dict[int, list[tuple[Point, str, int, str, float]]] = {}
+        with self._tx("load checkpoint records") as s:
+            for pid, n, st, uri, nb, kind, used in s.execute(
+                select(
+                    m.Node.plan_id,
+                    m.Checkpoint.node_id,
+                    m.Checkpoint.step,
+                    m.Checkpoint.uri,
+                    m.Checkpoint.bytes,
+                    m.Checkpoint.kind,
+                    m.Checkpoint.last_used,
+                ).join(m.Node, m.Node.id == m.Checkpoint.node_id)
+            ):
+                out.setdefault(int(pid), []).append((Point(int(n), int(st)), uri, int(nb), kind, float(used)))
+        return out
+
     def checkpoints(self, plan_id: int) -> dict[Point, str]:
         """Checkpoint uri per canonical point of a plan."""
         return self.checkpoints_of([plan_id]).get(plan_id, {})

@@ -162,3 +162,11 @@ def test_divergence_means_values_agree_before_it(a, b, limit) -> None:  # type: 
     for t in range(d):
         assert ca.values_at(t)["x"] == pytest.approx(cb.values_at(t)["x"], rel=1e-9, abs=1e-12)
     assert divergence(ca, ca, 0, limit) == limit
+
+
+def test_config_of_accepts_the_canonical_segment_form_it_gives() -> None:
+    from stagetree.core.config import Config
+
+    cfg = Config.of({"lr": {"kind": "multistep", "init": 0.1, "milestones": [10], "gamma": 0.5}, "bs": 32})
+    assert Config.of(cfg.to_json()) == cfg
+    assert Config.of({**cfg.to_json(), "bs": 32}) == cfg

@@ -1,0 +1,107 @@
+"""Control actions on the assignment stream, bounded retries and the checkpoint budget, against real
+databases: a cancel that leaves a batch useless aborts it on its node manager; a preempted batch's rest
+resumes from its checkpoint without counting as a failure; a request whose work fails ``max_attempts``
+times fails with the error; checkpoints over budget are evicted (never a pinned one) and deleted."""
+
+from __future__ import annotations
+
+import json
+
+from stagetree.core.batch import BatchSpec, Point
+from stagetree.master.app import MasterApp
+from stagetree.master.service import CheckpointReport, MetricReport, SubmitItem
+from tests.integration.master.test_scheduling import ADMIN, ALICE, _node_manager, _submit
+
+
+def _dispatch_one(app: MasterApp, nm: str) -> BatchSpec:
+    (bid,) = app.scheduler.run_round().dispatched
+    (a,) = app.service.take_assignments(ADMIN, nm)
+    assert a.kind == "RUN" and a.batch_id == bid
+    return BatchSpec.from_json(json.loads(a.spec_json))
+
+
+def test_cancel_of_the_last_request_aborts_the_batch_on_its_node_manager(app: MasterApp) -> None:
+    study, (rid,) = _submit(app, 1)
+    nm = _node_manager(app, 1)
+    spec = _dispatch_one(app, nm)
+    app.service.cancel(ALICE, study, rid)
+    (abort,) = app.service.take_assignments(ADMIN, nm)
+    assert (abort.kind, abort.batch_id, abort.attempt) == ("ABORT", spec.batch_id, 1)
+    assert app.store.get_batch(spec.batch_id).state == "ABORTED"
+    assert app.service.take_assignments(ADMIN, nm) == []  # sent once
+    # the aborted attempt's late report changes nothing
+    assert app.service.report_batch(ADMIN, spec.batch_id, 1, ok=True, metrics=[]) == []
+
+
+def test_preempted_batch_resumes_from_its_checkpoint_without_counting_a_failure(app: MasterApp) -> None:
+    study, (rid,) = _submit(app, 1, step=20)
+    nm = _node_manager(app, 1)
+    spec = _dispatch_one(app, nm)
+    assert app.service.preempt(ADMIN, spec.batch_id)
+    (order,) = app.service.take_assignments(ADMIN, nm)
+    assert (order.kind, order.batch_id) == ("PREEMPT", spec.batch_id)
+    node = spec.stages[-1].node
+    app.service.report_batch(
+        ADMIN,
+        spec.batch_id,
+        1,
+        ok=False,
+        checkpoints=[CheckpointReport(node, 7, "file:///p7", 10, "peripheral")],
+        preempted=True,
+    )
+    assert app.store.get_batch(spec.batch_id).state == "PREEMPTED"
+    again = _dispatch_one(app, nm)
+    assert again.source.point == Point(node, 7) and again.steps == 13
+    app.service.report_batch(ADMIN, again.batch_id, 1, ok=True, metrics=[MetricReport(node, 20, {"loss": 0.5})])
+    (req,) = app.service.get_requests(ALICE, study, [rid])
+    assert req.state == "DONE" and req.metrics == {"loss": 0.5} and req.error is None
+
+
+def test_request_fails_with_the_error_after_max_attempts(app: MasterApp) -> None:
+    study, (rid,) = _submit(app, 1)
+    nm = _node_manager(app, 1)
+    for attempt in range(app.service.max_attempts):
+        spec = _dispatch_one(app, nm)
+        (req,) = app.service.get_requests(ALICE, study, [rid])
+        assert req.state == "SCHED", attempt
+        app.service.report_batch(ADMIN, spec.batch_id, 1, ok=False, error="ValueError: bad lr", oom=attempt == 0)
+    (req,) = app.service.get_requests(ALICE, study, [rid])
+    assert req.state == "FAILED" and req.error == "ValueError: bad lr"
+    assert app.scheduler.run_round().dispatched == []  # not retried forever
+    (done,) = app.service.finished(ALICE, study, [rid])
+    assert done.state == "FAILED"
+
+
+def test_checkpoints_over_budget_are_evicted_and_deleted_but_never_a_pinned_one(app: MasterApp) -> None:
+    study, rids = _submit(app, 2, step=30)
+    nm = _node_manager(app, 2)
+    report = app.scheduler.run_round()
+    assert len(report.dispatched) == 2
+    specs = [BatchSpec.from_json(json.loads(a.spec_json)) for a in app.service.take_assignments(ADMIN, nm)]
+    for spec in specs:
+        node = spec.stages[-1].node
+        ckpts = [CheckpointReport(node, s, f"file:///{node}-{s}", 1000, "peripheral") for s in (10, 20, 30)]
+        app.service.report_batch(
+            ADMIN, spec.batch_id, 1, ok=True, metrics=[MetricReport(node, 30, {"loss": 0.1})], checkpoints=ckpts
+        )
+    assert app.store.checkpoint_bytes() == 6000
+    # a new request at step 40 of the first config will start from its step-30 checkpoint: pinned
+    first = specs[0].stages[-1].node
+    app.service.submit(ALICE, study, [app_item(specs[0], 40)])
+    app.scheduler.settings.checkpoint_budget_bytes = 2500
+    try:
+        forest = app.scheduler.snapshot()[0]
+        evicted = app.scheduler.enforce_checkpoint_budget(forest)
+    finally:
+        app.scheduler.settings.checkpoint_budget_bytes = None
+    assert Point(first, 30) not in evicted
+    assert len(evicted) == 4 and app.store.checkpoint_bytes() == 2000
+    (delete,) = app.service.take_assignments(ADMIN, nm)
+    assert delete.kind == "DELETE_CHECKPOINTS"
+    assert sorted(delete.checkpoint_uris) == sorted(f"file:///{p.node}-{p.step}" for p in evicted)
+
+
+def app_item(spec: BatchSpec, step: int) -> SubmitItem:
+    """The config of the batch's last stage, asked at another step (as the plan view gives it)."""
+    cfg = {"fixed": spec.fixed.to_json(), "tuned": spec.stages[-1].config.to_json()}
+    return SubmitItem(f"more-{step}", json.dumps(cfg), step)
