@@ -73,7 +73,7 @@ def test_request_fails_with_the_error_after_max_attempts(app: MasterApp) -> None
 
 
 def test_checkpoints_over_budget_are_evicted_and_deleted_but_never_a_pinned_one(app: MasterApp) -> None:
-    study, rids = _submit(app, 2, step=30)
+    study, _ = _submit(app, 2, step=30)
     nm = _node_manager(app, 2)
     report = app.scheduler.run_round()
     assert len(report.dispatched) == 2
