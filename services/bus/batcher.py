@@ -3,8 +3,9 @@
 Workers hand their metrics and events to the node manager over local IPC; the node manager puts them
 here, and the batcher publishes them in batches (as TreeML's node managers do) when ``max_messages``
 are waiting or the oldest has waited ``max_age_s``, whichever comes first, then flushes the bus so the
-batch is stored before the next one starts. Messages are published in the order they were added, so a
-batch's messages keep their order on the bus. ``close()`` publishes what is left.
+batch is stored before the next one starts. A batch goes out as one bundle record per (topic, key)
+(``MetricBus.publish_many``), each in the order its messages were added, so a stage batch's messages
+keep their order on the bus. ``close()`` publishes what is left.
 
 When the bus is down the batch stays at the head of the buffer and the next flush tries again
 (duplicates are possible after a partial failure; aggregators deduplicate on ``msg_id``). The buffer is
@@ -91,10 +92,14 @@ class LocalBatcher:
                 self._buffer.clear()
             if not batch:
                 return 0
+            # One bundle per (topic, key): a key's messages keep their order inside it, and a batch of
+            # points costs the bus a few records instead of one per point.
+            groups: dict[tuple[str, str], list[Message]] = {}
+            for _, message in batch:
+                groups.setdefault(route(message), []).append(message)
             try:
-                for _, message in batch:
-                    topic, key = route(message)
-                    self._bus.publish(topic, key, message)
+                for (topic, key), messages in groups.items():
+                    self._bus.publish_many(topic, key, messages)
                 self._bus.flush()
             except StagetreeError:
                 with self._cond:

@@ -19,11 +19,11 @@ import logging
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from stagetree.bus.base import BusConsumer, Malformed, MetricBus, Record, decode_record
-from stagetree.bus.messages import Message, encode
+from stagetree.bus.base import BusConsumer, Malformed, MetricBus, Record, decode_records
+from stagetree.bus.messages import Message, encode, encode_many
 from stagetree.core.errors import FailedPrecondition, InvalidArgument
 
 logger = logging.getLogger(__name__)
@@ -77,6 +77,10 @@ class InProcessBus(MetricBus):
 
     def publish(self, topic: str, key: str, message: Message) -> None:
         self.inject(topic, key, encode(message))
+
+    def publish_many(self, topic: str, key: str, messages: Sequence[Message]) -> None:
+        for value in encode_many(messages):
+            self.inject(topic, key, value)
 
     def inject(self, topic: str, key: str | None, value: bytes | None) -> None:
         """Append raw bytes as any producer could (tools, tests of the malformed path)."""
@@ -157,9 +161,13 @@ class InProcessBus(MetricBus):
             consumer._next = (consumer._next + 1) % len(order)
         return out
 
-    def _commit(self, consumer: InProcessConsumer) -> None:
+    def _commit(self, consumer: InProcessConsumer, offsets: Mapping[TopicPartition, int] | None) -> None:
         with self._cond:
-            self._groups[consumer.group].committed.update(consumer._positions)
+            if offsets is None:
+                self._groups[consumer.group].committed.update(consumer._positions)
+            else:  # only what this member still owns, as on Kafka
+                owned = consumer._positions
+                self._groups[consumer.group].committed.update({tp: o for tp, o in offsets.items() if tp in owned})
 
 
 class InProcessConsumer(BusConsumer):
@@ -189,14 +197,14 @@ class InProcessConsumer(BusConsumer):
                 if raw or remaining <= 0:
                     break
                 self._bus._cond.wait(remaining)
-        records = [decode_record(tp[0], tp[1], offset, k, v) for tp, offset, k, v in raw]
+        records = [r for tp, offset, k, v in raw for r in decode_records(tp[0], tp[1], offset, k, v)]
         self._malformed += sum(isinstance(r.message, Malformed) for r in records)
         return records
 
-    def commit(self) -> None:
+    def commit(self, offsets: Mapping[tuple[str, int], int] | None = None) -> None:
         if self._closed:
             raise FailedPrecondition("commit on a closed consumer")
-        self._bus._commit(self)
+        self._bus._commit(self, offsets)
 
     def assignment(self) -> frozenset[tuple[str, int]]:
         with self._bus._cond:

@@ -21,9 +21,10 @@ from typing import Any, Literal
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.errors import CommitFailedError, KafkaError, MessageSizeTooLargeError, TopicAlreadyExistsError
+from kafka.structs import OffsetAndMetadata, TopicPartition
 
-from stagetree.bus.base import BusConsumer, Malformed, MetricBus, Record, decode_record
-from stagetree.bus.messages import ALL_TOPICS, Message, encode
+from stagetree.bus.base import BusConsumer, Malformed, MetricBus, Record, decode_records
+from stagetree.bus.messages import ALL_TOPICS, MAX_RECORD_BYTES, Message, encode, encode_many
 from stagetree.core.errors import (
     Conflict,
     FailedPrecondition,
@@ -53,6 +54,7 @@ class KafkaBusConfig:
     linger_ms: int = 20
     batch_size: int = 64 * 1024
     max_block_ms: int = 10_000
+    max_record_bytes: int = MAX_RECORD_BYTES  # bundles are split to stay below this (and the broker's limit)
     compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = None
     # consumer
     session_timeout_ms: int = 10_000
@@ -155,18 +157,28 @@ class KafkaMetricBus(MetricBus):
             return self._producer
 
     def publish(self, topic: str, key: str, message: Message) -> None:
-        value = encode(message)
+        self._send(topic, key, encode(message), message, 1)
+
+    def publish_many(self, topic: str, key: str, messages: Sequence[Message]) -> None:
+        values = encode_many(messages, self.config.max_record_bytes)
+        if len(values) == 1:
+            self._send(topic, key, values[0], messages[0], len(messages))
+            return
+        for value in values:  # bundles split by size; the first message only names them in errors
+            self._send(topic, key, value, messages[0], 0)
+
+    def _send(self, topic: str, key: str, value: bytes, first: Message, count: int) -> None:
         producer = self._get_producer()
         try:
             future = producer.send(topic, key=key.encode(), value=value)
         except MessageSizeTooLargeError as e:
             raise ResourceExhausted(
-                f"{message.TYPE} {message.msg_id} is {len(value)} bytes, over the producer's limit; "
+                f"{first.TYPE} {first.msg_id} is {len(value)} bytes, over the producer's limit; "
                 "report fewer metrics per message"
             ) from e
         except KafkaError as e:
             raise Unavailable(f"cannot publish to {topic}: {e!r}") from e
-        future.add_errback(self._on_send_error, topic, key, message.msg_id)
+        future.add_errback(self._on_send_error, topic, key, first.msg_id if count == 1 else f"bundle@{first.msg_id}")
 
     def _on_send_error(self, topic: str, key: str, msg_id: str, exc: BaseException) -> None:
         logger.error("bus publish failed: %r", exc, extra={"topic": topic, "key": key, "msg_id": msg_id})
@@ -247,16 +259,29 @@ class KafkaBusConsumer(BusConsumer):
         except KafkaError as e:
             raise Unavailable(f"poll failed for group {self.group}: {e!r}") from e
         records = [
-            decode_record(tp.topic, tp.partition, r.offset, r.key, r.value) for tp, rs in batches.items() for r in rs
+            rec
+            for tp, rs in batches.items()
+            for r in rs
+            for rec in decode_records(tp.topic, tp.partition, r.offset, r.key, r.value)
         ]
         self._malformed += sum(isinstance(r.message, Malformed) for r in records)
         return records
 
-    def commit(self) -> None:
+    def commit(self, offsets: Mapping[tuple[str, int], int] | None = None) -> None:
         if self._closed:
             raise FailedPrecondition("commit on a closed consumer")
+        explicit = None
+        if offsets is not None:
+            owned = self._consumer.assignment()
+            explicit = {
+                tp: OffsetAndMetadata(offset, "", -1)
+                for (topic, partition), offset in offsets.items()
+                if (tp := TopicPartition(topic, partition)) in owned
+            }
+            if not explicit:
+                return
         try:
-            self._consumer.commit()
+            self._consumer.commit(explicit)
         except CommitFailedError as e:
             raise Conflict(
                 f"group {self.group} rebalanced before the commit; the records polled since the last "

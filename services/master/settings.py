@@ -35,7 +35,10 @@ class SchedulingSettings(BaseModel):
 
 
 class MasterSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="STAGETREE_MASTER_", env_nested_delimiter="__", extra="ignore")
+    # an empty variable means "not set" (compose passes optional ones through as empty strings)
+    model_config = SettingsConfigDict(
+        env_prefix="STAGETREE_MASTER_", env_nested_delimiter="__", extra="ignore", env_ignore_empty=True
+    )
 
     database_url: str = "sqlite:///stagetree.db"
     redis_url: str | None = None  # None: in-process coordination (embedded mode)

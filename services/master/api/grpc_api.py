@@ -171,8 +171,10 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
         ]
 
         def register(who: Principal) -> None:
-            self.svc.register_node_manager(who, request.node_manager_id, request.address, slots)
+            who.require_admin()
+            # alive before it is registered: a round between the two would otherwise find it lost
             self.coord.heartbeat(request.node_manager_id, self.heartbeat_interval_s * 3)
+            self.svc.register_node_manager(who, request.node_manager_id, request.address, slots)
 
         await self._call(context, register)
         return pb.RegisterNodeManagerResponse(heartbeat_interval_s=self.heartbeat_interval_s)

@@ -200,10 +200,11 @@ def create_rest_app(master: MasterApp) -> FastAPI:
 
     @api.post(f"{PREFIX}/nodes", status_code=201)
     def register_node(body: NodeManagerIn, who: Who) -> dict[str, str]:
+        who.require_admin()
+        master.coordination.heartbeat(body.node_manager_id, master.settings.scheduling.heartbeat_ttl_s)
         svc.register_node_manager(
             who, body.node_manager_id, body.address, [SlotInfo(**s.model_dump()) for s in body.slots]
         )
-        master.coordination.heartbeat(body.node_manager_id, master.settings.scheduling.heartbeat_ttl_s)
         return {"node_manager_id": body.node_manager_id}
 
     @api.get(f"{PREFIX}/nodes")

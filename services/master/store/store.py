@@ -12,6 +12,7 @@ unique constraints (``insert_nodes`` and ``add_requests`` are insert-or-ignore, 
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -901,6 +902,18 @@ class SqlStore:
                 return False
             self._enqueue_action(s, b.node_manager_id, PREEMPT, batch_id, b.attempt)
             return True
+
+    def executed_steps(self, plan_id: int | None = None) -> int:
+        """Training steps of every batch that ran to its end (of one plan, or all): what the platform
+        actually trained, to compare with the unique steps of the plans."""
+        with self._tx("executed steps") as s:
+            q = select(m.Batch.spec_json).where(m.Batch.state == BATCH_DONE)
+            if plan_id is not None:
+                q = q.where(m.Batch.plan_id == plan_id)
+            total = 0
+            for spec in s.scalars(q):
+                total += sum(int(st["end"]) - int(st["start"]) for st in json.loads(spec)["stages"])
+            return total
 
     def busy_slots(self) -> set[tuple[str, str]]:
         with self._tx("busy slots") as s:

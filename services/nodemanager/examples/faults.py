@@ -2,7 +2,8 @@
 
 Fixed values (besides the digits ones): ``fault`` names what happens when ``train()`` is called at
 step ``fault_step``; ``sleep_s`` slows every step down without changing what it computes (to give a
-signal time to arrive). Faults:
+signal time to arrive); ``fault_once`` (a file path) makes the fault happen only while that file does
+not exist (it is created just before the fault), so a retried batch succeeds. Faults:
 
 =================  =====================================================================
 ``raise``          ``ValueError`` from user code
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -65,11 +67,17 @@ class FaultyDigits(DigitsMLP):
         self._fault = FAULTS.get(name)
         self._fault_step = int(self.fixed.get("fault_step", 0))
         self._sleep_s = float(self.fixed.get("sleep_s", 0.0))
+        once = str(self.fixed.get("fault_once", ""))
+        self._once = Path(once) if once else None
         super().init()
 
     def train(self) -> None:
         if self._fault is not None and self.step == self._fault_step:
-            self._fault()
+            if self._once is None:
+                self._fault()
+            elif not self._once.exists():
+                self._once.touch()
+                self._fault()
         if self._sleep_s > 0:
             time.sleep(self._sleep_s)
         super().train()

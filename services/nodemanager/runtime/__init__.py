@@ -3,13 +3,37 @@
 ``Trainer`` (the user's training logic), ``ResumableLoader`` (deterministic, resumable minibatches),
 ``CheckpointStore`` / ``LocalCheckpointStore`` (where checkpoints live), ``BatchRun`` / ``run_batch``
 (the training loop and its events) and ``worker`` (the process entry point). Needs torch.
+
+The names below are imported lazily (PEP 562): the node manager reads ``events`` and deletes through
+``checkpoints`` without importing torch, which only its worker processes need.
 """
 
-from stagetree.nodemanager.runtime.checkpoints import CheckpointStore, LocalCheckpointStore, StoredCheckpoint
-from stagetree.nodemanager.runtime.dataloader import ResumableLoader
-from stagetree.nodemanager.runtime.events import EVENT_FIELDS, decode_event, encode_event
-from stagetree.nodemanager.runtime.executor import BatchOutcome, BatchRun, run_batch
-from stagetree.nodemanager.runtime.trainer import Trainer, TrainerContext
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stagetree.nodemanager.runtime.checkpoints import CheckpointStore, LocalCheckpointStore, StoredCheckpoint
+    from stagetree.nodemanager.runtime.dataloader import ResumableLoader
+    from stagetree.nodemanager.runtime.events import EVENT_FIELDS, decode_event, encode_event
+    from stagetree.nodemanager.runtime.executor import BatchOutcome, BatchRun, run_batch
+    from stagetree.nodemanager.runtime.trainer import Trainer, TrainerContext
+
+_WHERE = {
+    "CheckpointStore": "checkpoints",
+    "LocalCheckpointStore": "checkpoints",
+    "StoredCheckpoint": "checkpoints",
+    "ResumableLoader": "dataloader",
+    "EVENT_FIELDS": "events",
+    "decode_event": "events",
+    "encode_event": "events",
+    "BatchOutcome": "executor",
+    "BatchRun": "executor",
+    "run_batch": "executor",
+    "Trainer": "trainer",
+    "TrainerContext": "trainer",
+}
 
 __all__ = [
     "EVENT_FIELDS",
@@ -25,3 +49,12 @@ __all__ = [
     "encode_event",
     "run_batch",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

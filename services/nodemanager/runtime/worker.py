@@ -3,6 +3,10 @@
     python -m stagetree.nodemanager.runtime.worker --spec FILE.json --checkpoint-root DIR
         [--events-fd N] [--control-fd N] [--threads N] [--progress-interval S]
 
+* ``--spec -`` reads the spec from stdin (until EOF) once the imports are done: the node manager starts
+  such a worker ahead of time and hands it a batch later. An empty stdin means "nothing to run" (exit 0).
+  ``--preload a,b`` imports those modules before the spec is read (``torch._dynamo``, which the first
+  optimizer a trainer builds imports, costs about as much as torch itself).
 * The trainer is ``spec.fixed.trainer``, an entry point ``"package.module:ClassName"``.
 * Events are JSON lines (``events.encode_event``) on stdout, or on ``--events-fd``. With stdout, the
   process's fd 1 is pointed at stderr first, so a ``print`` in user code cannot corrupt the stream.
@@ -13,12 +17,14 @@
   ``{"id": ..., "ok": true|false}`` (``BatchRun.amend``), or ``{"id": ..., "error": "..."}``.
 * Exit codes: 0 finished or preempted; 1 the batch failed (after ``batch_failed``); 2 bad arguments
   or an unreadable spec. Any other code (a signal, ``os._exit``) means the process died unreported.
+* ``run_forked`` is the same entry for a worker forked from the node manager's fork server.
 * ``torch.set_num_threads`` comes from ``--threads``, else ``STAGETREE_WORKER_THREADS``, else 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -92,7 +98,7 @@ def _serve_control(fd: int, run: BatchRun) -> None:
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="stagetree-worker", description="Run one stagetree batch.")
-    p.add_argument("--spec", required=True, type=Path, help="the batch spec (BatchSpec JSON)")
+    p.add_argument("--spec", required=True, help="the batch spec (BatchSpec JSON) file, or - for stdin")
     p.add_argument("--checkpoint-root", required=True, help="checkpoint store root: a directory or file:// URI")
     p.add_argument("--events-fd", type=int, default=None, help="write events here instead of stdout")
     p.add_argument("--control-fd", type=int, default=None, help="socket fd for amend commands")
@@ -100,6 +106,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--progress-interval", type=float, default=0.0, help="seconds between progress events (0: every step)"
     )
+    p.add_argument("--preload", default="", help="comma-separated modules to import before reading the spec")
     return p.parse_args(argv)
 
 
@@ -113,8 +120,18 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads if args.threads is not None else int(os.environ.get(THREADS_ENV, "1"))
     torch.set_num_threads(max(1, threads))
 
+    for name in filter(None, (m.strip() for m in args.preload.split(","))):
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            log.warning("preload of %s failed: %s", name, e)
+
     try:
-        spec = BatchSpec.from_json(json.loads(args.spec.read_text()))
+        text = sys.stdin.read() if args.spec == "-" else Path(args.spec).read_text()
+        if args.spec == "-" and not text.strip():
+            log.debug("no batch spec on stdin: nothing to run")
+            return 0
+        spec = BatchSpec.from_json(json.loads(text))
         store = LocalCheckpointStore(args.checkpoint_root)
     except (OSError, ValueError, StagetreeError) as e:
         log.error("cannot start the batch: %s", e)
@@ -147,6 +164,24 @@ def main(argv: list[str] | None = None) -> int:
     outcome = run.run()
     stream.flush()
     return EXIT_FAILED if outcome.status == "failed" else 0
+
+
+def run_forked(argv: list[str], env: dict[str, str], unset: list[str], events: Any, log_path: str) -> None:
+    """Entry of a worker forked from the node manager's fork server (``nodemanager.workers``): leave the
+    server's session, send stdout and stderr to ``log_path``, take the slot's environment (before
+    anything reads it: CUDA is not initialized yet), and run ``main`` with events on ``events`` (the
+    write end of a ``multiprocessing`` pipe)."""
+    os.setsid()
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    for key in unset:
+        os.environ.pop(key, None)
+    os.environ.update(env)
+    events_fd = os.dup(events.fileno())
+    events.close()
+    sys.exit(main([*argv, "--events-fd", str(events_fd)]))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 
 import pytest
 
@@ -40,12 +41,14 @@ class CountingBus(InProcessBus):
         super().__init__()
         self.flushes = 0
         self.fail = 0
+        self.records = 0
 
-    def publish(self, topic: str, key: str, message: Message) -> None:
+    def publish_many(self, topic: str, key: str, messages: Sequence[Message]) -> None:
         if self.fail:
             self.fail -= 1
             raise Unavailable("broker down (test)")
-        super().publish(topic, key, message)
+        self.records += 1
+        super().publish_many(topic, key, messages)
 
     def flush(self, timeout_s: float | None = None) -> None:
         self.flushes += 1
@@ -62,6 +65,22 @@ def test_a_full_batch_is_published_at_once_in_one_flush() -> None:
         assert batcher.pending() == 0
         assert _drain(consumer) == [_m(1, s) for s in range(5)]
         assert bus.flushes == 1
+        assert bus.records == 1  # one key: one bundle record
+
+
+def test_a_batch_goes_out_as_one_bundle_per_key_each_in_order() -> None:
+    bus = CountingBus()
+    consumer = bus.subscribe([TOPIC_METRICS], "agg")
+    sent = [_m(b, s) for s in range(10) for b in (1, 2, 3)]  # interleaved keys
+    with LocalBatcher(bus, max_messages=30, max_age_s=60) as batcher:
+        for m in sent:
+            batcher.add(m)
+        assert bus.records == 3
+    records = consumer.poll(timeout_s=0)
+    for b in (1, 2, 3):
+        mine = [r for r in records if r.key == str(b)]
+        assert [r.message for r in mine] == [m for m in sent if m.batch_id == b]
+        assert len({r.offset for r in mine}) == 1 and [r.index for r in mine] == list(range(10))
 
 
 def test_an_old_message_is_published_after_max_age() -> None:
@@ -148,7 +167,7 @@ def test_the_timer_retries_after_the_bus_recovers() -> None:
 
 def test_a_full_buffer_pushes_back() -> None:
     class DownBus(InProcessBus):
-        def publish(self, topic: str, key: str, message: Message) -> None:
+        def publish_many(self, topic: str, key: str, messages: Sequence[Message]) -> None:
             raise Unavailable("down")
 
     batcher = LocalBatcher(DownBus(), max_messages=2, max_age_s=60, max_buffered=4)

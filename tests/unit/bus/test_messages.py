@@ -92,7 +92,14 @@ def test_a_message_is_keyed_by_its_batch_or_its_node_manager(message: Message) -
         assert (topic, key) == (TOPIC_TELEMETRY, message.node_manager)
     else:
         assert key == str(message.batch_id)  # type: ignore[attr-defined]
-        assert topic == (TOPIC_METRICS if isinstance(message, Metrics | Progress) else TOPIC_EVENTS)
+        assert topic == (TOPIC_EVENTS if isinstance(message, BatchStarted) else TOPIC_METRICS)
+
+
+def test_everything_that_decides_a_batch_outcome_shares_one_topic_so_one_partition_orders_it() -> None:
+    # A finish applied before that batch's last metrics would requeue work that is already done.
+    outcome = {Metrics, CheckpointSaved, BatchFinished, BatchPreempted, BatchFailed}
+    assert {cls.TOPIC for cls in outcome} == {TOPIC_METRICS}
+    assert [cls.TYPE for cls in MESSAGE_TYPES.values() if cls.TOPIC == TOPIC_EVENTS] == ["batch_started"]
 
 
 @given(st.binary(max_size=200))

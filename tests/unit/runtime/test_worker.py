@@ -137,3 +137,17 @@ def test_control_fd_amends_a_running_batch(tmp_path: Path) -> None:
     assert w.finish() == 0
     assert [(p["step"], p["kind"]) for p in w.of("checkpoint_saved")] == [(100, "central")]
     ours.close()
+
+
+def test_spec_on_stdin_after_preload_and_empty_stdin_means_nothing_to_run(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "stagetree.nodemanager.runtime.worker", "--spec", "-"]
+    cmd += ["--checkpoint-root", str(tmp_path / "ckpt"), "--preload", "json,no_such_module_xyz"]
+    env = {**os.environ, "STAGETREE_WORKER_THREADS": "1"}
+    spec = digits_batch([(1, 0, 3, HP)], evals=[(1, 3)])
+    out = subprocess.run(cmd, input=json.dumps(spec.to_json()), capture_output=True, text=True, env=env, check=False)
+    assert out.returncode == 0, out.stderr
+    kinds = [decode_event(line)[0] for line in out.stdout.splitlines()]
+    assert kinds[0] == "batch_started" and kinds[-1] == "batch_finished" and "metrics" in kinds
+    assert "preload of no_such_module_xyz failed" in out.stderr  # a bad preload is logged, not fatal
+    idle = subprocess.run(cmd, input="", capture_output=True, text=True, env=env, check=False)
+    assert idle.returncode == 0 and idle.stdout == ""

@@ -1,0 +1,783 @@
+"""The asyncio client SDK: connect to a master over gRPC, create or load a ``Study``, evaluate configs.
+
+::
+
+    async with stagetree.connect("127.0.0.1:50051", token="...") as client:
+        study = await Study.create(client, "lr-sweep", trainer="pkg.train:Net", dataset="cifar10", tuned=["lr"])
+        metrics = await study.eval({"lr": MultiStep(0.1, [30], 0.1)}, step=40)
+
+This module owns:
+
+* ``Client`` (what ``connect`` returns): the channel, the bearer metadata, a per-method RPC counter
+  (``client.rpcs``), retries of idempotent calls on retriable errors, and ``error_of``, which turns a
+  gRPC status back into the core error tree (``stagetree.core.errors``) with a message that says what
+  to do. ``STATUS_ERRORS`` is the inverse of the master's table (``stagetree.master.errors.STATUS``).
+* ``Study``: ``submit``/``eval`` (validated client-side with the core's own functions, so a bad config
+  fails before any RPC), ``cancel``, ``results``, ``best``, ``metrics`` and ``plan``.
+* The batching of concurrent evals: every eval submitted while a batch is collected (the rest of the
+  current event-loop tick plus ``window_s``) goes out in one ``SubmitRequests`` of at most ``max_batch``
+  items, and the requests it leaves waiting are answered by one ``StreamResults`` for that batch. Each
+  eval carries its own client request id (a uuid), so resending a batch after a lost answer never
+  creates a request twice.
+
+An eval whose work failed raises ``EvalFailed``; one cancelled (by ``Study.cancel`` or by cancelling the
+task awaiting it, which cancels the request on the master too) raises ``EvalCancelled``. Both are
+``StagetreeError`` subclasses, not retriable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import re
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from stagetree.core.config import Config, FixedPart
+from stagetree.core.errors import (
+    AlreadyExists,
+    Conflict,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    StagetreeError,
+    Unauthenticated,
+    Unavailable,
+)
+from stagetree.core.searchplan import check_step
+from stagetree.core.sequences import Sequence, as_sequence
+from stagetree.proto.stagetree.v1 import master_pb2 as pb
+from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+ENV_TARGET = "STAGETREE_MASTER"
+ENV_TOKEN = "STAGETREE_TOKEN"
+MAX_CONFIG_BYTES = 64 * 1024  # the master's default limit; a larger config fails here, before any RPC
+TERMINAL = frozenset({"DONE", "CANCELLED", "FAILED"})
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+class EvalFailed(StagetreeError):
+    """The training behind an eval failed more often than the master's retry limit; ``error`` says why."""
+
+    code = "FAILED"
+
+
+class EvalCancelled(StagetreeError):
+    """The eval was cancelled (``Study.cancel``, a cancelled awaiting task, or another client)."""
+
+    code = "CANCELLED"
+
+
+# The inverse of the master's table (stagetree.master.errors.STATUS); a unit test keeps them in step.
+STATUS_ERRORS: dict[grpc.StatusCode, type[StagetreeError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.ABORTED: Conflict,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    # raised by the client library itself: no answer in time is as retriable as no answer at all
+    grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
+}
+
+_HINTS: dict[type[StagetreeError], str] = {
+    Unauthenticated: f"pass the token your operator gave you: stagetree.connect(url, token=...) or ${ENV_TOKEN}",
+    Unavailable: "check that the master is running and reachable at this address, then retry",
+}
+
+
+def error_of(exc: BaseException, rpc: str = "", target: str = "") -> StagetreeError:
+    """The core error for a failed RPC (a ``grpc.RpcError``); a status outside the table is a base error."""
+    if isinstance(exc, StagetreeError):
+        return exc
+    code_fn = getattr(exc, "code", None)
+    details_fn = getattr(exc, "details", None)
+    code = code_fn() if isinstance(exc, grpc.RpcError) and callable(code_fn) else None
+    details = (details_fn() if callable(details_fn) else None) or ""
+    where = f"{rpc}: " if rpc else ""
+    cls = STATUS_ERRORS.get(code) if isinstance(code, grpc.StatusCode) else None
+    if cls is None:
+        name = code.name if isinstance(code, grpc.StatusCode) else type(exc).__name__
+        err = StagetreeError(
+            f"{where}{details or exc!r} ({name}); this is a bug in the master or the SDK: see the master's log"
+        )
+    else:
+        msg = f"{where}{details or code}"
+        hint = _HINTS.get(cls)
+        if hint is not None:
+            msg += f" (master at {target or '?'}; {hint})"
+        err = cls(msg)
+    err.__cause__ = exc
+    return err
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """A finished eval: its request on the master, the point it resolved to, and its metrics."""
+
+    request_id: int
+    client_request_id: str
+    state: str  # DONE | CANCELLED | FAILED
+    step: int
+    node: int
+    metrics: dict[str, float]
+    config: dict[str, Sequence] | None = None  # None when another client submitted it
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class StudyInfo:
+    id: str
+    name: str
+    owner: str
+    fixed: FixedPart | None
+    created_at: float
+
+
+def _study_info(s: pb.Study) -> StudyInfo:
+    fixed = FixedPart.from_json(json.loads(s.fixed_json)) if s.fixed_json else None
+    return StudyInfo(s.id, s.name, s.owner, fixed, s.created_at)
+
+
+def _state_name(value: int) -> str:
+    return str(pb.RequestState.Name(value))
+
+
+class Evaluation:
+    """One submitted eval. ``await evaluation`` gives its metrics; ``await evaluation.result()`` the whole
+    ``EvalResult``. ``request_id`` is set once the batch carrying it was answered."""
+
+    def __init__(self, study: Study, config: dict[str, Sequence], config_json: str, step: int) -> None:
+        self.study = study
+        self.config = config
+        self.config_json = config_json
+        self.step = step
+        self.client_request_id = uuid.uuid4().hex
+        self.request_id: int | None = None
+        self._future: asyncio.Future[EvalResult] = asyncio.get_running_loop().create_future()
+        self._future.add_done_callback(self._on_done)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def add_done_callback(self, fn: Callable[[Evaluation], None]) -> None:
+        """Call ``fn(self)`` once the eval finished (whatever the outcome)."""
+        self._future.add_done_callback(lambda _f: fn(self))
+
+    async def result(self) -> EvalResult:
+        """The finished eval; raises ``EvalFailed`` / ``EvalCancelled`` or the error of its RPC."""
+        return await self._future
+
+    def outcome(self) -> EvalResult | BaseException:
+        """For a finished eval: its result or its error (never raises)."""
+        if self._future.cancelled():
+            return EvalCancelled(f"eval {self.client_request_id} was cancelled")
+        exc = self._future.exception()
+        return exc if exc is not None else self._future.result()
+
+    def __await__(self) -> Generator[Any, None, dict[str, float]]:
+        result = yield from self._future.__await__()
+        return dict(result.metrics)
+
+    # -- completion (called by the study) ------------------------------------------------------
+
+    def _finish(self, r: pb.RequestResult) -> EvalResult | None:
+        state = _state_name(r.state)
+        res = EvalResult(
+            r.request_id,
+            r.client_request_id,
+            state,
+            r.step,
+            r.node,
+            dict(r.metrics),
+            self.config,
+            getattr(r, "error", ""),
+        )
+        if self._future.done():
+            return None
+        if state == "DONE":
+            self._future.set_result(res)
+        elif state == "FAILED":
+            self._future.set_exception(
+                EvalFailed(f"eval at step {self.step} failed: {res.error or 'no reason given'}; see the node log")
+            )
+        else:
+            self._future.set_exception(EvalCancelled(f"request {r.request_id} was cancelled"))
+        return res
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self._future.done():
+            self._future.set_exception(exc)
+
+    def _on_done(self, fut: asyncio.Future[EvalResult]) -> None:
+        if fut.cancelled():  # the awaiting task was cancelled: cancel the request on the master too
+            self.study._abandon(self)
+        elif fut.exception() is not None:
+            pass  # retrieved here so an unobserved failure does not log "exception never retrieved"
+
+
+# ---------------------------------------------------------------------------------------------
+# Client
+
+
+class Client:
+    """A connection to a master (``grpc.aio``). Use ``stagetree.connect``; close it (or use ``async with``).
+
+    ``window_s``: how long a batch of evals is collected after the tick that opened it; ``max_batch``:
+    the most items per ``SubmitRequests`` (lowered automatically when the master says its limit is
+    smaller); ``retries``: attempts of an idempotent call that fails with a retriable error;
+    ``timeout_s``: the deadline of each unary call.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        token: str | None,
+        *,
+        window_s: float = 0.002,
+        max_batch: int = 1000,
+        retries: int = 6,
+        timeout_s: float = 60.0,
+        channel: grpc.aio.Channel | None = None,
+    ) -> None:
+        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+            raise InvalidArgument(f"max_batch: must be an int >= 1, got {max_batch!r}")
+        if not isinstance(window_s, int | float) or not 0 <= window_s <= 10:
+            raise InvalidArgument(f"window_s: must be a number of seconds in [0, 10], got {window_s!r}")
+        self.target = target
+        self.window_s = float(window_s)
+        self.max_batch = max_batch
+        self.retries = max(1, int(retries))
+        self.timeout_s = timeout_s
+        self.rpcs: Counter[str] = Counter()
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._channel = channel or grpc.aio.insecure_channel(
+            target,
+            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
+        )
+        self.stub = pb_grpc.MasterServiceStub(self._channel)  # type: ignore[no-untyped-call]
+        self._studies: list[Study] = []
+        self._closed = False
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def rpc_count(self) -> int:
+        """RPCs this client started (a retry counts again; a server stream counts once)."""
+        return sum(self.rpcs.values())
+
+    async def close(self) -> None:
+        """Stop result streams, fail evals still outstanding with ``Unavailable``, close the channel."""
+        if self._closed:
+            return
+        self._closed = True
+        for s in self._studies:
+            await s._close()
+        await self._channel.close()
+
+    # -- studies ---------------------------------------------------------------------------------
+
+    async def create_study(
+        self,
+        name: str,
+        *,
+        trainer: str,
+        dataset: str = "",
+        model: str = "",
+        seed: int = 0,
+        values: Mapping[str, Any] | None = None,
+        tuned: Iterable[str],
+    ) -> Study:
+        """A new study; see ``Study.create``."""
+        return await Study.create(
+            self, name, trainer=trainer, dataset=dataset, model=model, seed=seed, values=values, tuned=tuned
+        )
+
+    async def load_study(self, study_id: str, *, tuned: Iterable[str] | None = None) -> Study:
+        """An existing study of this token's owner; see ``Study.load``."""
+        return await Study.load(self, study_id, tuned=tuned)
+
+    async def list_studies(self) -> list[StudyInfo]:
+        """The studies of this token's owner, oldest first."""
+        resp = await self.call("ListStudies", pb.ListStudiesRequest(), idempotent=True)
+        return [_study_info(s) for s in resp.studies]
+
+    # -- plumbing ----------------------------------------------------------------------------------
+
+    async def call(self, method: str, request: Any, *, idempotent: bool) -> Any:
+        """One unary RPC, counted; idempotent calls are retried on retriable errors with backoff."""
+        if self._closed:
+            raise FailedPrecondition(f"{method}: the client is closed; open a new one with stagetree.connect()")
+        fn = getattr(self.stub, method)
+        attempts = self.retries if idempotent else 1
+        for i in range(attempts):
+            self.rpcs[method] += 1
+            try:
+                return await fn(request, metadata=self._metadata, timeout=self.timeout_s)
+            except grpc.RpcError as exc:
+                err = error_of(exc, method, self.target)
+                if not err.retriable or i == attempts - 1:
+                    raise err from exc
+                delay = min(2.0, 0.05 * 2**i)
+                log.info("retrying %s after %s", method, type(err).__name__, extra={"attempt": i + 1})
+                await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def stream(self, method: str, request: Any) -> Any:
+        """Start one server-streaming RPC, counted; iterate the returned call."""
+        if self._closed:
+            raise FailedPrecondition(f"{method}: the client is closed; open a new one with stagetree.connect()")
+        self.rpcs[method] += 1
+        return getattr(self.stub, method)(request, metadata=self._metadata)
+
+
+def connect(
+    url: str | None = None,
+    *,
+    token: str | None = None,
+    window_s: float = 0.002,
+    max_batch: int = 1000,
+    retries: int = 6,
+    timeout_s: float = 60.0,
+) -> Client:
+    """A client for the master's gRPC API at ``url`` (``host:port`` or ``grpc://host:port``; default
+    ``$STAGETREE_MASTER`` or ``127.0.0.1:50051``), authenticated by ``token`` (default ``$STAGETREE_TOKEN``).
+
+    Use it as ``async with stagetree.connect(url, token=...) as client:``; nothing is sent until the
+    first call. Must be called inside a running event loop."""
+    target = parse_target(url if url is not None else os.environ.get(ENV_TARGET, DEFAULT_TARGET))
+    if token is None:
+        token = os.environ.get(ENV_TOKEN) or None
+    return Client(target, token, window_s=window_s, max_batch=max_batch, retries=retries, timeout_s=timeout_s)
+
+
+def parse_target(url: str) -> str:
+    """``host:port`` from ``host:port`` or ``grpc://host:port``; an HTTP URL is refused with the reason."""
+    if not isinstance(url, str) or not url.strip():
+        raise InvalidArgument(f"url: must be the master's gRPC address host:port, got {url!r}")
+    url = url.strip()
+    if url.startswith(("http://", "https://")):
+        raise InvalidArgument(
+            f"url: {url!r} is an HTTP URL; stagetree.connect() speaks gRPC: pass the master's gRPC address "
+            f"host:port (default port 50051), and use the REST API at the HTTP one"
+        )
+    if url.startswith("grpc://"):
+        url = url[len("grpc://") :]
+    url = url.rstrip("/")
+    if ":" not in url:
+        raise InvalidArgument(f"url: {url!r} has no port; write host:port, e.g. 127.0.0.1:50051")
+    return url
+
+
+# ---------------------------------------------------------------------------------------------
+# Study
+
+
+def _check_tuned(tuned: Iterable[str] | None) -> tuple[str, ...] | None:
+    if tuned is None:
+        return None
+    if isinstance(tuned, str):
+        raise InvalidArgument(f"tuned: must be a list of hyper-parameter names, got the string {tuned!r}")
+    names = tuple(sorted(set(tuned)))
+    if not names or any(not isinstance(n, str) or not n for n in names):
+        raise InvalidArgument(f"tuned: must be a non-empty list of hyper-parameter names, got {tuned!r}")
+    return names
+
+
+class Study:
+    """A study on a master: a fixed part (trainer entry point, dataset, model, seed, fixed values) and the
+    names of the tuned hyper-parameters. Every eval's config gives one sequence per tuned name.
+
+    Studies whose fixed parts are equal share one search plan: an eval that another study (or this one)
+    already trained is answered from stored metrics, and one that shares a prefix trains only from the
+    latest checkpoint on that prefix.
+    """
+
+    def __init__(self, client: Client, info: StudyInfo, tuned: tuple[str, ...] | None) -> None:
+        self.client = client
+        self.info = info
+        self.tuned = tuned
+        self._buffer: list[Evaluation] = []
+        self._flusher: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._sending = asyncio.Semaphore(4)
+        self._by_request: dict[int, Evaluation] = {}
+        self._completed: list[EvalResult] = []
+        self._listeners: set[asyncio.Queue[EvalResult | None]] = set()
+        client._studies.append(self)
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def fixed(self) -> FixedPart | None:
+        return self.info.fixed
+
+    def __repr__(self) -> str:
+        return f"Study(id={self.id!r}, name={self.name!r}, tuned={self.tuned!r})"
+
+    @classmethod
+    async def create(
+        cls,
+        client: Client,
+        name: str,
+        *,
+        trainer: str,
+        dataset: str = "",
+        model: str = "",
+        seed: int = 0,
+        values: Mapping[str, Any] | None = None,
+        tuned: Iterable[str],
+    ) -> Study:
+        """Create a study named ``name`` (unique per owner). ``trainer`` is the entry point of the user's
+        ``Trainer`` (``"package.module:Class"``); ``values`` are fixed hyper-parameters; ``tuned`` names
+        the hyper-parameters every eval gives a sequence for."""
+        names = _check_tuned(tuned)
+        if not isinstance(name, str) or not name.strip():
+            raise InvalidArgument(f"name: must be a non-empty string, got {name!r}")
+        fixed = FixedPart(trainer=trainer, dataset=dataset, model=model, seed=seed, values=dict(values or {}))
+        clash = sorted(set(fixed.values) & set(names or ()))
+        if clash:
+            raise InvalidArgument(f"{clash} are both fixed values and tuned; a hyper-parameter is one or the other")
+        req = pb.CreateStudyRequest(name=name, fixed_json=json.dumps(fixed.to_json(), sort_keys=True))
+        return cls(client, _study_info(await client.call("CreateStudy", req, idempotent=False)), names)
+
+    @classmethod
+    async def load(cls, client: Client, study_id: str, *, tuned: Iterable[str] | None = None) -> Study:
+        """An existing study. The master does not keep the tuned names: pass ``tuned`` to have evals
+        checked against them (otherwise any non-empty set of names is accepted)."""
+        if not isinstance(study_id, str) or not study_id:
+            raise InvalidArgument(f"study_id: must be a non-empty string, got {study_id!r}")
+        info = await client.call("GetStudy", pb.GetStudyRequest(study_id=study_id), idempotent=True)
+        return cls(client, _study_info(info), _check_tuned(tuned))
+
+    # -- evals -------------------------------------------------------------------------------------
+
+    def validate(self, config: Mapping[str, Any], step: int) -> tuple[dict[str, Sequence], str, int]:
+        """The config as sequences, its JSON for the wire, and the step; raises what the master would."""
+        step = check_step(step)
+        if not isinstance(config, Mapping) or not config:
+            raise InvalidArgument(
+                f"config: must be a non-empty mapping of hyper-parameter name to sequence, got {config!r}"
+            )
+        Config.of(config)  # the master's own canonicalization: a bad sequence fails here
+        seqs = {name: as_sequence(v, field=name) for name, v in config.items()}
+        if self.tuned is not None and tuple(sorted(seqs)) != self.tuned:
+            missing = sorted(set(self.tuned) - set(seqs))
+            extra = sorted(set(seqs) - set(self.tuned))
+            raise InvalidArgument(
+                f"config: study {self.name!r} tunes {list(self.tuned)}; missing {missing}, unexpected {extra}"
+            )
+        if self.fixed is not None:
+            clash = sorted(set(seqs) & set(self.fixed.values))
+            if clash:
+                raise InvalidArgument(f"config: {clash} are fixed values of study {self.name!r}; they cannot be tuned")
+        text = json.dumps({"tuned": {n: s.to_json() for n, s in sorted(seqs.items())}}, separators=(",", ":"))
+        if len(text) > MAX_CONFIG_BYTES:
+            raise InvalidArgument(f"config: {len(text)} bytes of JSON is over the {MAX_CONFIG_BYTES}-byte limit")
+        return seqs, text, step
+
+    def submit(self, config: Mapping[str, Any], step: int) -> Evaluation:
+        """Queue an eval of ``config`` at ``step`` and return its handle at once (no I/O here: the eval
+        goes out with the others of the same batch). Raises ``InvalidArgument`` for a bad config."""
+        if self.client._closed:
+            raise FailedPrecondition("submit: the client is closed; open a new one with stagetree.connect()")
+        seqs, text, step = self.validate(config, step)
+        ev = Evaluation(self, seqs, text, step)
+        self._buffer.append(ev)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = self._spawn(self._flush())
+        return ev
+
+    async def eval(self, config: Mapping[str, Any], step: int) -> dict[str, float]:
+        """Train ``config`` up to ``step`` (or reuse what is stored) and return the metrics there.
+
+        Concurrent calls are batched into one RPC. Raises ``EvalFailed``, ``EvalCancelled``, or the
+        error of the RPC (``Unavailable`` after retries, ...)."""
+        return await self.submit(config, step)
+
+    async def cancel(self, evaluation: Evaluation | int) -> EvalResult | None:
+        """Cancel an eval (its handle, or a request id of this study). The eval raises ``EvalCancelled``;
+        the batch serving it is aborted only when no other request needs it. Returns the request's
+        state after the call (``None`` when it never reached the master)."""
+        if isinstance(evaluation, Evaluation):
+            if evaluation.request_id is None:
+                if evaluation in self._buffer:
+                    self._buffer.remove(evaluation)
+                evaluation._fail(EvalCancelled(f"eval {evaluation.client_request_id} was cancelled before it was sent"))
+                return None
+            rid = evaluation.request_id
+        elif isinstance(evaluation, int) and not isinstance(evaluation, bool):
+            rid = evaluation
+        else:
+            raise InvalidArgument(f"cancel: expects an Evaluation or a request id, got {evaluation!r}")
+        r = await self.client.call(
+            "CancelRequest", pb.CancelRequestRequest(study_id=self.id, request_id=rid), idempotent=True
+        )
+        return self._deliver(r) or self._result_of(r)
+
+    async def results(self, *, replay: bool = False) -> AsyncIterator[EvalResult]:
+        """Finished evals of this study submitted through this object, as they finish (DONE, FAILED and
+        CANCELLED alike); with ``replay``, first those finished before the call. Ends when the client closes."""
+        q: asyncio.Queue[EvalResult | None] = asyncio.Queue()
+        if replay:
+            for r in self._completed:
+                q.put_nowait(r)
+        self._listeners.add(q)
+        try:
+            while True:
+                item = await q.get()
+                if item is None:
+                    return
+                yield item
+        finally:
+            self._listeners.discard(q)
+
+    async def best(self, metric: str, mode: str = "max") -> EvalResult | None:
+        """The finished eval with the best ``metric`` (``mode`` "max" or "min"), ties to the earliest;
+        None when none reported it. Covers the evals submitted through this object (the master's gRPC
+        API has no call that lists a study's requests)."""
+        if mode not in ("max", "min"):
+            raise InvalidArgument(f"mode: must be 'max' or 'min', got {mode!r}")
+        best: EvalResult | None = None
+        key = -math.inf
+        for r in self._completed:
+            v = r.metrics.get(metric)
+            if r.state != "DONE" or v is None or math.isnan(v):
+                continue
+            k = v if mode == "max" else -v
+            if best is None or k > key:
+                best, key = r, k
+        return best
+
+    async def metrics(self, config: Mapping[str, Any], step: int) -> dict[str, float] | None:
+        """Stored metrics of ``config`` at ``step`` (from any study sharing the plan), or None; never
+        creates a request."""
+        _, text, step = self.validate(config, step)
+        r = await self.client.call(
+            "GetMetrics", pb.GetMetricsRequest(study_id=self.id, config_json=text, step=step), idempotent=True
+        )
+        return dict(r.metrics) if r.found else None
+
+    async def plan(self, plan_key: str = "") -> dict[str, Any]:
+        """The search plan this study uses, in the REST API's JSON shape: ``{"key", "fixed", "nodes": [{"id",
+        "parent", "start", "config", "requests", "checkpoint_steps", "metric_steps"}]}``."""
+        p = await self.client.call("GetPlan", pb.GetPlanRequest(study_id=self.id, plan_key=plan_key), idempotent=True)
+        return {
+            "key": p.key,
+            "fixed": json.loads(p.fixed_json) if p.fixed_json else None,
+            "nodes": [
+                {
+                    "id": n.id,
+                    "parent": n.parent or None,
+                    "start": n.start,
+                    "config": json.loads(n.config_json),
+                    "requests": dict(n.requests),
+                    "checkpoint_steps": list(n.checkpoint_steps),
+                    "metric_steps": list(n.metric_steps),
+                }
+                for n in p.nodes
+            ],
+        }
+
+    # -- batching ----------------------------------------------------------------------------------
+
+    def _spawn(self, coro: Awaitable[T]) -> asyncio.Task[T]:
+        task: asyncio.Task[T] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _flush(self) -> None:
+        await asyncio.sleep(0)  # let every coroutine ready in this tick add its eval
+        if self.client.window_s:
+            await asyncio.sleep(self.client.window_s)
+        while self._buffer:
+            n = self.client.max_batch
+            chunk, self._buffer = self._buffer[:n], self._buffer[n:]
+            chunk = [e for e in chunk if not e.done()]
+            if chunk:
+                self._spawn(self._send(chunk))
+
+    async def _send(self, chunk: list[Evaluation]) -> None:
+        async with self._sending:
+            await self._submit(chunk)
+
+    async def _submit(self, chunk: list[Evaluation]) -> None:
+        chunk = [e for e in chunk if not e.done()]
+        if not chunk:
+            return
+        req = pb.SubmitRequestsRequest(
+            study_id=self.id,
+            items=[
+                pb.SubmitItem(client_request_id=e.client_request_id, config_json=e.config_json, step=e.step)
+                for e in chunk
+            ],
+        )
+        try:
+            resp = await self.client.call("SubmitRequests", req, idempotent=True)
+        except ResourceExhausted as exc:
+            if len(chunk) == 1:
+                chunk[0]._fail(exc)
+                return
+            # the master's batch limit is below ours: learn it and resend in pieces (ids make it safe)
+            m = re.search(r"limit of (\d+)", exc.message)
+            limit = int(m.group(1)) if m else len(chunk) // 2
+            self.client.max_batch = max(1, min(self.client.max_batch, limit))
+            log.info("batch limit lowered to %d", self.client.max_batch, extra={"study_id": self.id})
+            for i in range(0, len(chunk), self.client.max_batch):
+                await self._submit(chunk[i : i + self.client.max_batch])
+            return
+        except InvalidArgument as exc:
+            await self._isolate(chunk, exc)
+            return
+        except StagetreeError as exc:
+            for e in chunk:
+                e._fail(exc)
+            return
+        waiting: dict[int, Evaluation] = {}
+        for e, r in zip(chunk, resp.results, strict=True):
+            e.request_id = r.request_id
+            self._by_request[r.request_id] = e
+            if _state_name(r.state) in TERMINAL:
+                self._deliver(r)
+            else:
+                waiting[r.request_id] = e
+        if waiting:
+            self._spawn(self._watch(waiting))
+
+    async def _isolate(self, chunk: list[Evaluation], exc: InvalidArgument) -> None:
+        """One bad item must not fail the evals batched with it: fail the item the master named (or
+        bisect when it named none) and resend the others."""
+        if len(chunk) == 1:
+            chunk[0]._fail(exc)
+            return
+        m = re.match(r"items\[(\d+)\]", exc.message)
+        if m and int(m.group(1)) < len(chunk):
+            bad = int(m.group(1))
+            chunk[bad]._fail(InvalidArgument(exc.message.replace(f"items[{bad}]", "", 1).lstrip(".: ") or exc.message))
+            await self._submit(chunk[:bad] + chunk[bad + 1 :])
+            return
+        half = len(chunk) // 2
+        await self._submit(chunk[:half])
+        await self._submit(chunk[half:])
+
+    async def _watch(self, waiting: dict[int, Evaluation]) -> None:
+        """Follow one batch's waiting requests on one result stream until each finished."""
+        attempt = 0
+        while waiting and not self.client._closed:
+            call = self.client.stream(
+                "StreamResults", pb.StreamResultsRequest(study_id=self.id, request_ids=sorted(waiting))
+            )
+            try:
+                async for r in call:
+                    waiting.pop(r.request_id, None)
+                    self._deliver(r)
+                    attempt = 0
+                if waiting:  # the master ended the stream early: follow the rest on a new one
+                    continue
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            except grpc.RpcError as exc:
+                if self.client._closed:
+                    return
+                err = error_of(exc, "StreamResults", self.client.target)
+                attempt += 1
+                if not err.retriable or attempt >= self.client.retries:
+                    for e in waiting.values():
+                        e._fail(err)
+                    return
+                await asyncio.sleep(min(2.0, 0.05 * 2**attempt))
+
+    def _result_of(self, r: pb.RequestResult) -> EvalResult:
+        return EvalResult(
+            r.request_id,
+            r.client_request_id,
+            _state_name(r.state),
+            r.step,
+            r.node,
+            dict(r.metrics),
+            None,
+            getattr(r, "error", ""),
+        )
+
+    def _deliver(self, r: pb.RequestResult) -> EvalResult | None:
+        """Complete the eval of a finished request and tell ``results()`` listeners (once per request)."""
+        if _state_name(r.state) not in TERMINAL:
+            return None
+        e = self._by_request.pop(r.request_id, None)
+        if e is None:
+            return None
+        res = e._finish(r) or EvalResult(
+            r.request_id,
+            r.client_request_id,
+            _state_name(r.state),
+            r.step,
+            r.node,
+            dict(r.metrics),
+            e.config,
+            getattr(r, "error", ""),
+        )
+        self._completed.append(res)
+        for q in self._listeners:
+            q.put_nowait(res)
+        return res
+
+    def _abandon(self, e: Evaluation) -> None:
+        """The task awaiting ``e`` was cancelled: drop it from the batch, or cancel its request."""
+        if e in self._buffer:
+            self._buffer.remove(e)
+        if e.request_id is not None and e.request_id in self._by_request and not self.client._closed:
+            rid = e.request_id
+
+            async def cancel() -> None:
+                with contextlib.suppress(StagetreeError):
+                    await self.cancel(rid)
+
+            self._spawn(cancel())
+
+    async def _close(self) -> None:
+        for e in list(self._buffer) + list(self._by_request.values()):
+            e._fail(Unavailable("the client was closed before this eval finished; evaluate it again on a new client"))
+        self._buffer.clear()
+        self._by_request.clear()
+        for q in self._listeners:
+            q.put_nowait(None)
+        tasks = [t for t in self._tasks if not t.done()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

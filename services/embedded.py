@@ -1,0 +1,283 @@
+"""Embedded mode: master, aggregator and one node manager in this process, with no servers to install.
+
+The same components as the cluster, wired with in-process adapters (ARCHITECTURE §8): SQLite in place
+of Postgres, :class:`~stagetree.bus.inprocess.InProcessBus` in place of Kafka and in-process
+coordination in place of Redis. The node manager still launches one worker process per batch on the
+local GPUs (or CPU slots) and reports through the bus; the aggregator applies the bus to the database
+in its own thread. Clients talk gRPC to it exactly as to a cluster's master::
+
+    async with Embedded(EmbeddedSettings(workers=2)) as cluster:
+        async with stagetree.connect(cluster.target, token=cluster.token) as client:
+            ...
+
+``stagetree up`` runs it in the foreground until Ctrl-C and prints the address and token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import secrets
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_OWNER = "local"
+
+
+@dataclass
+class EmbeddedSettings:
+    """What the embedded mode needs; every field has a default that works on a laptop."""
+
+    home: Path = field(default_factory=lambda: Path(".stagetree"))  # database, checkpoints, worker logs
+    workers: int = 2  # CPU worker slots when there is no GPU
+    slots_per_gpu: int = 1
+    threads_per_worker: int = 1
+    grpc_port: int = 0  # 0: a free port
+    http_port: int | None = None  # None: no REST server
+    token: str = ""  # the owner token clients use; "" makes a random one
+    admin_token: str = ""
+    policy: str = "critical_path"
+    step_seconds: float = 0.05  # the cost model's cold-start guess of one training step
+    prestart_workers: bool = True
+    database_url: str = ""  # "" -> SQLite under home
+    node_manager_id: str = "embedded"
+
+    def resolved(self) -> EmbeddedSettings:
+        home = self.home.resolve()
+        return EmbeddedSettings(
+            home=home,
+            workers=self.workers,
+            slots_per_gpu=self.slots_per_gpu,
+            threads_per_worker=self.threads_per_worker,
+            grpc_port=self.grpc_port,
+            http_port=self.http_port,
+            token=self.token or secrets.token_urlsafe(16),
+            admin_token=self.admin_token or secrets.token_urlsafe(16),
+            policy=self.policy,
+            step_seconds=self.step_seconds,
+            prestart_workers=self.prestart_workers,
+            database_url=self.database_url or f"sqlite:///{home / 'stagetree.db'}",
+            node_manager_id=self.node_manager_id,
+        )
+
+
+class Embedded:
+    """A running embedded cluster; use as an async context manager (or ``start``/``stop``)."""
+
+    def __init__(self, settings: EmbeddedSettings | None = None) -> None:
+        self.settings = (settings or EmbeddedSettings()).resolved()
+        self.target = ""
+        self.http_url = ""
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._server: Any = None
+        self._http: Any = None
+        self.app: Any = None
+        self.aggregator: Any = None
+        self.node_manager: Any = None
+        self.bus: Any = None
+
+    @property
+    def token(self) -> str:
+        return self.settings.token
+
+    @property
+    def admin_token(self) -> str:
+        return self.settings.admin_token
+
+    async def start(self) -> Self:
+        from pydantic import SecretStr
+
+        from stagetree.aggregator.aggregator import Aggregator
+        from stagetree.bus.inprocess import InProcessBus
+        from stagetree.master.app import MasterApp
+        from stagetree.master.coordination import InProcessCoordination
+        from stagetree.master.settings import AuthSettings, MasterSettings, SchedulingSettings
+        from stagetree.master.store.ingest import Ingestor
+        from stagetree.master.store.schema import upgrade
+        from stagetree.master.store.store import make_engine
+        from stagetree.nodemanager.app import build_node_manager
+        from stagetree.nodemanager.settings import NodeManagerSettings
+
+        s = self.settings
+        s.home.mkdir(parents=True, exist_ok=True)
+        engine = make_engine(s.database_url)
+        try:
+            upgrade(engine)  # the embedded database is ours: bring it to the current schema
+        finally:
+            engine.dispose()
+        master_settings = MasterSettings(
+            database_url=s.database_url,
+            redis_url=None,
+            grpc_host="127.0.0.1",
+            grpc_port=s.grpc_port,
+            http_host="127.0.0.1",
+            http_port=s.http_port or 0,
+            instance_id="embedded",
+            auth=AuthSettings(tokens={EMBEDDED_OWNER: SecretStr(s.token)}, admin_token=SecretStr(s.admin_token)),
+            scheduling=SchedulingSettings(
+                policy=s.policy, default_step_seconds=s.step_seconds, round_interval_s=1.0, lease_ttl_s=3.0
+            ),
+        )
+        coordination = InProcessCoordination()
+        self.app = app = MasterApp.build(master_settings, coordination=coordination)
+        self._server, port = await app.start_grpc(port=s.grpc_port)
+        self.target = f"127.0.0.1:{port}"
+        if s.http_port is not None:
+            await self._start_http()
+        self._tasks.append(asyncio.create_task(app.scheduler.run(self._stop), name="stagetree-scheduler"))
+
+        self.bus = bus = InProcessBus()
+        self.aggregator = Aggregator(
+            bus,
+            Ingestor(app.store, app.service.plans, max_failures=master_settings.scheduling.max_attempts),
+            coordination,
+            max_latency_s=0.005,
+            poll_timeout_s=0.05,
+            name="embedded-aggregator",
+        )
+        self.aggregator.start()
+
+        nm_settings = NodeManagerSettings(
+            master_target=self.target,
+            admin_token=SecretStr(s.admin_token),
+            node_manager_id=s.node_manager_id,
+            address="embedded",
+            checkpoint_root=str(s.home / "checkpoints"),
+            work_dir=str(s.home / "work"),
+            slots_per_gpu=s.slots_per_gpu,
+            cpu_slots=s.workers,
+            threads_per_worker=s.threads_per_worker,
+            prestart_workers=s.prestart_workers,
+            progress_interval_s=0.5,
+        )
+        self.node_manager = build_node_manager(nm_settings, bus=bus)
+        self._tasks.append(asyncio.create_task(self.node_manager.run(self._stop), name="stagetree-node-manager"))
+        await self._wait_registered()
+        log.info("embedded stagetree up", extra={"target": self.target, "home": str(s.home)})
+        return self
+
+    async def _wait_registered(self, timeout_s: float = 60.0) -> None:
+        """Until the node manager has registered its slots (so the first study gets work at once)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            for t in self._tasks:
+                if t.done() and t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+            nms = await asyncio.to_thread(self.app.store.node_managers)
+            if any(n.id == self.settings.node_manager_id and n.state == "ALIVE" for n in nms):
+                return
+            await asyncio.sleep(0.05)
+        raise TimeoutError(f"the embedded node manager did not register within {timeout_s:.0f} s")
+
+    async def _start_http(self) -> None:
+        import uvicorn
+
+        from stagetree.master.api.rest import create_rest_app
+
+        config = uvicorn.Config(
+            create_rest_app(self.app), host="127.0.0.1", port=self.settings.http_port or 0, log_level="warning"
+        )
+        self._http = uvicorn.Server(config)
+        self._tasks.append(asyncio.create_task(self._http.serve(), name="stagetree-rest"))
+        while not self._http.started:
+            await asyncio.sleep(0.02)
+        sock = self._http.servers[0].sockets[0]
+        self.http_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self.app is not None:
+            self.app.coordination.notify("round")
+        if self._http is not None:
+            self._http.should_exit = True
+        for t in self._tasks:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(t, 60)
+        if self.aggregator is not None:
+            await asyncio.to_thread(self.aggregator.stop, 10.0)
+        if self._server is not None:
+            await self._server.stop(grace=1)
+        if self.bus is not None:
+            self.bus.close()
+        if self.app is not None:
+            self.app.close()
+
+    async def __aenter__(self) -> Self:
+        try:
+            return await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+
+# -- stagetree up -----------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="stagetree up", description="run master, aggregator and one node manager here (embedded mode)"
+    )
+    p.add_argument("--home", type=Path, default=Path(".stagetree"), help="database, checkpoints and logs")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (0: a free one)")
+    p.add_argument("--http-port", type=int, default=8080, help="REST port (-1: no REST server)")
+    p.add_argument("--workers", type=int, default=2, help="CPU worker slots when there is no GPU")
+    p.add_argument("--slots-per-gpu", type=int, default=1)
+    p.add_argument("--token", default="", help="the owner token clients use (default: a random one)")
+    p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if ns.workers < 1 or ns.slots_per_gpu < 1:
+        print("error: --workers and --slots-per-gpu must be at least 1", file=sys.stderr)
+        return 2
+    settings = EmbeddedSettings(
+        home=ns.home,
+        workers=ns.workers,
+        slots_per_gpu=ns.slots_per_gpu,
+        grpc_port=ns.port,
+        http_port=None if ns.http_port < 0 else ns.http_port,
+        token=ns.token,
+    )
+
+    async def run() -> None:
+        done = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, done.set)
+        async with Embedded(settings) as cluster:
+            print(f"stagetree embedded: gRPC {cluster.target}", flush=True)
+            if cluster.http_url:
+                print(f"  REST {cluster.http_url}/api/v1 (OpenAPI at {cluster.http_url}/docs)", flush=True)
+            print(f"  token {cluster.token}   (export STAGETREE_TOKEN={cluster.token})", flush=True)
+            print(f"  data under {cluster.settings.home}; Ctrl-C stops", flush=True)
+            await done.wait()
+            print("stopping ...", flush=True)
+
+    try:
+        asyncio.run(run())
+    except OSError as e:
+        print(f"error: {e}; is another stagetree using port {ns.port}? pass --port 0", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,479 @@
+"""``NodeManager``: one per GPU server; runs the master's batches in worker processes (TreeML §5.1).
+
+It owns the processes on its machine and nothing else: it registers its slots with the master,
+heartbeats, and carries out its assignment stream:
+
+* ``RUN``: start one worker process for the batch attempt on a free slot (queued while none is free:
+  the master's view of busy slots can run ahead of a worker that is still exiting), read its events,
+  hand them to the ``BatchReporter``, and report the attempt's end exactly once. A worker that dies
+  without a terminal event is a failed attempt with its exit status or signal (a SIGKILL nobody here
+  sent is taken for the kernel's out-of-memory killer and flagged ``oom``); one that reports
+  ``batch_failed`` keeps its own error and ``oom`` flag.
+* ``ABORT``: kill the worker without saving. ``PREEMPT``: SIGUSR1 (the runtime finishes its step,
+  saves a peripheral checkpoint and exits), sent once the worker has installed its handler.
+* ``DELETE_CHECKPOINTS``: delete those URIs from the checkpoint store (missing ones are fine).
+
+When the master goes away (killed, restarting, network) the node manager keeps its workers running,
+queues their reports (``GrpcReporter``) or keeps publishing (``BusReporter``), and reconnects with
+exponential backoff, registering again. A wrong token is not retried: ``run`` raises
+``Unauthenticated``/``PermissionDenied`` with the setting to fix. On stop, running workers are
+preempted (``stop_grace_s`` to save) so their work resumes elsewhere from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import signal
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from stagetree.core.batch import BatchSpec
+from stagetree.core.errors import (
+    InvalidArgument,
+    PermissionDenied,
+    StagetreeError,
+    Unauthenticated,
+    Unavailable,
+)
+from stagetree.nodemanager.gpu import GpuProbe
+from stagetree.nodemanager.link import ABORT, DELETE_CHECKPOINTS, PREEMPT, RUN, Assignment, MasterLink
+from stagetree.nodemanager.mps import MpsDaemon
+from stagetree.nodemanager.reporting import TERMINAL_EVENTS, AttemptEnd, AttemptInfo, BatchReporter
+from stagetree.nodemanager.runtime.checkpoints import CheckpointStore
+from stagetree.nodemanager.slots import LocalSlot
+from stagetree.nodemanager.workers import EXIT_USAGE, WorkerLauncher, WorkerProcess
+
+log = logging.getLogger(__name__)
+
+PREEMPT_SIGNAL = signal.SIGUSR1
+DEFAULT_HEARTBEAT_S = 5.0
+STOPPED = "the node manager stopped"
+
+
+@dataclass
+class _Attempt:
+    info: AttemptInfo
+    spec: BatchSpec
+    slot: LocalSlot | None = None
+    worker: WorkerProcess | None = None
+    started: bool = False  # batch_started seen: the worker's signal handlers are installed
+    preempt_requested: bool = False
+    aborted: bool = False
+    stopping: bool = False  # the node manager is shutting down
+    terminal: tuple[str, dict[str, Any]] | None = None
+    task: asyncio.Task[None] | None = None
+    events: int = 0
+    exited: asyncio.Event = field(default_factory=asyncio.Event)  # the worker is gone (or never started)
+
+
+def classify_end(attempt: _Attempt, returncode: int, stderr_tail: str) -> AttemptEnd:
+    """How an attempt ended, from its terminal event (which wins) or else its exit."""
+    if attempt.terminal is not None:
+        kind, payload = attempt.terminal
+        if kind == "batch_finished":
+            return AttemptEnd("finished")
+        if kind == "batch_preempted":
+            return AttemptEnd("preempted")
+        return AttemptEnd(
+            "failed", error=str(payload["error"]), traceback=str(payload["traceback"]), oom=bool(payload["oom"])
+        )
+    if attempt.aborted:
+        return AttemptEnd("aborted", error="aborted by the master", by_worker=False)
+    if attempt.stopping and attempt.worker is not None and attempt.worker.killed:
+        return AttemptEnd("preempted", error=STOPPED, by_worker=False)
+    last = next((ln for ln in reversed(stderr_tail.strip().splitlines()) if ln.strip()), "")
+    oom = False
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        error = f"worker killed by {name} before reporting an end"
+        if -returncode == signal.SIGKILL:
+            oom = True  # nobody here sent it: most likely the kernel's (or the cgroup's) OOM killer
+            error += " (most likely the out-of-memory killer)"
+    elif returncode == EXIT_USAGE:
+        error = "worker refused the batch spec (exit status 2)"
+    else:
+        error = f"worker exited with status {returncode} before reporting an end"
+    if last:
+        error += f"; last output: {last[-300:]}"
+    return AttemptEnd("failed", error=error, traceback=stderr_tail, oom=oom, by_worker=False)
+
+
+class NodeManager:
+    """The node manager service. Build it with ``from_settings`` (the CLI) or directly (embedded mode):
+
+    ``NodeManager(link, reporter, slots, launcher, node_manager_id=..., store=...)`` then
+    ``await nm.run(stop)``.
+    """
+
+    def __init__(
+        self,
+        link: MasterLink,
+        reporter: BatchReporter,
+        slots: Sequence[LocalSlot],
+        launcher: WorkerLauncher,
+        *,
+        node_manager_id: str,
+        address: str = "",
+        store: CheckpointStore | None = None,
+        probe: GpuProbe | None = None,
+        mps: MpsDaemon | None = None,
+        heartbeat_interval_s: float | None = None,
+        telemetry_interval_s: float = 10.0,
+        reconnect_initial_s: float = 0.5,
+        reconnect_max_s: float = 10.0,
+        stop_grace_s: float = 30.0,
+    ) -> None:
+        if not slots:
+            raise InvalidArgument("a node manager needs at least one slot")
+        if not node_manager_id:
+            raise InvalidArgument("node_manager_id: required (STAGETREE_NM_NODE_MANAGER_ID)")
+        self.link = link
+        self.reporter = reporter
+        self.slots = list(slots)
+        self.launcher = launcher
+        self.id = node_manager_id
+        self.address = address or node_manager_id
+        self.store = store
+        self.probe = probe
+        self.mps = mps
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.telemetry_interval_s = telemetry_interval_s
+        self.reconnect_initial_s = reconnect_initial_s
+        self.reconnect_max_s = reconnect_max_s
+        self.stop_grace_s = stop_grace_s
+
+        self.connected = asyncio.Event()  # registered and consuming the stream (for tests, health)
+        self.registrations = 0
+        self._attempts: dict[tuple[int, int], _Attempt] = {}
+        self._done: set[tuple[int, int]] = set()
+        self._queue: deque[_Attempt] = deque()
+        self._free: dict[str, LocalSlot] = {s.id: s for s in self.slots}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._launcher_ready: asyncio.Task[None] | None = None  # started at the first registration
+        self._stopping = False
+
+    # -- the service ------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until ``stop`` is set. Raises on a configuration error (a wrong token, MPS that cannot
+        start); everything else (the master away, a crashed worker) is handled and logged."""
+        try:
+            if self.mps is not None:
+                await asyncio.to_thread(self.mps.start)
+            telemetry = self._spawn(self._telemetry_loop())
+            connection = asyncio.create_task(self._connection_loop(), name=f"nm-{self.id}-connection")
+            stopped = asyncio.create_task(stop.wait())
+            await asyncio.wait({connection, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            for t in (connection, stopped, telemetry):
+                t.cancel()
+            fatal: BaseException | None = None
+            if connection.done() and not connection.cancelled():
+                fatal = connection.exception()
+            with contextlib.suppress(asyncio.CancelledError):
+                await connection
+            await self._shutdown()
+            if fatal is not None:
+                raise fatal
+        finally:
+            if self._launcher_ready is not None:
+                with contextlib.suppress(Exception):
+                    await self._launcher_ready
+            await self.launcher.close()
+            await self.reporter.close()  # delivers what it can of the last reports, then gives up
+            if self._background:
+                await asyncio.wait(set(self._background), timeout=10)
+            await self.link.close()
+            if self.mps is not None:
+                await asyncio.to_thread(self.mps.stop)
+            if self.probe is not None:
+                self.probe.close()
+
+    def running(self) -> list[tuple[int, int]]:
+        """(batch id, attempt) of the attempts started or waiting for a slot."""
+        return sorted(self._attempts)
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    # -- the connection -----------------------------------------------------------------------------
+
+    async def _connection_loop(self) -> None:
+        delay = self.reconnect_initial_s
+        while True:
+            try:
+                interval = await self.link.register(self.id, self.address, self.slots)
+                self.registrations += 1
+                log.info(
+                    "registered with the master",
+                    extra={
+                        "node_manager_id": self.id,
+                        "slots": [s.id for s in self.slots],
+                        "registrations": self.registrations,
+                    },
+                )
+                delay = self.reconnect_initial_s
+                if self._launcher_ready is None:  # not before: a wrong token should not wait for imports
+                    self._launcher_ready = asyncio.create_task(self.launcher.start(self.slots))
+                await self._serve(self.heartbeat_interval_s or interval or DEFAULT_HEARTBEAT_S)
+            except (Unauthenticated, PermissionDenied):
+                raise
+            except InvalidArgument as e:
+                if self.registrations == 0:
+                    raise  # the master refuses what we register: a configuration error
+                log.error("master refused a call; reconnecting: %s", e.message, extra={"node_manager_id": self.id})
+            except StagetreeError as e:
+                log.warning(
+                    "master unreachable; retrying in %.1f s: %s",
+                    delay,
+                    e.message,
+                    extra={"node_manager_id": self.id, "retry_in_s": delay},
+                )
+            except Exception:
+                log.exception(
+                    "unexpected error talking to the master; reconnecting", extra={"node_manager_id": self.id}
+                )
+            finally:
+                self.connected.clear()
+            await asyncio.sleep(delay * (0.8 + 0.4 * random.random()))
+            delay = min(self.reconnect_max_s, delay * 2)
+
+    async def _serve(self, heartbeat_s: float) -> None:
+        """Heartbeat and consume the stream until either fails (then raises)."""
+        tasks = {
+            asyncio.create_task(self._heartbeats(heartbeat_s), name="heartbeats"),
+            asyncio.create_task(self._consume(), name="assignments"),
+        }
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                t.result()  # raises the failure
+            raise Unavailable("the assignment stream ended")
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _heartbeats(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            await self.link.heartbeat(self.id)
+
+    async def _consume(self) -> None:
+        self.connected.set()
+        async for a in self.link.assignments(self.id):
+            try:
+                self.on_assignment(a)
+            except Exception:
+                log.exception("assignment not carried out", extra={"batch_id": a.batch_id, "kind": a.kind})
+
+    # -- assignments ------------------------------------------------------------------------------
+
+    def on_assignment(self, a: Assignment) -> None:
+        """Carry out one assignment (called on the event loop)."""
+        ids = {"batch_id": a.batch_id, "attempt": a.attempt, "kind": a.kind}
+        log.info("assignment received", extra=ids)
+        if a.kind == RUN:
+            self._run(a)
+        elif a.kind == ABORT:
+            self._abort((a.batch_id, a.attempt))
+        elif a.kind == PREEMPT:
+            self._preempt((a.batch_id, a.attempt))
+        elif a.kind == DELETE_CHECKPOINTS:
+            self._spawn(self._delete(a.checkpoint_uris))
+        else:
+            log.error("unknown assignment kind ignored", extra=ids)
+
+    def _run(self, a: Assignment) -> None:
+        key = (a.batch_id, a.attempt)
+        if key in self._attempts or key in self._done:
+            log.warning("duplicate RUN ignored", extra={"batch_id": a.batch_id, "attempt": a.attempt})
+            return
+        try:
+            spec = BatchSpec.from_json(json.loads(a.spec_json))
+            if (spec.batch_id, spec.attempt) != key:
+                raise InvalidArgument(f"spec is for batch {spec.batch_id} attempt {spec.attempt}")
+        except (ValueError, StagetreeError) as e:
+            info = AttemptInfo(a.batch_id, a.attempt)
+            self._done.add(key)
+            log.error("unreadable batch spec: %s", e, extra={"batch_id": a.batch_id})
+            end = AttemptEnd("failed", error=f"unreadable batch spec: {e}", by_worker=False)
+            self._spawn(self.reporter.finish(info, end))
+            return
+        slot_hint = a.slot_id or str(spec.extra.get("slot_id", ""))
+        att = _Attempt(AttemptInfo(a.batch_id, a.attempt, spec.plan_key, slot_hint), spec)
+        self._attempts[key] = att
+        self._queue.append(att)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Start queued attempts on free slots (the master's slot when it named one and it is free)."""
+        while self._queue and self._free and not self._stopping:
+            att = self._queue.popleft()
+            hint = att.info.slot_id
+            slot = self._free.pop(hint) if hint in self._free else self._free.pop(next(iter(self._free)))
+            att.slot = slot
+            att.task = self._spawn(self._supervise(att))
+        if self._queue:
+            log.info("attempts waiting for a free slot", extra={"queued": len(self._queue)})
+
+    def _abort(self, key: tuple[int, int]) -> None:
+        att = self._attempts.get(key)
+        if att is None:
+            log.info("ABORT of an attempt not running here", extra={"batch_id": key[0], "attempt": key[1]})
+            return
+        att.aborted = True
+        if att in self._queue:
+            self._queue.remove(att)
+            self._attempts.pop(key, None)
+            self._done.add(key)
+            self._spawn(self.reporter.finish(att.info, AttemptEnd("aborted", by_worker=False)))
+        elif att.worker is not None:
+            att.worker.kill()
+        # else: the worker is being started; _supervise kills it as soon as it exists
+
+    def _preempt(self, key: tuple[int, int]) -> None:
+        att = self._attempts.get(key)
+        if att is None:
+            log.info("PREEMPT of an attempt not running here", extra={"batch_id": key[0], "attempt": key[1]})
+            return
+        att.preempt_requested = True
+        if att.started and att.worker is not None:
+            att.worker.send_signal(PREEMPT_SIGNAL)
+        # else: sent when the worker says batch_started (before that, SIGUSR1 would kill it)
+
+    async def _delete(self, uris: Sequence[str]) -> None:
+        if self.store is None:
+            log.warning("DELETE_CHECKPOINTS without a checkpoint store; ignored", extra={"uris": len(uris)})
+            return
+        store = self.store
+
+        def delete_all() -> int:
+            deleted = 0
+            for uri in uris:
+                try:
+                    store.delete(uri)
+                    deleted += 1
+                except (StagetreeError, OSError) as e:
+                    log.warning("checkpoint not deleted: %s", e, extra={"uri": uri})
+            return deleted
+
+        n = await asyncio.to_thread(delete_all)
+        log.info("checkpoints deleted", extra={"deleted": n, "asked": len(uris)})
+
+    # -- one attempt ------------------------------------------------------------------------------
+
+    async def _supervise(self, att: _Attempt) -> None:
+        info, key = att.info, att.info.key
+        ids = {"batch_id": info.batch_id, "attempt": info.attempt}
+        assert att.slot is not None
+        end = AttemptEnd("failed", error="the node manager lost track of its worker", by_worker=False)
+        try:
+            try:
+                if self._launcher_ready is not None:
+                    await asyncio.shield(self._launcher_ready)
+                worker = await self.launcher.spawn(att.spec, att.slot)
+            except Exception as e:
+                end = AttemptEnd("failed", error=f"cannot start a worker: {e!r}", by_worker=False)
+                log.error("cannot start a worker: %r", e, extra=ids)
+                return
+            att.worker = worker
+            log.info("worker started", extra={**ids, "pid": worker.pid, "slot_id": att.slot.id})
+            if att.aborted:
+                worker.kill()
+            try:
+                await self._follow(att, worker)
+            except Exception:
+                log.exception("error while following a worker; killing it", extra=ids)
+                worker.kill()
+            rc = await worker.wait()
+            end = classify_end(att, rc, worker.stderr_tail() if att.terminal is None else "")
+            log.info(
+                "worker exited",
+                extra={**ids, "pid": worker.pid, "returncode": rc, "status": end.status, "error": end.error},
+            )
+        except asyncio.CancelledError:
+            if att.worker is not None:
+                att.worker.kill()
+            end = AttemptEnd("preempted", error=STOPPED, by_worker=False)
+            raise
+        finally:
+            att.exited.set()
+            self._free[att.slot.id] = att.slot
+            self._attempts.pop(key, None)
+            self._done.add(key)
+            self._dispatch()
+            await self.reporter.finish(info, end)
+
+    async def _follow(self, att: _Attempt, worker: WorkerProcess) -> None:
+        """Hand the worker's events to the reporter until it closes its pipe."""
+        info = att.info
+        async for kind, payload in worker.events():
+            att.events += 1
+            if kind == "batch_started":
+                att.started = True
+                if att.preempt_requested:
+                    worker.send_signal(PREEMPT_SIGNAL)
+            if kind in TERMINAL_EVENTS:
+                if att.terminal is not None:
+                    log.warning("second terminal event ignored", extra={"batch_id": info.batch_id, "kind": kind})
+                    continue
+                att.terminal = (kind, payload)
+            await self.reporter.event(info, kind, payload)
+
+    # -- telemetry and shutdown ---------------------------------------------------------------------
+
+    async def _telemetry_loop(self) -> None:
+        if self.probe is None:
+            return
+        probe = self.probe
+        if not await asyncio.to_thread(probe.gpus):
+            return  # CPU-only: nothing to sample
+        while True:
+            await asyncio.sleep(self.telemetry_interval_s)
+            try:
+                samples = await asyncio.to_thread(probe.sample)
+                if samples:
+                    await self.reporter.telemetry(self.id, samples)
+            except Exception:
+                log.exception("telemetry sample not published", extra={"node_manager_id": self.id})
+
+    async def _shutdown(self) -> None:
+        """Preempt running workers, give them ``stop_grace_s`` to save and exit, kill the rest; queued
+        attempts end as preempted without having started. Reports are delivered by ``reporter.close``."""
+        self._stopping = True
+        for att in list(self._queue):
+            self._queue.remove(att)
+            self._attempts.pop(att.info.key, None)
+            self._done.add(att.info.key)
+            self._spawn(self.reporter.finish(att.info, AttemptEnd("preempted", error=STOPPED, by_worker=False)))
+        running = list(self._attempts.values())
+        if not running:
+            return
+        log.info("stopping: preempting running workers", extra={"workers": len(running)})
+        for att in running:
+            att.stopping = True
+            self._preempt(att.info.key)
+        exits = [asyncio.ensure_future(att.exited.wait()) for att in running]
+        _, pending = await asyncio.wait(exits, timeout=self.stop_grace_s)
+        if pending:
+            for att in running:
+                if not att.exited.is_set():
+                    if att.worker is not None:
+                        att.worker.kill()
+                    elif att.task is not None:
+                        att.task.cancel()  # still starting its worker
+            _, pending = await asyncio.wait(pending, timeout=10)
+        for fut in pending:
+            fut.cancel()

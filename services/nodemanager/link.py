@@ -1,0 +1,226 @@
+"""The node manager's side of the master: the ``MasterLink`` port and its gRPC adapter.
+
+The node manager registers its slots, heartbeats, consumes its assignment stream and (on the direct
+path) reports finished batch attempts. ``GrpcMasterLink`` does it over ``stagetree.v1.MasterService``
+with the admin token as a bearer token; an in-process adapter (the embedded mode) can call the
+master's service layer directly with the same four methods.
+
+gRPC status codes stop here and become the core error tree: ``Unavailable`` (retriable: the master is
+down, restarting or overloaded; try again later), ``Unauthenticated`` / ``PermissionDenied`` (the token
+is wrong: retrying cannot help, the message names the setting to fix), ``NotFound`` and the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from stagetree.core import errors
+from stagetree.nodemanager.slots import LocalSlot
+from stagetree.proto.stagetree.v1 import master_pb2 as pb
+from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+RUN, ABORT, PREEMPT, DELETE_CHECKPOINTS = "RUN", "ABORT", "PREEMPT", "DELETE_CHECKPOINTS"
+
+TOKEN_HINT = "set STAGETREE_NM_ADMIN_TOKEN to the master's admin token (its STAGETREE_MASTER_AUTH__ADMIN_TOKEN)"
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One message of the assignment stream: run a batch attempt, or act on one (or on checkpoints)."""
+
+    batch_id: int
+    attempt: int
+    kind: str = RUN
+    spec_json: str = ""  # RUN: the core BatchSpec's JSON
+    checkpoint_uris: tuple[str, ...] = ()  # DELETE_CHECKPOINTS
+    slot_id: str = ""  # the slot the master placed it on, when it says
+
+
+@dataclass(frozen=True)
+class MetricPoint:
+    node: int
+    step: int
+    values: dict[str, float]
+
+
+@dataclass(frozen=True)
+class CheckpointPoint:
+    node: int
+    step: int
+    uri: str
+    bytes: int
+    kind: str  # central | peripheral
+
+
+@dataclass(frozen=True)
+class BatchReport:
+    """What one batch attempt produced and how it ended (``ReportBatchRequest``)."""
+
+    batch_id: int
+    attempt: int
+    ok: bool
+    metrics: tuple[MetricPoint, ...] = ()
+    checkpoints: tuple[CheckpointPoint, ...] = ()
+    error: str = ""
+    oom: bool = False
+    preempted: bool = False
+
+
+class MasterLink(ABC):
+    """How a node manager talks to the master. Errors are the core tree (``Unavailable`` is retriable)."""
+
+    @abstractmethod
+    async def register(self, node_manager_id: str, address: str, slots: Sequence[LocalSlot]) -> float:
+        """Register (or re-register) with these slots; returns the heartbeat interval the master wants."""
+
+    @abstractmethod
+    async def heartbeat(self, node_manager_id: str) -> None: ...
+
+    @abstractmethod
+    def assignments(self, node_manager_id: str) -> AsyncIterator[Assignment]:
+        """The assignment stream; ends or raises when the connection does."""
+
+    @abstractmethod
+    async def report(self, report: BatchReport) -> list[int]:
+        """The direct report of a batch attempt; returns the request ids it completed."""
+
+    async def close(self) -> None:  # noqa: B027  (an optional hook)
+        """Release the connection."""
+
+
+_RETRIABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+}
+
+
+def translate(exc: grpc.aio.AioRpcError, target: str, what: str) -> errors.StagetreeError:
+    """The core error for a failed call ``what`` to the master at ``target``."""
+    code, details = exc.code(), exc.details() or ""
+    if code in _RETRIABLE:
+        return errors.Unavailable(f"{what}: the master at {target} is unavailable ({code.name}: {details})")
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return errors.Unauthenticated(f"{what}: the master at {target} rejected the token ({details}); {TOKEN_HINT}")
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return errors.PermissionDenied(f"{what}: the token is not the master's admin token ({details}); {TOKEN_HINT}")
+    by_code: dict[grpc.StatusCode, type[errors.StagetreeError]] = {
+        grpc.StatusCode.NOT_FOUND: errors.NotFound,
+        grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
+        grpc.StatusCode.ALREADY_EXISTS: errors.AlreadyExists,
+        grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
+        grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
+    }
+    return by_code.get(code, errors.StagetreeError)(f"{what}: {code.name}: {details}")
+
+
+def _slot_pb(s: LocalSlot) -> pb.Slot:
+    return pb.Slot(
+        id=s.id,
+        gpu_type=s.gpu_type,
+        memory_bytes=s.memory_bytes,
+        compute_capability=s.compute_capability,
+        share=s.share,
+        cpu_cores=s.cpu_cores,
+        gpu_index=s.gpu_index,
+    )
+
+
+def _assignment(a: pb.Assignment) -> Assignment:
+    return Assignment(
+        batch_id=int(a.batch_id),
+        attempt=int(a.attempt),
+        kind=pb.AssignmentKind.Name(a.kind),
+        spec_json=a.batch_spec_json,
+        checkpoint_uris=tuple(a.checkpoint_uris),
+        slot_id=str(getattr(a, "slot_id", "") or ""),  # a field the master may add
+    )
+
+
+class GrpcMasterLink(MasterLink):
+    """``MasterLink`` over ``grpc.aio`` to ``target`` (``host:port``). The channel is created on first use
+    (inside the running loop) and reconnects by itself; calls fail fast while the master is away."""
+
+    def __init__(self, target: str, admin_token: str, *, rpc_timeout_s: float = 10.0, max_backoff_s: float = 10.0):
+        if not admin_token:
+            raise errors.InvalidArgument(f"no admin token; {TOKEN_HINT}")
+        self.target = target
+        self._metadata = (("authorization", f"Bearer {admin_token}"),)
+        self._timeout = rpc_timeout_s
+        self._options = [
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", int(max_backoff_s * 1000)),
+        ]
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.MasterServiceStub | None = None
+
+    def _get_stub(self) -> pb_grpc.MasterServiceStub:
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self.target, options=self._options)
+            self._stub = pb_grpc.MasterServiceStub(self._channel)
+        return self._stub
+
+    async def register(self, node_manager_id: str, address: str, slots: Sequence[LocalSlot]) -> float:
+        req = pb.RegisterNodeManagerRequest(
+            node_manager_id=node_manager_id, address=address, slots=[_slot_pb(s) for s in slots]
+        )
+        try:
+            resp = await self._get_stub().RegisterNodeManager(req, metadata=self._metadata, timeout=self._timeout)
+        except grpc.aio.AioRpcError as e:
+            raise translate(e, self.target, "register") from None
+        return float(resp.heartbeat_interval_s)
+
+    async def heartbeat(self, node_manager_id: str) -> None:
+        req = pb.HeartbeatRequest(node_manager_id=node_manager_id)
+        try:
+            await self._get_stub().Heartbeat(req, metadata=self._metadata, timeout=self._timeout)
+        except grpc.aio.AioRpcError as e:
+            raise translate(e, self.target, "heartbeat") from None
+
+    async def assignments(self, node_manager_id: str) -> AsyncIterator[Assignment]:
+        call = self._get_stub().StreamAssignments(
+            pb.StreamAssignmentsRequest(node_manager_id=node_manager_id), metadata=self._metadata
+        )
+        try:
+            async for a in call:
+                yield _assignment(a)
+        except grpc.aio.AioRpcError as e:
+            raise translate(e, self.target, "assignment stream") from None
+        finally:
+            call.cancel()
+
+    async def report(self, report: BatchReport) -> list[int]:
+        req = pb.ReportBatchRequest(
+            batch_id=report.batch_id,
+            attempt=report.attempt,
+            ok=report.ok,
+            metrics=[pb.MetricPoint(node=m.node, step=m.step, values=m.values) for m in report.metrics],
+            checkpoints=[
+                pb.CheckpointPoint(node=c.node, step=c.step, uri=c.uri, bytes=c.bytes, kind=c.kind)
+                for c in report.checkpoints
+            ],
+            error=report.error,
+            oom=report.oom,
+            preempted=report.preempted,
+        )
+        try:
+            resp = await self._get_stub().ReportBatch(req, metadata=self._metadata, timeout=self._timeout)
+        except grpc.aio.AioRpcError as e:
+            raise translate(e, self.target, f"report of batch {report.batch_id}") from None
+        return [int(i) for i in resp.completed_request_ids]
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+        self._channel = self._stub = None

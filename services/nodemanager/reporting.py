@@ -1,0 +1,345 @@
+"""How what a worker did reaches the search plan: the ``BatchReporter`` port and its two adapters.
+
+The node manager hands a reporter every event of a batch attempt in order (``event``), then exactly
+once how the attempt ended (``finish``): finished, preempted, failed (by the worker's own report, a
+crash, or an out-of-memory) or aborted.
+
+* ``BusReporter`` (cluster and embedded modes): every event becomes a bus message (``stagetree.bus``),
+  keyed by batch so one batch's messages stay ordered, and goes out through a ``LocalBatcher``; the
+  aggregators apply them. A crash the worker could not report becomes a ``BatchFailed`` here. Topics
+  come from each message's ``route()``, never from this module. GPU telemetry goes the same way.
+* ``GrpcReporter`` (the direct path, no bus): collects an attempt's metrics and checkpoints and sends
+  one ``ReportBatch`` through the ``MasterLink`` when it ends, retrying while the master is away.
+
+An aborted attempt publishes nothing more on the bus (the master already ended it); the direct path
+still reports it (not ok) so the checkpoints and metrics it produced are recorded, which the master
+does before it ignores the stale attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from stagetree.bus.base import MetricBus
+from stagetree.bus.batcher import LocalBatcher
+from stagetree.bus.messages import (
+    BatchFailed,
+    BatchFinished,
+    BatchMessage,
+    BatchPreempted,
+    BatchStarted,
+    CheckpointSaved,
+    GpuProcess,
+    GpuTelemetry,
+    Message,
+    Metrics,
+    Progress,
+    make_msg_id,
+)
+from stagetree.core.errors import ResourceExhausted, StagetreeError
+from stagetree.nodemanager.gpu import GpuSample
+from stagetree.nodemanager.link import BatchReport, CheckpointPoint, MasterLink, MetricPoint
+
+log = logging.getLogger(__name__)
+
+EndStatus = Literal["finished", "preempted", "failed", "aborted"]
+TERMINAL_EVENTS = frozenset({"batch_finished", "batch_preempted", "batch_failed"})
+
+
+@dataclass(frozen=True)
+class AttemptInfo:
+    """Which batch attempt an event belongs to."""
+
+    batch_id: int
+    attempt: int
+    plan_key: str | None = None
+    slot_id: str = ""
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.batch_id, self.attempt)
+
+
+@dataclass(frozen=True)
+class AttemptEnd:
+    """How an attempt ended. ``by_worker``: the worker emitted the terminal event itself (then the bus
+    already carries it); otherwise the node manager saw it die or killed it."""
+
+    status: EndStatus
+    error: str = ""
+    traceback: str = ""
+    oom: bool = False
+    by_worker: bool = True
+
+
+class BatchReporter(ABC):
+    """Receives one attempt's events in order, then its end, exactly once (later calls are ignored)."""
+
+    def __init__(self) -> None:
+        self._ended: set[tuple[int, int]] = set()
+
+    async def event(self, info: AttemptInfo, kind: str, payload: dict[str, Any]) -> None:
+        """One worker event (``runtime.events.EVENT_FIELDS``)."""
+        if info.key in self._ended:
+            log.warning("event after the attempt ended ignored", extra={"batch_id": info.batch_id, "kind": kind})
+            return
+        await self._event(info, kind, payload)
+
+    async def finish(self, info: AttemptInfo, end: AttemptEnd) -> None:
+        """The attempt is over; reports it unless it was reported before."""
+        if info.key in self._ended:
+            log.warning(
+                "attempt already reported; not reporting it twice",
+                extra={"batch_id": info.batch_id, "attempt": info.attempt},
+            )
+            return
+        self._ended.add(info.key)
+        await self._finish(info, end)
+
+    async def telemetry(self, node_manager_id: str, samples: list[GpuSample]) -> None:  # noqa: B027
+        """A GPU telemetry sample; adapters without a telemetry channel drop it."""
+
+    async def close(self) -> None:  # noqa: B027  (an optional hook)
+        """Deliver what is pending (as far as possible) and release resources."""
+
+    @abstractmethod
+    async def _event(self, info: AttemptInfo, kind: str, payload: dict[str, Any]) -> None: ...
+
+    @abstractmethod
+    async def _finish(self, info: AttemptInfo, end: AttemptEnd) -> None: ...
+
+
+# -- the bus ---------------------------------------------------------------------------------------
+
+
+_BUS_TYPES: dict[str, type[BatchMessage]] = {
+    "batch_started": BatchStarted,
+    "progress": Progress,
+    "metrics": Metrics,
+    "checkpoint_saved": CheckpointSaved,
+    "batch_finished": BatchFinished,
+    "batch_preempted": BatchPreempted,
+    "batch_failed": BatchFailed,
+}
+
+
+class BusReporter(BatchReporter):
+    """Publishes events as bus messages through a ``LocalBatcher`` in front of ``bus``.
+
+    The batcher is created here and closed by ``close``; the bus belongs to the caller unless
+    ``own_bus`` (then ``close`` closes it too). When the batcher's buffer is full (the bus is down for
+    long), ``event`` waits: the node manager stops reading that worker's events, and the worker blocks
+    on its pipe until the bus recovers."""
+
+    def __init__(
+        self,
+        bus: MetricBus,
+        node_manager_id: str,
+        *,
+        max_messages: int = 200,
+        max_age_s: float = 0.5,
+        max_buffered: int = 100_000,
+        own_bus: bool = False,
+        retry_s: float = 0.5,
+    ) -> None:
+        super().__init__()
+        self.bus = bus
+        self.node_manager_id = node_manager_id
+        self.batcher = LocalBatcher(bus, max_messages=max_messages, max_age_s=max_age_s, max_buffered=max_buffered)
+        self._own_bus = own_bus
+        self._retry_s = retry_s
+        self._seq: dict[tuple[int, int], int] = {}
+        self._telemetry_seq = 0
+        self._closed = False
+
+    def _msg_id(self, info: AttemptInfo) -> str:
+        seq = self._seq.get(info.key, 0)
+        self._seq[info.key] = seq + 1
+        return make_msg_id(self.node_manager_id, info.batch_id, info.attempt, seq)
+
+    def _message(self, info: AttemptInfo, kind: str, payload: dict[str, Any]) -> BatchMessage:
+        cls = _BUS_TYPES[kind]
+        fields = {k: v for k, v in payload.items() if k not in ("batch_id", "attempt")}
+        return cls(
+            msg_id=self._msg_id(info),
+            node_manager=self.node_manager_id,
+            batch_id=info.batch_id,
+            attempt=info.attempt,
+            plan_key=info.plan_key,
+            **fields,
+        )
+
+    def _add_blocking(self, message: Message) -> None:
+        while True:
+            try:
+                self.batcher.add(message)
+                return
+            except ResourceExhausted as e:  # back-pressure: wait for the bus instead of dropping
+                log.warning("bus buffer full; holding the worker's events", extra={"error": e.message})
+                time.sleep(self._retry_s)
+
+    async def _publish(self, message: Message) -> None:
+        # add() may flush to the broker when it fills a batch: keep that off the event loop.
+        await asyncio.to_thread(self._add_blocking, message)
+
+    async def _event(self, info: AttemptInfo, kind: str, payload: dict[str, Any]) -> None:
+        if kind not in _BUS_TYPES:
+            log.warning("unknown worker event not published", extra={"batch_id": info.batch_id, "kind": kind})
+            return
+        await self._publish(self._message(info, kind, payload))
+
+    async def _finish(self, info: AttemptInfo, end: AttemptEnd) -> None:
+        if end.status == "failed" and not end.by_worker:
+            await self._publish(
+                BatchFailed(
+                    msg_id=self._msg_id(info),
+                    node_manager=self.node_manager_id,
+                    batch_id=info.batch_id,
+                    attempt=info.attempt,
+                    plan_key=info.plan_key,
+                    error=end.error,
+                    traceback=end.traceback,
+                    oom=end.oom,
+                )
+            )
+        self._seq.pop(info.key, None)
+
+    async def telemetry(self, node_manager_id: str, samples: list[GpuSample]) -> None:
+        now = time.time()
+        for s in samples:
+            self._telemetry_seq += 1
+            msg = GpuTelemetry(
+                msg_id=f"{node_manager_id}:telemetry:{s.index}:{int(now * 1000)}:{self._telemetry_seq}",
+                node_manager=node_manager_id,
+                gpu_index=s.index,
+                utilization=min(100.0, max(0.0, s.utilization)),
+                memory_used=s.memory_used,
+                memory_total=s.memory_total,
+                processes=tuple(GpuProcess(pid=pid, memory=mem) for pid, mem in sorted(s.processes.items())),
+                ts=now,
+            )
+            await self._publish(msg)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+
+        def close_all() -> None:
+            try:
+                self.batcher.close()
+            except StagetreeError as e:
+                log.error("bus messages left unpublished at shutdown", extra={"error": e.message})
+            if self._own_bus:
+                self.bus.close()
+
+        await asyncio.to_thread(close_all)
+
+
+# -- the direct path ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Collected:
+    metrics: list[MetricPoint] = field(default_factory=list)
+    checkpoints: list[CheckpointPoint] = field(default_factory=list)
+
+
+class GrpcReporter(BatchReporter):
+    """Collects an attempt's metrics and checkpoints and reports them with its end in one
+    ``ReportBatch`` call through ``link``. A report the master cannot take now (``Unavailable``) is
+    retried with backoff until it is delivered or ``close`` gives up after ``close_timeout_s``; any
+    other error is logged and the report dropped (the master would refuse it again)."""
+
+    def __init__(
+        self,
+        link: MasterLink,
+        *,
+        initial_backoff_s: float = 0.2,
+        max_backoff_s: float = 5.0,
+        close_timeout_s: float = 10.0,
+        on_reported: Callable[[BatchReport, list[int]], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self.link = link
+        self._collected: dict[tuple[int, int], _Collected] = {}
+        self._initial = initial_backoff_s
+        self._max = max_backoff_s
+        self._close_timeout = close_timeout_s
+        self._closing = asyncio.Event()
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._on_reported = on_reported
+
+    async def _event(self, info: AttemptInfo, kind: str, payload: dict[str, Any]) -> None:
+        got = self._collected.setdefault(info.key, _Collected())
+        if kind == "metrics":
+            values = {str(k): float(v) for k, v in payload["metrics"].items()}
+            got.metrics.append(MetricPoint(int(payload["node"]), int(payload["step"]), values))
+        elif kind == "checkpoint_saved":
+            node, step, nbytes = int(payload["node"]), int(payload["step"]), int(payload["bytes"])
+            got.checkpoints.append(CheckpointPoint(node, step, str(payload["uri"]), nbytes, str(payload["kind"])))
+
+    def report_of(self, info: AttemptInfo, end: AttemptEnd) -> BatchReport:
+        got = self._collected.pop(info.key, _Collected())
+        error = end.error
+        if end.status == "aborted" and not error:
+            error = "aborted by the master"
+        return BatchReport(
+            batch_id=info.batch_id,
+            attempt=info.attempt,
+            ok=end.status == "finished",
+            metrics=tuple(got.metrics),
+            checkpoints=tuple(got.checkpoints),
+            error="" if end.status == "finished" else error,
+            oom=end.oom and end.status == "failed",
+            preempted=end.status == "preempted",
+        )
+
+    async def _finish(self, info: AttemptInfo, end: AttemptEnd) -> None:
+        report = self.report_of(info, end)
+        task = asyncio.current_task()
+        if task is not None:
+            self._inflight.add(task)
+        try:
+            await self._deliver(report)
+        finally:
+            if task is not None:
+                self._inflight.discard(task)
+
+    async def _deliver(self, report: BatchReport) -> None:
+        ids = {"batch_id": report.batch_id, "attempt": report.attempt}
+        delay = self._initial
+        while True:
+            try:
+                done = await self.link.report(report)
+            except StagetreeError as e:
+                if not e.retriable:
+                    log.error("batch report refused; dropped: %s", e.message, extra=ids)
+                    return
+                if self._closing.is_set():
+                    log.error("master unreachable at shutdown; batch report dropped", extra=ids)
+                    return
+                log.warning("batch report not delivered; retrying in %.1f s: %s", delay, e.message, extra=ids)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._closing.wait(), delay)
+                delay = min(self._max, delay * 2)
+                continue
+            log.info("batch reported", extra={**ids, "ok": report.ok, "completed_requests": len(done)})
+            if self._on_reported is not None:
+                self._on_reported(report, done)
+            return
+
+    async def close(self) -> None:
+        if self._inflight:
+            _, pending = await asyncio.wait(set(self._inflight), timeout=self._close_timeout)
+            if pending:
+                self._closing.set()  # the remaining ones make one last try and give up
+                await asyncio.wait(pending, timeout=self._close_timeout)
+        self._closing.set()

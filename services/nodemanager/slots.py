@@ -1,0 +1,101 @@
+"""Slots: the places on this machine where one worker runs, and the environment each worker gets.
+
+A GPU gives ``slots_per_gpu`` slots, each with ``share = 1 / slots_per_gpu`` of it (``share`` 0 means
+the whole GPU, as the master reads it); a machine without a GPU gives ``cpu_slots`` CPU-only slots.
+A worker sees only its slot's GPU (``CUDA_VISIBLE_DEVICES``) and, under MPS, runs with
+``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` set from the share, so packed trials cannot starve each other.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from stagetree.core.errors import InvalidArgument
+from stagetree.nodemanager.gpu import GpuInfo
+
+CPU = "cpu"
+
+
+@dataclass(frozen=True)
+class LocalSlot:
+    """One slot as registered with the master (``Slot`` in master.proto)."""
+
+    id: str
+    gpu_type: str = CPU
+    memory_bytes: int = 0
+    compute_capability: str = ""
+    share: float = 0.0  # fraction of the GPU; 0 = the whole GPU (and always 0 for a CPU slot)
+    cpu_cores: int = 1
+    gpu_index: int = -1  # -1 for a CPU slot
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.gpu_index >= 0
+
+    def mps_thread_percentage(self) -> int | None:
+        """The MPS active-thread percentage for this slot's share (None: the whole GPU or CPU)."""
+        if not self.is_gpu or self.share <= 0 or self.share >= 1:
+            return None
+        return max(1, min(100, math.ceil(self.share * 100)))
+
+
+def build_slots(
+    gpus: Sequence[GpuInfo],
+    *,
+    slots_per_gpu: int = 1,
+    cpu_slots: int = 2,
+    cpu_count: int | None = None,
+    threads_per_worker: int = 1,
+) -> list[LocalSlot]:
+    """The slots of a machine with ``gpus`` (CPU-only slots when there are none)."""
+    if slots_per_gpu < 1 or cpu_slots < 1 or threads_per_worker < 1:
+        raise InvalidArgument(
+            f"slots_per_gpu, cpu_slots and threads_per_worker must be >= 1, got "
+            f"{slots_per_gpu}, {cpu_slots}, {threads_per_worker}"
+        )
+    cores = cpu_count or os.cpu_count() or 1
+    if not gpus:
+        return [LocalSlot(f"cpu{i}", cpu_cores=threads_per_worker) for i in range(cpu_slots)]
+    per_slot_cores = max(1, cores // (len(gpus) * slots_per_gpu))
+    share = 0.0 if slots_per_gpu == 1 else 1.0 / slots_per_gpu
+    out = []
+    for g in gpus:
+        for k in range(slots_per_gpu):
+            out.append(
+                LocalSlot(
+                    id=f"gpu{g.index}" if slots_per_gpu == 1 else f"gpu{g.index}.{k}",
+                    gpu_type=g.name,
+                    memory_bytes=g.memory_bytes if slots_per_gpu == 1 else g.memory_bytes // slots_per_gpu,
+                    compute_capability=g.compute_capability,
+                    share=share,
+                    cpu_cores=per_slot_cores,
+                    gpu_index=g.index,
+                )
+            )
+    return out
+
+
+def worker_env(
+    slot: LocalSlot,
+    *,
+    threads: int,
+    mps_env: Mapping[str, str] | None = None,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment of a worker on ``slot``: ``base`` (default: this process's) plus the slot's
+    device, thread and MPS settings."""
+    env = dict(os.environ if base is None else base)
+    # A CPU slot hides every GPU so a trainer cannot grab one by accident.
+    env["CUDA_VISIBLE_DEVICES"] = str(slot.gpu_index) if slot.is_gpu else ""
+    env["STAGETREE_WORKER_THREADS"] = str(threads)
+    env["OMP_NUM_THREADS"] = str(threads)  # numpy/BLAS in user code: no more threads than the slot has
+    env.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)
+    if slot.is_gpu and mps_env:
+        env.update(mps_env)
+        pct = slot.mps_thread_percentage()
+        if pct is not None:
+            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(pct)
+    return env

@@ -1,0 +1,399 @@
+"""Worker processes: one per batch attempt, started for a slot, read through a pipe.
+
+Each batch attempt runs in a process of its own, which exits when the attempt ends, so the batch's
+GPU memory goes with it. A worker runs in a session of its own (a Ctrl-C meant for the node manager
+does not reach it: the node manager decides how its workers stop), gets its slot's environment
+(``slots.worker_env``), writes its events as JSON lines into a pipe the node manager reads, and its
+stderr into a log file per attempt under ``<work_dir>/logs``, whose tail explains a crash.
+
+Starting Python with torch takes seconds (torch, then ``torch._dynamo``, which the first optimizer a
+trainer builds imports), so a batch should not wait for it. Two launchers:
+
+* ``ExecLauncher`` starts ``python -m stagetree.nodemanager.runtime.worker --spec -`` afresh for each
+  attempt and, with ``prestart``, keeps one such worker per slot started ahead (imports done, waiting
+  for its spec on stdin). Nothing is shared with the node manager: the choice for GPU machines.
+* ``ForkserverLauncher`` forks each worker from a ``multiprocessing`` fork server that imported torch
+  once: a worker starts in milliseconds. The fork server never touches CUDA, but forking a process
+  that imported CUDA libraries has not been validated on GPU machines yet, so ``auto`` uses it only
+  when every slot is CPU-only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Mapping, Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Literal
+
+from stagetree.core.batch import BatchSpec
+from stagetree.core.errors import InvalidArgument, StagetreeError
+from stagetree.nodemanager.runtime.events import decode_event
+from stagetree.nodemanager.slots import LocalSlot, worker_env
+
+log = logging.getLogger(__name__)
+
+WORKER_MODULE = "stagetree.nodemanager.runtime.worker"
+EXIT_FAILED = 1  # runtime.worker: the batch failed after reporting batch_failed
+EXIT_USAGE = 2  # runtime.worker: bad arguments or an unreadable spec
+MAX_LINE = 16 * 1024 * 1024  # one event line (a traceback can be long)
+
+StartMethod = Literal["auto", "exec", "forkserver"]
+
+
+class WorkerProcess(ABC):
+    """One worker process: its events, signals and exit status."""
+
+    def __init__(self, slot: LocalSlot, log_path: Path, events: asyncio.StreamReader) -> None:
+        self.slot = slot
+        self.log_path = log_path
+        self.killed = False  # killed by the node manager (SIGKILL)
+        self._events = events
+
+    @property
+    @abstractmethod
+    def pid(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def returncode(self) -> int | None:
+        """The exit status (negative: the signal that killed it); None while it runs."""
+
+    @abstractmethod
+    async def wait(self) -> int: ...
+
+    async def events(self) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """``(kind, payload)`` of each event until the worker closes its end of the pipe; malformed
+        lines are logged and skipped."""
+        while True:
+            try:
+                line = await self._events.readline()
+            except ValueError:  # a line over the limit: skip to the next one
+                log.warning("oversized worker output line skipped", extra={"pid": self.pid})
+                continue
+            if not line:
+                return
+            try:
+                kind, _ts, payload = decode_event(line)
+            except StagetreeError as e:
+                log.warning("malformed worker event skipped: %s", e.message, extra={"pid": self.pid})
+                continue
+            yield kind, payload
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL the worker and anything it started in its session."""
+        if self.returncode is None:
+            self.killed = True
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+    def stderr_tail(self, max_bytes: int = 4000) -> str:
+        """The end of the worker's log (its stderr)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - max_bytes))
+                return f.read().decode("utf-8", errors="replace")
+        except OSError:
+            return ""
+
+
+class WorkerLauncher(ABC):
+    """Starts one worker process per batch attempt on a slot."""
+
+    def __init__(
+        self,
+        checkpoint_root: str,
+        work_dir: Path,
+        *,
+        threads: int = 1,
+        progress_interval_s: float = 1.0,
+        preload: Sequence[str] = (),
+        mps_env: Mapping[str, str] | None = None,
+        extra_env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.checkpoint_root = checkpoint_root
+        self.log_dir = work_dir / "logs"
+        self.threads = threads
+        self.progress_interval_s = progress_interval_s
+        self.preload = [m for m in preload if m]
+        self.mps_env = dict(mps_env or {})
+        self.extra_env = dict(extra_env or {})
+        self._seq = itertools.count()
+
+    def worker_args(self) -> list[str]:
+        """The worker's arguments (after ``python -m runtime.worker``), without ``--spec``."""
+        return [
+            "--checkpoint-root",
+            self.checkpoint_root,
+            "--threads",
+            str(self.threads),
+            "--progress-interval",
+            str(self.progress_interval_s),
+        ]
+
+    def env(self, slot: LocalSlot, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        env = worker_env(slot, threads=self.threads, mps_env=self.mps_env, base=base)
+        env.update(self.extra_env)
+        return env
+
+    def log_path(self, name: str) -> Path:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        return self.log_dir / name
+
+    async def start(self, slots: Sequence[LocalSlot]) -> None:  # noqa: B027  (an optional hook)
+        """Get ready to spawn quickly (prestart, fork server)."""
+
+    @abstractmethod
+    async def spawn(self, spec: BatchSpec, slot: LocalSlot) -> WorkerProcess:
+        """A worker process running ``spec`` on ``slot`` (OSError when it cannot be started)."""
+
+    async def close(self) -> None:  # noqa: B027  (an optional hook)
+        """Release what ``start`` prepared (running workers belong to their callers)."""
+
+
+# -- one exec per attempt --------------------------------------------------------------------------
+
+
+class _ExecWorker(WorkerProcess):
+    def __init__(self, proc: asyncio.subprocess.Process, slot: LocalSlot, log_path: Path) -> None:
+        assert proc.stdout is not None
+        super().__init__(slot, log_path, proc.stdout)
+        self.proc = proc
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    async def wait(self) -> int:
+        return await self.proc.wait()
+
+
+class ExecLauncher(WorkerLauncher):
+    """``python -m stagetree.nodemanager.runtime.worker --spec -`` per attempt; with ``prestart``, one
+    started ahead per slot (its imports and ``preload`` done, waiting for the spec on stdin)."""
+
+    def __init__(
+        self, checkpoint_root: str, work_dir: Path, *, prestart: bool = True, python: str = sys.executable, **kw: Any
+    ) -> None:
+        super().__init__(checkpoint_root, work_dir, **kw)
+        self.prestart = prestart
+        self.python = python
+        self._warm: dict[str, _ExecWorker] = {}
+        self._starting: dict[str, asyncio.Task[None]] = {}
+        self._closed = False
+
+    def command(self) -> list[str]:
+        preload = ["--preload", ",".join(self.preload)] if self.preload else []
+        return [self.python, "-m", WORKER_MODULE, "--spec", "-", *self.worker_args(), *preload]
+
+    async def _start(self, slot: LocalSlot) -> _ExecWorker:
+        path = self.log_path(f"worker-{slot.id}-{os.getpid()}-{next(self._seq)}.log")
+        with open(path, "ab") as err:
+            proc = await asyncio.create_subprocess_exec(
+                *self.command(),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=err,
+                env=self.env(slot),
+                start_new_session=True,
+                limit=MAX_LINE,
+            )
+        log.debug("worker process started", extra={"pid": proc.pid, "slot_id": slot.id})
+        return _ExecWorker(proc, slot, path)
+
+    async def start(self, slots: Sequence[LocalSlot]) -> None:
+        for slot in slots:
+            self._replenish(slot)
+
+    def _replenish(self, slot: LocalSlot) -> None:
+        """Start a warm worker for ``slot`` in the background unless one exists or is starting."""
+        if self._closed or not self.prestart or slot.id in self._starting:
+            return
+        current = self._warm.get(slot.id)
+        if current is not None and current.returncode is None:
+            return
+
+        async def start() -> None:
+            try:
+                worker = await self._start(slot)
+            except OSError as e:
+                log.error("cannot prestart a worker: %s", e, extra={"slot_id": slot.id})
+                return
+            finally:
+                self._starting.pop(slot.id, None)
+            if self._closed:
+                worker.kill()
+                await worker.wait()
+                return
+            self._warm[slot.id] = worker
+
+        self._starting[slot.id] = asyncio.get_running_loop().create_task(start())
+
+    async def spawn(self, spec: BatchSpec, slot: LocalSlot) -> WorkerProcess:
+        starting = self._starting.get(slot.id)
+        if starting is not None:
+            await asyncio.shield(starting)
+        worker = self._warm.pop(slot.id, None)
+        if worker is None or worker.returncode is not None:
+            worker = await self._start(slot)
+        final = self.log_path(f"batch-{spec.batch_id}-a{spec.attempt}.log")
+        with contextlib.suppress(OSError):
+            os.replace(worker.log_path, final)
+            worker.log_path = final
+        stdin = worker.proc.stdin
+        assert stdin is not None
+        try:
+            stdin.write(json.dumps(spec.to_json()).encode())
+            await stdin.drain()
+            stdin.close()
+        except (BrokenPipeError, ConnectionResetError) as e:
+            # The warm process died in between; its exit is what the caller will see and report.
+            log.warning("worker died before it got its batch: %s", e, extra={"batch_id": spec.batch_id})
+        self._replenish(slot)
+        return worker
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._starting:
+            await asyncio.wait(list(self._starting.values()), timeout=30)
+        warm, self._warm = list(self._warm.values()), {}
+        for w in warm:
+            w.kill()
+        for w in warm:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(w.wait(), 10)
+            with contextlib.suppress(OSError):
+                w.log_path.unlink()
+
+
+# -- forked from a fork server ---------------------------------------------------------------------
+
+
+class _ForkedWorker(WorkerProcess):
+    def __init__(self, proc: Any, slot: LocalSlot, log_path: Path, events: asyncio.StreamReader) -> None:
+        super().__init__(slot, log_path, events)
+        self.proc = proc  # multiprocessing.Process (forkserver context)
+        self._pid: int = proc.pid
+        self._exited: asyncio.Future[int] | None = None
+
+    @property
+    def pid(self) -> int:
+        return self._pid
+
+    @property
+    def returncode(self) -> int | None:
+        if self._exited is not None and self._exited.done():
+            return self._exited.result()
+        return None
+
+    async def wait(self) -> int:
+        if self._exited is None:
+            loop = asyncio.get_running_loop()
+            fut: asyncio.Future[int] = loop.create_future()
+            self._exited = fut
+            sentinel = self.proc.sentinel
+
+            def on_exit() -> None:
+                loop.remove_reader(sentinel)
+                self.proc.join(0)
+                if not fut.done():
+                    fut.set_result(int(self.proc.exitcode if self.proc.exitcode is not None else -1))
+
+            loop.add_reader(sentinel, on_exit)
+        return await asyncio.shield(self._exited)
+
+
+class ForkserverLauncher(WorkerLauncher):
+    """Forks each worker from a ``multiprocessing`` fork server that imported the worker runtime (and
+    ``preload``) once. The fork server is started by ``start`` (in a thread: it takes the import time)."""
+
+    def __init__(self, checkpoint_root: str, work_dir: Path, **kw: Any) -> None:
+        super().__init__(checkpoint_root, work_dir, **kw)
+        self.spec_dir = work_dir / "specs"
+        self._ctx = multiprocessing.get_context("forkserver")
+
+    async def start(self, slots: Sequence[LocalSlot]) -> None:
+        from multiprocessing import forkserver
+
+        def ensure() -> None:
+            # Only our modules: the default would import the node manager's __main__ in the server.
+            self._ctx.set_forkserver_preload([WORKER_MODULE, *self.preload])
+            forkserver.ensure_running()
+
+        await asyncio.to_thread(ensure)
+
+    async def spawn(self, spec: BatchSpec, slot: LocalSlot) -> WorkerProcess:
+        from stagetree.nodemanager.runtime.worker import run_forked
+
+        name = f"batch-{spec.batch_id}-a{spec.attempt}"
+        self.spec_dir.mkdir(parents=True, exist_ok=True)
+        spec_path = self.spec_dir / f"{name}.json"
+        spec_path.write_text(json.dumps(spec.to_json()))
+        log_path = self.log_path(f"{name}.log")
+        read_end, write_end = self._ctx.Pipe(duplex=False)
+        # Only what differs from the fork server's environment (inherited from this process).
+        env = self.env(slot)
+        changes = {k: v for k, v in env.items() if os.environ.get(k) != v}
+        removed = [k for k in os.environ if k not in env]
+        argv = ["--spec", str(spec_path), *self.worker_args()]
+        proc = self._ctx.Process(
+            target=run_forked, args=(argv, changes, removed, write_end, str(log_path)), name=name, daemon=False
+        )
+        try:
+            await asyncio.to_thread(proc.start)
+        finally:
+            write_end.close()
+        reader = await _stream_reader(read_end)
+        log.debug("worker process forked", extra={"pid": proc.pid, "slot_id": slot.id, "batch_id": spec.batch_id})
+        return _ForkedWorker(proc, slot, log_path, reader)
+
+
+async def _stream_reader(conn: Connection) -> asyncio.StreamReader:
+    """An asyncio reader over the read end of a pipe (taking the descriptor over from ``conn``)."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=MAX_LINE, loop=loop)
+    fd = os.dup(conn.fileno())
+    conn.close()
+    pipe = os.fdopen(fd, "rb", buffering=0)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader, loop=loop), pipe)
+    return reader
+
+
+def make_launcher(
+    method: StartMethod,
+    slots: Sequence[LocalSlot],
+    checkpoint_root: str,
+    work_dir: Path,
+    *,
+    prestart: bool = True,
+    **kw: Any,
+) -> WorkerLauncher:
+    """The launcher for ``method``; ``auto`` forks from a fork server when no slot has a GPU."""
+    if method == "auto":
+        method = "exec" if any(s.is_gpu for s in slots) else "forkserver"
+    if method == "exec":
+        return ExecLauncher(checkpoint_root, work_dir, prestart=prestart, **kw)
+    if method == "forkserver":
+        return ForkserverLauncher(checkpoint_root, work_dir, **kw)
+    raise InvalidArgument(f"worker start method {method!r}; known: ['auto', 'exec', 'forkserver']")

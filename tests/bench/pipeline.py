@@ -1,0 +1,383 @@
+"""Ingest pipeline benchmark (real broker, real Postgres): ``python -m tests.bench.pipeline``.
+
+Simulated workers (threads in node-manager processes) report one ``Metrics`` message per training step
+through a node manager's ``LocalBatcher`` and ``KafkaMetricBus`` into a Tansu broker; one aggregator
+process (``stagetree aggregator run``, the real CLI) applies them to a fresh Postgres database, created
+and dropped like the test fixtures do. Every worker's batch is dispatched in the database first, with
+requests waiting along its path, and its last message is ``batch_finished``, so the whole effect is
+exercised: metrics rows, requests DONE, batches ended, nothing requeued.
+
+Two cases, one line each:
+
+* ``steady``: one aggregator throughout; ``ingest_points_per_s`` = points / (last apply - first produce);
+* ``crash``: the aggregator is killed with SIGKILL mid-stream and restarted; afterwards
+  ``dup_applied`` counts metric points the database saw applied more than once (a trigger in the bench
+  database counts every row the aggregator tried to insert into ``metrics``; a redelivered message
+  that is applied again shows up as a second try) and ``lost`` the produced messages whose msg_id never
+  reached ``applied_messages`` (and the points missing from ``metrics``).
+
+Then the demo's study in embedded mode (:func:`embedded_figures`). Last line:
+``ingest_points_per_s=<n> dup_applied=<k> lost=<l> embedded_steps_vs_unique=<r> embedded_overhead=<o>``
+(targets: >= 20000, 0, 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from sqlalchemy import Engine, create_engine, text
+
+from stagetree.bus.batcher import LocalBatcher
+from stagetree.bus.kafka import KafkaBusConfig, KafkaMetricBus, ensure_topics
+from stagetree.bus.messages import ALL_TOPICS, BatchFinished, BatchStarted, Metrics, make_msg_id
+from stagetree.bus.tansu import TansuBroker, start_tansu
+from stagetree.core.config import Config
+from stagetree.master.plans import config_text
+from stagetree.master.store.schema import upgrade
+from stagetree.master.store.store import NewNode, NewRequest, SqlStore, make_engine
+
+ADMIN_URL = os.environ.get("STAGETREE_BENCH_PG_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
+GROUP = "bench-aggregators"
+PARTITIONS = 8
+REQUEST_EVERY = 500  # a request waits every this many steps along each worker's path
+
+AUDIT_SQL = """
+CREATE UNLOGGED TABLE bench_attempts (node_id BIGINT NOT NULL, step INTEGER NOT NULL);
+CREATE FUNCTION bench_count_attempt() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO bench_attempts VALUES (NEW.node_id, NEW.step);
+    RETURN NEW;
+END $$;
+CREATE TRIGGER bench_count_attempt BEFORE INSERT ON metrics FOR EACH ROW EXECUTE FUNCTION bench_count_attempt();
+"""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One simulated worker's stage batch: train ``steps`` steps along ``node`` and report each."""
+
+    node_manager: str
+    batch_id: int
+    node: int
+    steps: int
+
+
+@dataclass
+class CaseResult:
+    name: str
+    points: int
+    per_s: float
+    dup_applied: int
+    lost: int
+    restart_s: float = 0.0
+
+
+# -- the database --------------------------------------------------------------------------------------
+
+
+@contextmanager
+def fresh_database() -> Iterator[str]:
+    name = f"stagetree_bench_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        url = ADMIN_URL.rsplit("/", 1)[0] + "/" + name
+        engine = make_engine(url)
+        upgrade(engine)
+        engine.dispose()
+        yield url
+    finally:
+        with admin.connect() as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def seed(store: SqlStore, tag: str, workers: int, steps: int) -> list[Job]:
+    """A plan with one root node per worker, requests waiting along each path, one running batch each."""
+    plan_id = store.ensure_plan(f"bench-{tag}", "{}")
+    configs = [config_text(Config.of({"lr": 0.001 * (i + 1), "tag": tag})) for i in range(workers)]
+    store.insert_nodes(plan_id, [NewNode(None, 0, f"{tag}-{i}", c) for i, c in enumerate(configs)])
+    nodes = [n.id for n in store.load_nodes(plan_id)]
+    study = store.create_study(f"bench-{tag}", "pipeline", None)
+    jobs = []
+    for i, node in enumerate(nodes):
+        nm = f"bench-{tag}-nm{i % 2}"
+        store.register_node_manager(nm, "127.0.0.1:0", [(f"gpu{j}", "cpu") for j in range(workers)])
+        reqs = store.add_requests(
+            study.id, plan_id, [NewRequest(f"{i}-{s}", node, s) for s in range(REQUEST_EVERY, steps + 1, REQUEST_EVERY)]
+        )
+        batch = store.dispatch(plan_id, lambda b, a: "{}", [r.id for r in reqs], nm, f"gpu{i}")
+        assert batch is not None
+        jobs.append(Job(nm, batch.id, node, steps))
+    return jobs
+
+
+def msg_ids(job: Job) -> list[str]:
+    """Every id the job's worker produces with an effect (metrics and the finish)."""
+    return [make_msg_id(job.node_manager, job.batch_id, 1, s) for s in range(1, job.steps + 2)]
+
+
+def _like(jobs: list[Job]) -> list[str]:
+    return [f"{nm}:%" for nm in sorted({j.node_manager for j in jobs})]
+
+
+def applied_count(engine: Engine, jobs: list[Job]) -> int:
+    with engine.connect() as c:
+        return int(
+            c.execute(
+                text("SELECT count(*) FROM applied_messages WHERE msg_id LIKE ANY(:p)"), {"p": _like(jobs)}
+            ).scalar_one()
+        )
+
+
+# -- the node managers ---------------------------------------------------------------------------------
+
+
+def node_manager(bootstrap: str, jobs: list[Job], start_at: float) -> None:
+    """A node-manager process: one thread per worker, one batcher and Kafka producer for all of them."""
+    bus = KafkaMetricBus(KafkaBusConfig(bootstrap, client_id="bench-nm", linger_ms=5))
+    batcher = LocalBatcher(bus, max_messages=2000, max_age_s=0.05, max_buffered=1_000_000)
+
+    def worker(job: Job) -> None:
+        common = {"node_manager": job.node_manager, "batch_id": job.batch_id, "attempt": 1}
+        batcher.add(BatchStarted(msg_id=make_msg_id(job.node_manager, job.batch_id, 1, 0), **common))
+        for step in range(1, job.steps + 1):
+            loss = 2.0 / math.sqrt(step)
+            batcher.add(
+                Metrics(
+                    msg_id=make_msg_id(job.node_manager, job.batch_id, 1, step),
+                    node=job.node,
+                    step=step,
+                    metrics={"loss": loss, "accuracy": 1.0 - loss / 2.5},
+                    **common,
+                )
+            )
+        batcher.add(
+            BatchFinished(
+                msg_id=make_msg_id(job.node_manager, job.batch_id, 1, job.steps + 1), steps=job.steps, **common
+            )
+        )
+
+    time.sleep(max(0.0, start_at - time.time()))
+    threads = [threading.Thread(target=worker, args=(j,)) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    batcher.close()
+    bus.close()
+
+
+def produce(bootstrap: str, jobs: list[Job], processes: int) -> tuple[float, list[multiprocessing.Process]]:
+    """Start the node-manager processes; returns the time the first message is produced at."""
+    ctx = multiprocessing.get_context("spawn")
+    start_at = time.time() + 1.5  # let every process import and connect first
+    procs = []
+    for i in range(processes):
+        p = ctx.Process(target=node_manager, args=(bootstrap, jobs[i::processes], start_at), daemon=True)
+        p.start()
+        procs.append(p)
+    return start_at, procs
+
+
+# -- the aggregator ------------------------------------------------------------------------------------
+
+
+@dataclass
+class AggregatorProcess:
+    proc: subprocess.Popen[str]
+    joined: threading.Event
+
+
+def start_aggregator(url: str, bootstrap: str) -> AggregatorProcess:
+    """``stagetree aggregator run`` as its own process; ``joined`` is set once it owns partitions."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "STAGETREE_AGG_DATABASE_URL": url,
+            "STAGETREE_AGG_BOOTSTRAP_SERVERS": bootstrap,
+            "STAGETREE_AGG_GROUP_ID": GROUP,
+            "STAGETREE_AGG_INSTANCE_ID": "bench-aggregator",
+            "STAGETREE_AGG_BATCH__MAX_RECORDS": "5000",
+            "STAGETREE_AGG_BATCH__MAX_LATENCY_MS": "100",
+            # as KafkaBusConfig.fast_rebalance: a restarted member joins in about a second
+            "STAGETREE_AGG_KAFKA__SESSION_TIMEOUT_MS": "2000",
+            "STAGETREE_AGG_KAFKA__HEARTBEAT_INTERVAL_MS": "300",
+            "STAGETREE_AGG_KAFKA__MAX_POLL_INTERVAL_MS": "5000",
+            "STAGETREE_AGG_KAFKA__FETCH_MAX_WAIT_MS": "100",
+        }
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "stagetree.aggregator.cli",
+            "run",
+            "--log-level",
+            os.environ.get("BENCH_AGG_LOG", "ERROR"),
+        ],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    joined = threading.Event()
+
+    def watch() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if " owns " in line and not line.rstrip().endswith(" owns 0 partitions"):
+                joined.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    return AggregatorProcess(proc, joined)
+
+
+def stop_aggregator(agg: AggregatorProcess) -> None:
+    proc = agg.proc
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# -- one case ------------------------------------------------------------------------------------------
+
+
+def wait_applied(engine: Engine, jobs: list[Job], expected: int, timeout_s: float, at_least: int | None = None) -> int:
+    deadline = time.monotonic() + timeout_s
+    target = expected if at_least is None else at_least
+    n = 0
+    while time.monotonic() < deadline:
+        n = applied_count(engine, jobs)
+        if n >= target:
+            return n
+        time.sleep(0.1 if at_least is not None else 0.5)
+    return n
+
+
+def run_case(name: str, url: str, broker: TansuBroker, args: argparse.Namespace, crash: bool) -> CaseResult:
+    store = SqlStore(make_engine(url, pool_size=2))
+    engine = store.engine
+    try:
+        per_worker = args.points // args.workers
+        jobs = seed(store, f"{name}-{uuid.uuid4().hex[:6]}", args.workers, per_worker)
+        expected_ids = {i for j in jobs for i in msg_ids(j)}
+        points = per_worker * len(jobs)
+        aggregator = start_aggregator(url, broker.bootstrap)
+        restart_s = 0.0
+        try:
+            # A cluster's aggregators are up before work is dispatched: wait until it owns partitions.
+            if not aggregator.joined.wait(60):
+                raise RuntimeError("the aggregator did not join its group in 60 s")
+            first, producers = produce(broker.bootstrap, jobs, args.processes)
+            if crash:
+                wait_applied(engine, jobs, len(expected_ids), 60, at_least=int(len(expected_ids) * 0.4))
+                aggregator.proc.send_signal(signal.SIGKILL)  # no chance to commit offsets or leave the group
+                aggregator.proc.wait()
+                killed = time.monotonic()
+                aggregator = start_aggregator(url, broker.bootstrap)
+            done = wait_applied(engine, jobs, len(expected_ids), 90)
+            if crash:
+                restart_s = time.monotonic() - killed
+            for p in producers:
+                p.join(30)
+        finally:
+            stop_aggregator(aggregator)
+        with engine.connect() as c:
+            last = float(c.execute(text("SELECT max(applied_at) FROM applied_messages")).scalar() or first)
+            seen = {
+                str(r[0])
+                for r in c.execute(
+                    text("SELECT msg_id FROM applied_messages WHERE msg_id LIKE ANY(:p)"), {"p": _like(jobs)}
+                )
+            }
+            nodes = [j.node for j in jobs]
+            stored = int(
+                c.execute(text("SELECT count(*) FROM metrics WHERE node_id = ANY(:n)"), {"n": nodes}).scalar_one()
+            )
+            dup = 0
+            if crash:
+                dup = int(
+                    c.execute(
+                        text(
+                            "SELECT count(*) - count(DISTINCT (node_id, step)) FROM bench_attempts "
+                            "WHERE node_id = ANY(:n)"
+                        ),
+                        {"n": nodes},
+                    ).scalar_one()
+                )
+            waiting = int(
+                c.execute(
+                    text("SELECT count(*) FROM requests WHERE node_id = ANY(:n) AND state <> 'DONE'"), {"n": nodes}
+                ).scalar_one()
+            )
+            running = int(
+                c.execute(
+                    text("SELECT count(*) FROM batches WHERE id = ANY(:b) AND state <> 'DONE'"),
+                    {"b": [j.batch_id for j in jobs]},
+                ).scalar_one()
+            )
+        lost = max(len(expected_ids - seen), points - stored)
+        per_s = points / (last - first) if last > first else 0.0
+        print(
+            f"{name:6s} points={points} workers={len(jobs)} node_managers={args.processes} applied={done} "
+            f"seconds={last - first:.2f} points_per_s={per_s:.0f} dup_applied={dup} lost={lost} "
+            f"requests_not_done={waiting} batches_not_done={running}"
+            + (f" kill_to_caught_up_s={restart_s:.2f}" if crash else ""),
+            flush=True,
+        )
+        return CaseResult(name, points, per_s, dup, lost + waiting + running, restart_s)
+    finally:
+        store.dispose()
+
+
+def embedded_figures() -> tuple[float, float]:
+    """(steps executed / unique steps, embedded overhead) of the demo's study in embedded mode.
+
+    The lead fills this in once the embedded mode exists."""
+    return math.nan, math.nan
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--points", type=int, default=300_000, help="metric points per case")
+    parser.add_argument("--workers", type=int, default=16, help="simulated workers (one stage batch each)")
+    parser.add_argument("--processes", type=int, default=2, help="node-manager processes the workers live in")
+    args = parser.parse_args()
+    try:
+        import crc32c  # noqa: F401  (kafka-python checks record CRCs in pure Python without it)
+    except ImportError:
+        print("warning: the crc32c package is missing; kafka-python falls back to pure-Python CRCs", flush=True)
+    with start_tansu() as broker, fresh_database() as url:
+        config = KafkaBusConfig.fast_rebalance(broker.bootstrap)
+        ensure_topics(config, ALL_TOPICS, partitions=PARTITIONS)
+        steady = run_case("steady", url, broker, args, crash=False)
+        with create_engine(url).begin() as c:
+            c.execute(text(AUDIT_SQL))
+        crash = run_case("crash", url, broker, args, crash=True)
+    ratio, overhead = embedded_figures()
+    print(
+        f"ingest_points_per_s={steady.per_s:.0f} dup_applied={steady.dup_applied + crash.dup_applied} "
+        f"lost={steady.lost + crash.lost} embedded_steps_vs_unique={ratio} embedded_overhead={overhead}"
+    )
+
+
+if __name__ == "__main__":
+    main()

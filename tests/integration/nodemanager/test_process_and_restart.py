@@ -1,0 +1,166 @@
+"""The node manager as its own process (``python -m stagetree.cli nodemanager run``), its answer to a
+wrong token, and a master that is killed and restarted while a worker runs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from stagetree.master.app import MasterApp
+from stagetree.master.coordination import InProcessCoordination
+from stagetree.master.service import CH_ROUND
+from tests.integration.conftest import ADMIN_TOKEN, master_settings
+from tests.integration.nodemanager.helpers import (
+    FAULTY,
+    config_json,
+    finished,
+    fixed_part,
+    start_node_manager,
+    submit,
+    unique,
+    until,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class NodeManagerProcess:
+    """``stagetree nodemanager run`` as a child process; its stderr is collected as it comes."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.lines: list[str] = []
+        self._reader = asyncio.create_task(self._read())
+
+    @classmethod
+    async def start(cls, target: str, tmp: Path, token: str = ADMIN_TOKEN) -> NodeManagerProcess:
+        env = {
+            **os.environ,
+            "STAGETREE_NM_MASTER_TARGET": target,
+            "STAGETREE_NM_ADMIN_TOKEN": token,
+            "STAGETREE_NM_NODE_MANAGER_ID": unique("nm-proc"),
+            "STAGETREE_NM_CHECKPOINT_ROOT": str(tmp / "ckpt"),
+            "STAGETREE_NM_WORK_DIR": str(tmp / "work"),
+            "STAGETREE_NM_CPU_SLOTS": "1",
+            "STAGETREE_NM_RECONNECT_MAX_S": "1",
+        }
+        cmd = [sys.executable, "-m", "stagetree.cli", "nodemanager", "run"]
+        proc = await asyncio.create_subprocess_exec(*cmd, stderr=asyncio.subprocess.PIPE, env=env)
+        return cls(proc)
+
+    async def _read(self) -> None:
+        assert self.proc.stderr is not None
+        async for raw in self.proc.stderr:
+            self.lines.append(raw.decode(errors="replace"))
+
+    def saw(self, text: str) -> bool:
+        return any(text in line for line in self.lines)
+
+    async def wait(self, timeout: float = 30) -> int:
+        rc = await asyncio.wait_for(self.proc.wait(), timeout)
+        await asyncio.wait_for(self._reader, 5)
+        return rc
+
+    def kill(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.kill()
+
+
+async def test_node_manager_process_runs_batches_and_stops_on_sigterm(
+    scheduling: MasterApp, grpc_target: str, tmp_path: Path
+) -> None:
+    nm = await NodeManagerProcess.start(grpc_target, tmp_path)
+    try:
+        await until(lambda: nm.saw("registered with the master") or nm.proc.returncode is not None, 60, "register")
+        study, ids = await submit(scheduling, [(config_json(fixed_part(seed=9), lr=0.1), 8)])
+        (rec,) = await finished(scheduling, study, ids, timeout=60)
+        assert rec.state == "DONE" and set(rec.metrics or {}) == {"accuracy", "loss"}
+        nm.proc.send_signal(signal.SIGTERM)
+        assert await nm.wait() == 0, "".join(nm.lines)
+    finally:
+        nm.kill()
+
+
+async def test_a_wrong_token_exits_with_the_setting_to_fix(grpc_target: str, tmp_path: Path) -> None:
+    nm = await NodeManagerProcess.start(grpc_target, tmp_path, token="not-the-admin-token")
+    try:
+        assert await nm.wait() == 1
+    finally:
+        nm.kill()
+    out = "".join(nm.lines)
+    assert "rejected the token" in out and "STAGETREE_NM_ADMIN_TOKEN" in out, out
+
+
+class Master:
+    """A master process's parts in this loop: its app, gRPC server and scheduling loop."""
+
+    def __init__(self, app: MasterApp, server: object, port: int) -> None:
+        self.app, self.server, self.port = app, server, port
+        self.stop_event = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def start(cls, url: str, port: int = 0, schedule: bool = True) -> Master:
+        app = MasterApp.build(master_settings(url), coordination=InProcessCoordination())
+        server, bound = await app.start_grpc(port=port)
+        master = cls(app, server, bound)
+        if schedule:
+            master.schedule()
+        return master
+
+    def schedule(self) -> None:
+        self.task = asyncio.create_task(self.app.scheduler.run(self.stop_event))
+
+    async def kill(self) -> None:
+        self.stop_event.set()
+        while self.task is not None and not self.task.done():
+            self.app.coordination.notify(CH_ROUND)
+            await asyncio.wait({self.task}, timeout=0.1)
+        await self.server.stop(None)  # type: ignore[attr-defined]
+        self.app.close()
+
+
+@pytest.fixture
+async def masters(fresh_db_url: str) -> AsyncIterator[list[Master]]:
+    started: list[Master] = []
+    yield started
+    for m in started:
+        with contextlib.suppress(Exception):
+            await m.kill()
+
+
+async def test_workers_survive_a_master_restart_and_report_to_the_new_master(
+    fresh_db_url: str, masters: list[Master], tmp_path: Path
+) -> None:
+    first = await Master.start(fresh_db_url)
+    masters.append(first)
+    target = f"127.0.0.1:{first.port}"
+    nm = await start_node_manager(target, tmp_path)
+    try:
+        study, ids = await submit(first.app, [(config_json(fixed_part(FAULTY, sleep_s=0.05), lr=0.1), 30)])
+        await until(lambda: nm.reporter.of("batch_started"), 30, "the batch to start")
+        await first.kill()
+        masters.remove(first)
+        # The worker trains on and finishes while no master is there; its report waits.
+        await until(lambda: nm.reporter.of("batch_finished"), 30, "the worker to finish")
+        assert not nm.reporter.ends or nm.nm.registrations == 1
+        # Liveness is in-process here (Redis keeps it across restarts in a cluster): let the node manager
+        # register again before the new master's first round, or that round would find it lost.
+        second = await Master.start(fresh_db_url, port=first.port, schedule=False)
+        masters.append(second)
+        await until(lambda: nm.nm.registrations >= 2, 30, "the node manager to register again")
+        second.schedule()
+        (rec,) = await finished(second.app, study, ids)
+        assert rec.state == "DONE" and rec.metrics
+        assert len(nm.reporter.of("batch_started")) == 1  # served by the batch that outlived its master
+        ((_, end),) = nm.reporter.ends
+        assert end.status == "finished"
+    finally:
+        await nm.close()

@@ -1,0 +1,348 @@
+"""``NodeManager`` against a scripted master (``FakeLink``) with real worker processes running digits:
+what each assignment does, how a worker's end becomes its report (exactly once), slots and queueing,
+reconnection, a wrong token, shutdown, and both launchers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stagetree.core.batch import BatchSpec
+from stagetree.core.errors import Unauthenticated, Unavailable
+from stagetree.nodemanager.agent import NodeManager
+from stagetree.nodemanager.examples.digits import digits_batch
+from stagetree.nodemanager.examples.faults import ENTRY_POINT as FAULTY
+from stagetree.nodemanager.examples.faults import EXIT_CODE
+from stagetree.nodemanager.gpu import GpuInfo, GpuSample, StaticGpuProbe
+from stagetree.nodemanager.link import ABORT, DELETE_CHECKPOINTS, PREEMPT, RUN, Assignment
+from stagetree.nodemanager.mps import MpsDaemon
+from stagetree.nodemanager.reporting import GrpcReporter
+from stagetree.nodemanager.runtime.checkpoints import LocalCheckpointStore
+from stagetree.nodemanager.slots import LocalSlot
+from stagetree.nodemanager.workers import ExecLauncher, ForkserverLauncher, WorkerLauncher
+from tests.unit.nodemanager.fakes import ENV_RECORDER, FakeLink
+
+pytestmark = pytest.mark.timeout(90)
+
+HP = {"lr": 0.1, "momentum": 0.9, "bs": 32}
+
+
+@dataclass
+class Harness:
+    nm: NodeManager
+    link: FakeLink
+    store: LocalCheckpointStore
+    stop: asyncio.Event
+    task: asyncio.Task[None]
+    tmp: Path
+
+    def run(self, spec: BatchSpec, slot_id: str = "") -> None:
+        a = Assignment(spec.batch_id, spec.attempt, RUN, json.dumps(spec.to_json()), slot_id=slot_id)
+        self.link.feed.put_nowait(a)
+
+    def send(self, kind: str, batch_id: int = 0, attempt: int = 1, uris: tuple[str, ...] = ()) -> None:
+        self.link.feed.put_nowait(Assignment(batch_id, attempt, kind, checkpoint_uris=uris))
+
+    async def report(self, batch_id: int, attempt: int = 1, timeout: float = 30) -> Any:
+        await until(lambda: any(r.batch_id == batch_id and r.attempt == attempt for r in self.link.reports), timeout)
+        return self.link.report_of(batch_id, attempt)
+
+
+async def until(cond: Any, timeout: float = 30) -> Any:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not (got := cond()):
+        assert loop.time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+    return got
+
+
+def _launcher(kind: str, store: LocalCheckpointStore, tmp: Path) -> WorkerLauncher:
+    if kind == "exec":
+        return ExecLauncher(str(store.root), tmp / "work", prestart=True, progress_interval_s=0.0)
+    return ForkserverLauncher(str(store.root), tmp / "work", progress_interval_s=0.0, preload=["torch._dynamo"])
+
+
+async def _start(
+    tmp: Path, slots: int = 1, launcher: str = "forkserver", close_timeout_s: float = 10.0, **kw: Any
+) -> Harness:
+    link = FakeLink()
+    store = LocalCheckpointStore(tmp / "ckpt", fsync=False)
+    nm = NodeManager(
+        link,
+        GrpcReporter(link, initial_backoff_s=0.01, close_timeout_s=close_timeout_s),
+        [LocalSlot(f"cpu{i}") for i in range(slots)],
+        _launcher(launcher, store, tmp),
+        node_manager_id="nm-test",
+        store=store,
+        reconnect_initial_s=0.01,
+        reconnect_max_s=0.05,
+        stop_grace_s=10,
+        **kw,
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(nm.run(stop))
+    await until(lambda: nm.connected.is_set() or task.done())
+    return Harness(nm, link, store, stop, task, tmp)
+
+
+@pytest.fixture
+async def h(tmp_path: Path) -> AsyncIterator[Harness]:
+    harness = await _start(tmp_path)
+    yield harness
+    harness.stop.set()
+    await asyncio.wait_for(harness.task, 30)
+
+
+def _spec(batch_id: int, steps: int = 10, trainer: str | None = None, **fixed: Any) -> BatchSpec:
+    kw: dict[str, Any] = {"trainer": trainer} if trainer else {}
+    return digits_batch(
+        [(1, 0, steps, HP)], batch_id=batch_id, fixed_values=fixed, evals=[(1, steps)], saves=[(1, steps)], **kw
+    )
+
+
+async def test_a_run_is_reported_with_its_metrics_and_checkpoint(h: Harness) -> None:
+    h.run(_spec(1))
+    report = await h.report(1)
+    assert report.ok and not report.error
+    assert [(m.node, m.step, sorted(m.values)) for m in report.metrics] == [(1, 10, ["accuracy", "loss"])]
+    (ckpt,) = report.checkpoints
+    assert (ckpt.step, ckpt.kind) == (10, "central") and h.store.exists(ckpt.uri)
+    assert (h.tmp / "work" / "logs" / "batch-1-a1.log").exists()
+    await until(lambda: h.nm.running() == [])
+
+
+async def test_a_worker_oom_is_reported_as_oom(h: Harness) -> None:
+    h.run(_spec(2, trainer=FAULTY, fault="cuda_oom", fault_step=2))
+    report = await h.report(2)
+    assert not report.ok and report.oom and "OutOfMemoryError" in report.error
+
+
+async def test_a_crash_is_a_failure_with_the_exit_status_and_last_output(h: Harness) -> None:
+    h.run(_spec(3, trainer=FAULTY, fault="exit", fault_step=2))
+    report = await h.report(3)
+    assert not report.ok and not report.oom and not report.preempted
+    assert f"worker exited with status {EXIT_CODE}" in report.error
+
+
+async def test_a_sigkill_nobody_sent_is_taken_for_the_oom_killer(h: Harness) -> None:
+    h.run(_spec(4, steps=400, trainer=FAULTY, sleep_s=0.02))
+    await until(lambda: h.nm._attempts.get((4, 1)) and h.nm._attempts[(4, 1)].started)
+    worker = h.nm._attempts[(4, 1)].worker
+    assert worker is not None
+    os.kill(worker.pid, signal.SIGKILL)
+    report = await h.report(4)
+    assert not report.ok and report.oom and "SIGKILL" in report.error
+
+
+async def test_duplicate_run_is_ignored_and_reported_once(h: Harness) -> None:
+    spec = _spec(5, steps=5)
+    h.run(spec)
+    h.run(spec)
+    await h.report(5)
+    h.run(spec)  # even after it ended
+    await asyncio.sleep(0.3)
+    assert len([r for r in h.link.reports if r.batch_id == 5]) == 1
+
+
+async def test_preempt_before_the_worker_is_ready_is_deferred_not_fatal(h: Harness) -> None:
+    h.run(_spec(6, steps=200, trainer=FAULTY, sleep_s=0.01))
+    h.send(PREEMPT, 6)  # at once: before the worker has its signal handler
+    report = await h.report(6)
+    assert report.preempted and not report.ok
+    (ckpt,) = report.checkpoints
+    assert ckpt.kind == "peripheral" and 1 <= ckpt.step < 200 and h.store.exists(ckpt.uri)
+
+
+async def test_abort_kills_a_running_worker_and_drops_a_queued_one(h: Harness) -> None:
+    h.run(_spec(7, steps=400, trainer=FAULTY, sleep_s=0.02))
+    h.run(_spec(8))  # no free slot: queued
+    await until(lambda: h.nm._attempts.get((7, 1)) and h.nm._attempts[(7, 1)].started)
+    assert h.nm._attempts[(8, 1)].worker is None
+    h.send(ABORT, 8)
+    h.send(ABORT, 7)
+    r7, r8 = await h.report(7), await h.report(8)
+    assert "aborted" in r7.error and "aborted" in r8.error and not r7.ok and not r8.ok
+    assert not r8.metrics and not r8.checkpoints
+    h.send(ABORT, 99)  # unknown: ignored
+    await asyncio.sleep(0.1)
+    assert h.nm.running() == []
+
+
+async def test_a_second_batch_waits_for_the_slot_the_first_frees(h: Harness) -> None:
+    h.run(_spec(9, steps=30, trainer=FAULTY, sleep_s=0.01))
+    h.run(_spec(10, steps=5))
+    r10 = await h.report(10)
+    r9 = h.link.report_of(9)
+    assert r9.ok and r10.ok and h.link.reports.index(r9) < h.link.reports.index(r10)
+
+
+async def test_delete_checkpoints_removes_them_and_ignores_missing_or_foreign(h: Harness) -> None:
+    uri = h.store.put("plan/n1/s4-central-b1a1", lambda d: (d / "x").write_text("x")).uri
+    missing = h.store.uri_of("plan/n1/s8-central-b1a1")
+    h.send(DELETE_CHECKPOINTS, uris=(uri, missing, "file:///elsewhere/ckpt", "s3://bucket/key"))
+    await until(lambda: not h.store.exists(uri))
+
+
+async def test_an_unreadable_spec_fails_its_attempt(h: Harness) -> None:
+    h.link.feed.put_nowait(Assignment(11, 1, RUN, '{"batch_id": 11}'))
+    report = await h.report(11)
+    assert not report.ok and "unreadable batch spec" in report.error
+
+
+async def test_reconnects_and_registers_again_after_the_master_goes_away(h: Harness) -> None:
+    assert len(h.link.registrations) == 1
+    h.link.feed.put_nowait(Unavailable("stream broken"))
+    await until(lambda: len(h.link.registrations) == 2)
+    h.link.heartbeat_errors.append(Unavailable("heartbeat refused"))
+    await until(lambda: len(h.link.registrations) == 3)
+    h.run(_spec(12, steps=3))
+    assert (await h.report(12)).ok
+
+
+async def test_an_unreachable_master_is_retried_until_it_answers(tmp_path: Path) -> None:
+    link_errors = [Unavailable("connection refused")] * 3
+    h = await _start_with_register_errors(tmp_path, link_errors)
+    try:
+        assert len(h.link.registrations) == 1 and h.link.register_errors == []
+    finally:
+        h.stop.set()
+        await asyncio.wait_for(h.task, 30)
+
+
+async def _start_with_register_errors(tmp: Path, errors: list[Exception]) -> Harness:
+    link = FakeLink()
+    link.register_errors = list(errors)
+    store = LocalCheckpointStore(tmp / "ckpt", fsync=False)
+    nm = NodeManager(
+        link,
+        GrpcReporter(link),
+        [LocalSlot("cpu0")],
+        _launcher("forkserver", store, tmp),
+        node_manager_id="nm-test",
+        reconnect_initial_s=0.01,
+        reconnect_max_s=0.02,
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(nm.run(stop))
+    await until(lambda: nm.connected.is_set() or task.done())
+    return Harness(nm, link, store, stop, task, tmp)
+
+
+async def test_a_wrong_token_stops_the_node_manager_at_once(tmp_path: Path) -> None:
+    link = FakeLink()
+    link.register_errors = [Unauthenticated("bad token; set STAGETREE_NM_ADMIN_TOKEN")]
+    launcher = _launcher("exec", LocalCheckpointStore(tmp_path / "ckpt"), tmp_path)
+    nm = NodeManager(link, GrpcReporter(link), [LocalSlot("cpu0")], launcher, node_manager_id="nm-test")
+    with pytest.raises(Unauthenticated, match="STAGETREE_NM_ADMIN_TOKEN"):
+        await asyncio.wait_for(nm.run(asyncio.Event()), 10)
+    assert link.closed and not (tmp_path / "work" / "logs").exists()  # no worker was ever started
+
+
+async def test_stop_preempts_running_workers_so_their_work_resumes_elsewhere(tmp_path: Path) -> None:
+    h = await _start(tmp_path)
+    h.run(_spec(13, steps=400, trainer=FAULTY, sleep_s=0.02))
+    await until(lambda: h.nm._attempts.get((13, 1)) and h.nm._attempts[(13, 1)].started)
+    h.stop.set()
+    await asyncio.wait_for(h.task, 30)
+    report = h.link.report_of(13)
+    assert report.preempted and [c.kind for c in report.checkpoints] == ["peripheral"]
+
+
+async def test_exec_launcher_with_prestart_runs_the_worker_in_its_slots_environment(tmp_path: Path) -> None:
+    h = await _start(tmp_path, launcher="exec")
+    try:
+        env_file = tmp_path / "env.json"
+        h.run(_spec(14, steps=3, trainer=ENV_RECORDER, env_file=str(env_file)))
+        assert (await h.report(14)).ok
+        seen = json.loads(env_file.read_text())
+        assert seen["CUDA_VISIBLE_DEVICES"] == "" and seen["OMP_NUM_THREADS"] == "1" and seen["torch_threads"] == "1"
+    finally:
+        h.stop.set()
+        await asyncio.wait_for(h.task, 30)
+    assert not list((tmp_path / "work" / "logs").glob("worker-*.log"))  # the prestarted ones are gone
+
+
+async def test_forked_workers_get_the_slot_environment_too(h: Harness) -> None:
+    env_file = h.tmp / "env.json"
+    h.run(_spec(15, steps=3, trainer=ENV_RECORDER, env_file=str(env_file)))
+    assert (await h.report(15)).ok
+    seen = json.loads(env_file.read_text())
+    assert seen["CUDA_VISIBLE_DEVICES"] == "" and seen["STAGETREE_WORKER_THREADS"] == "1"
+
+
+class _TelemetrySink(GrpcReporter):
+    def __init__(self, link: FakeLink) -> None:
+        super().__init__(link)
+        self.samples: list[tuple[str, list[GpuSample]]] = []
+
+    async def telemetry(self, node_manager_id: str, samples: list[GpuSample]) -> None:
+        self.samples.append((node_manager_id, samples))
+
+
+@pytest.mark.parametrize("gpus", [[GpuInfo(0, "NVIDIA H100", 80 << 30, "9.0")], []], ids=["gpu", "cpu-only"])
+async def test_telemetry_is_sampled_with_gpus_and_skipped_without(tmp_path: Path, gpus: list[GpuInfo]) -> None:
+    link = FakeLink()
+    reporter = _TelemetrySink(link)
+    launcher = _launcher("forkserver", LocalCheckpointStore(tmp_path / "ckpt"), tmp_path)
+    nm = NodeManager(
+        link,
+        reporter,
+        [LocalSlot("cpu0")],
+        launcher,
+        node_manager_id="nm-tel",
+        probe=StaticGpuProbe(gpus),
+        telemetry_interval_s=0.02,
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(nm.run(stop))
+    await asyncio.sleep(0.3)
+    stop.set()
+    await asyncio.wait_for(task, 30)
+    if gpus:
+        assert len(reporter.samples) >= 3 and reporter.samples[0][0] == "nm-tel"
+        assert [s.index for s in reporter.samples[0][1]] == [0]
+    else:
+        assert reporter.samples == []
+
+
+async def test_the_mps_daemon_lives_as_long_as_the_node_manager(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = tmp_path / "calls.txt"
+    fake = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\necho "$* $(cat)" >> {calls}\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    link = FakeLink()
+    launcher = _launcher("forkserver", LocalCheckpointStore(tmp_path / "ckpt"), tmp_path)
+    mps = MpsDaemon(tmp_path / "w", [0])
+    nm = NodeManager(link, GrpcReporter(link), [LocalSlot("cpu0")], launcher, node_manager_id="nm-mps", mps=mps)
+    stop = asyncio.Event()
+    task = asyncio.create_task(nm.run(stop))
+    await until(nm.connected.is_set)
+    assert mps.running and calls.read_text().split() == ["-d"]
+    stop.set()
+    await asyncio.wait_for(task, 30)
+    assert not mps.running and calls.read_text().split() == ["-d", "quit"]
+
+
+async def test_stop_with_the_master_gone_does_not_wait_forever_for_reports(tmp_path: Path) -> None:
+    h = await _start(tmp_path, close_timeout_s=0.5)
+    h.run(_spec(16, steps=400, trainer=FAULTY, sleep_s=0.02))
+    await until(lambda: h.nm._attempts.get((16, 1)) and h.nm._attempts[(16, 1)].started)
+    h.link.report_errors = [Unavailable("master gone")] * 10_000
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    h.stop.set()
+    await asyncio.wait_for(h.task, 60)
+    assert loop.time() - started < 5 and h.link.reports == []
