@@ -12,7 +12,6 @@ import sys
 # command -> (module, whether the command word itself is passed on, one-line help)
 GROUPS: dict[str, tuple[str, bool, str]] = {
     "up": ("stagetree.embedded", False, "run master, aggregator and one node manager in this process (no servers)"),
-    "cluster": ("stagetree.cluster", False, "start the cluster topology as local processes"),
     "master": ("stagetree.master.cli", False, "master: db upgrade | db check | serve"),
     "nodemanager": ("stagetree.nodemanager.cli", False, "node manager: run"),
     "aggregator": ("stagetree.aggregator.cli", False, "aggregator: run"),
