@@ -7,22 +7,27 @@ with the same kind of model and an equivalent Bayesian method that is exact up t
 nothing beyond numpy:
 
 * **families** (Domhan's increasing families, reparameterized so that every one is *linear* in its level
-  parameters): ``pow3``, ``pow4``, ``ilog2``, ``weibull``, ``mmf``, ``hill3``. Each is
-  ``f(x) = B(x; phi) @ beta`` with one or two nonlinear shape parameters ``phi`` (rates, exponents) and
-  one or two level parameters ``beta`` (asymptote, value at the first epoch);
+  parameters): ``pow3``, ``pow4``, ``ilog2``, ``weibull``, ``mmf``, ``hill3``, and ``exp_pow``, Domhan's
+  weighted combination of an exponential and a power law (a fast phase, then a slow tail). Each is
+  ``f(x) = B(x; phi) @ beta`` with up to two nonlinear shape parameters ``phi`` (rates, exponents) and up
+  to three level parameters ``beta`` (asymptote, drops at the first epoch);
 * **prior**: ``phi`` log-uniform on a box, ``beta`` uniform on ``[0, 1]`` restricted to curves that rise
   and stay within ``[0, 1]`` (metrics are normalized first; HyperDrive Eq. 4 does min-max scaling),
   Jeffreys' prior on the Gaussian noise ``sigma``;
-* **posterior**: ``phi`` on a grid (quadrature), ``beta`` and ``sigma`` integrated in closed form (the
-  Gaussian-linear model gives a Student-t marginal), the truncation of ``beta`` to the constrained box
-  accounted for by a seeded Monte Carlo estimate of the mass inside it at every grid point;
+* **likelihood** raised to the power ``1 / tempering`` (a power posterior, "safe Bayes"): no family fits a
+  real curve exactly, the residuals are correlated, and the plain posterior is overconfident. On the
+  synthetic CIFAR-like traces of ``pop_sim``, tempering 3 brings the 80% predictive interval of the
+  accuracy at epoch 120, from 10-50 observed epochs, to 70-98% coverage (60-75% untempered);
+* **posterior**: ``phi`` on a grid (quadrature, refined once around the mass), ``beta`` and ``sigma``
+  integrated in closed form (the Gaussian-linear model gives a Student-t marginal), the truncation of
+  ``beta`` to the constrained box accounted for by a seeded Monte Carlo estimate of the mass inside it;
 * **ensemble**: Bayesian model averaging, each family weighted by its marginal likelihood (Domhan samples
   linear-combination weights instead; both yield a posterior-predictive mixture over families);
 * **predictive samples**: grid point by posterior weight, then ``sigma`` and ``beta`` from their exact
   conditionals, rejecting draws outside the prior's constraints.
 
-Compared to MCMC this has no convergence to worry about, costs about a millisecond per family, and is
-deterministic for a given ``seed``.
+Compared to MCMC there is no convergence to worry about; a fit costs a few milliseconds per family and
+is deterministic for a given ``seed``.
 
 ``fit_curve(xs, ys, seed=...)`` returns a ``CurveFit``; ``prob_reached(target, xs)`` gives the cumulative
 probability that the curve has reached ``target`` by each future ``x``: exactly the ``P(m)`` that POP's
@@ -298,11 +303,12 @@ class CurveFit:
         maximum keeps it a valid cumulative distribution whatever the samples do.
         """
         per = [np.mean(np.maximum.accumulate(c, axis=1) >= target, axis=0) for c in self.curves(xs)]
-        return [float(v) for v in self._expect(per)]
+        return [min(max(float(v), 0.0), 1.0) for v in self._expect(per)]
 
     def prob_at_least(self, target: float, x: float) -> float:
         """``P(y(x) >= target)`` under the noise-free curve (EarlyTerm's ``p_val``)."""
-        return float(self._expect([np.mean(c[:, :1] >= target, axis=0) for c in self.curves([x])])[0])
+        p = float(self._expect([np.mean(c[:, :1] >= target, axis=0) for c in self.curves([x])])[0])
+        return min(max(p, 0.0), 1.0)
 
     def mean(self, xs: Sequence[float]) -> list[float]:
         return [float(v) for v in self._expect([np.mean(c, axis=0) for c in self.curves(xs)])]
@@ -327,8 +333,9 @@ def fit_curve(
 ) -> CurveFit:
     """Posterior over the families given observations ``ys`` (normalized to [0, 1]) at epochs ``xs`` (>= 1).
 
-    Needs at least two more points than a family has level parameters to use that family; with fewer
-    points for every family it raises ``InvalidArgument``.
+    A family takes part when there are at least ``tempering * (levels + 1)`` points (the tempered
+    likelihood needs a positive number of degrees of freedom); with too few points for every family it
+    raises ``InvalidArgument``.
     """
     if len(xs) != len(ys) or not xs:
         raise InvalidArgument(f"fit_curve: need as many xs as ys and at least one, got {len(xs)}/{len(ys)}")

@@ -43,6 +43,7 @@ QOS_CLASSES = ("urgent", "prior", "normal")
 # Eq. 5's node weight. Small: a placement's cost is mostly its share of the GPUs, so the CER favours the
 # GPU-efficient placements and GENIE widens a task only when its deadline needs it.
 DEFAULT_THETA = 0.02
+PLATEAU = 0.97  # a single-GPU throughput this close to the best counts as saturated
 
 
 @dataclass(frozen=True)
@@ -127,11 +128,22 @@ class ProfileRun:
 def fit_perf_model(runs: Sequence[ProfileRun], startup_s: float = 0.0, inference: bool = False) -> PerfModel:
     """Eq. 1-3 from a lightweight profile: the single-GPU runs fix the quadratic ``pbar`` (at least three
     batch sizes), the multi-GPU runs then give ``lambda1, lambda2`` by least squares on Eq. 3
-    (``o (n g - 1) = lambda1 (n - 1) g + lambda2 (g - 1)`` with ``o = n g - p / pbar(b / (n g))``)."""
-    single = [r for r in runs if r.placement.gpus == 1]
+    (``o (n g - 1) = lambda1 (n - 1) g + lambda2 (g - 1)`` with ``o = n g - p / pbar(b / (n g))``).
+
+    The quadratic is fitted to the rising part of the single-GPU curve, up to the first batch size that
+    comes within ``PLATEAU`` of the best throughput; ``PerfModel.per_gpu`` holds its top beyond. (A
+    parabola through the plateau too would sag where the GPU is merely saturated.)"""
+    single = sorted((r for r in runs if r.placement.gpus == 1), key=lambda r: r.batch)
     if len({r.batch for r in single}) < 3:
         raise InvalidArgument("fit_perf_model: need single-GPU runs at three or more batch sizes for the quadratic")
-    a0, a1, a2 = _lstsq([[1.0, r.batch, r.batch * r.batch] for r in single], [r.throughput for r in single])
+    top = max(r.throughput for r in single)
+    knee = next(i for i, r in enumerate(single) if r.throughput >= PLATEAU * top)
+    single = single[: max(knee + 1, 3)]
+    scale = max(r.batch for r in single)  # fit in units of the largest batch: a well-conditioned system
+    c0, c1, c2 = _lstsq(
+        [[1.0, r.batch / scale, (r.batch / scale) ** 2] for r in single], [r.throughput for r in single]
+    )
+    a0, a1, a2 = c0, c1 / scale, c2 / scale**2
     base = PerfModel(a0, a1, a2, startup_s=startup_s)
     multi = [r for r in runs if r.placement.gpus > 1]
     if inference or not multi:
@@ -156,7 +168,7 @@ def lightweight_profile_plan(
     batches: Sequence[int], max_nodes: int, max_gpus: int, batch: int
 ) -> list[tuple[int, Placement]]:
     """The ``B + N + G`` runs: every batch on one GPU, then ``batch`` on 2..N nodes of one GPU and on one
-    node of 2..G GPUs."""
+    node of 2..G GPUs. ``batches`` should reach down to the local batches that wide placements make."""
     plan = [(b, Placement(1, 1)) for b in batches]
     plan += [(batch, Placement(n, 1)) for n in range(2, max_nodes + 1)]
     plan += [(batch, Placement(1, g)) for g in range(2, max_gpus + 1)]

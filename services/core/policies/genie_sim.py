@@ -3,9 +3,10 @@
 Tasks arrive by a Poisson process; each needs ``b * r`` samples of work on an exclusive placement of
 ``n`` nodes x ``g`` GPUs and runs for the platform's *true* latency there (Eq. 1-2 with the platform's
 parameters). Schedulers only know the performance models fitted from a lightweight profile of the
-platform with measurement noise (``profiled_models``). At every arrival and completion the policy
-orders the waiting queue and picks placements (``plan_queue``); tasks start in that order while their
-placement fits the free GPUs (``launch``, with the same backfilling rule for every policy).
+platform with measurement noise (``profiled_models``). In scheduling rounds (every 30 s, like the
+master's; arrivals and completions wait for the next round) the policy orders the waiting queue and picks
+placements (``plan_queue``); tasks start in that order while their placement fits the free GPUs
+(``launch``, with the same backfilling rule for every policy).
 
 ``genie_tasks`` generates GENIE's queues (Table II): Poisson arrivals over 24 hours at 5, 10 or 20 tasks
 an hour; AlexNet, GoogleNet, ResNet50 or Inception-v3; training or inference; Urgent : Prior : Normal =
@@ -47,6 +48,7 @@ CNN_MODELS: dict[str, tuple[float, float, float, float]] = {
 INFERENCE_SPEEDUP = 3.0
 STARTUP_S = 20.0
 BATCHES = (64, 128, 256, 512)
+PROFILE_BATCHES = (4, 8, 16, 32, 64, 128, 256, 512)
 QOS_MIX = (("urgent", 0.05), ("prior", 0.35), ("normal", 0.60))
 
 
@@ -66,7 +68,8 @@ def profiled_models(shape: ClusterShape, noise: float = 0.05, seed: int = 0) -> 
     rng = random.Random(f"genie-profile:{seed}")
     out = {}
     for kind, m in true_models().items():
-        plan = lightweight_profile_plan(BATCHES, shape.nodes, shape.gpus_per_node, batch=128)
+        # Single-GPU batches from the smallest local batch a placement makes up to the largest global one.
+        plan = lightweight_profile_plan(PROFILE_BATCHES, shape.nodes, shape.gpus_per_node, batch=256)
         runs = [ProfileRun(b, pl, m.throughput(b, pl) * (1 + rng.uniform(-noise, noise))) for b, pl in plan]
         out[kind] = fit_perf_model(runs, STARTUP_S, inference=kind.endswith(":infer"))
     return out

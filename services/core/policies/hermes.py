@@ -33,6 +33,9 @@ Plug-in interface for the master's Preempt step (plain data in, plain data out):
         # -> [Switch(slot, stop=job id or None, start=job id)]; a ``stop`` is a Preempt (finish the step,
         #    save a peripheral checkpoint); the remaining work re-enters the stage tree from it.
     slot = find_available_gpu(load, g_thres)         # Alg. 2 (load: slot -> jobs assigned)
+
+Because a preempted job resumes from a checkpoint, the live master may also re-place it on another slot
+(``place_jobs`` again); the simulator keeps Hermes' per-GPU queues, as the paper's node schedulers do.
 """
 
 from __future__ import annotations

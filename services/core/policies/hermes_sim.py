@@ -186,9 +186,10 @@ def simulate_time_sharing(
             gs[gpu].queue.append(job)
             backlog.remove(job)
 
-    def start(g: _Gpu, job: str, at: float) -> None:
-        """Run ``job`` on ``g`` for one quantum from ``at`` (restore first if it ran before)."""
-        begin = at + (model.restore_s if job in ran else 0.0)
+    def start(g: _Gpu, job: str, at: float, keep: bool = False) -> None:
+        """Run ``job`` on ``g`` for one quantum from ``at``: restore its checkpoint first if it ran before,
+        unless it ``keep``s the GPU it already holds."""
+        begin = at + (model.restore_s if job in ran and not keep else 0.0)
         ran.add(job)
         g.running, g.started = job, begin
         lj = by_id[job]
@@ -207,7 +208,7 @@ def simulate_time_sharing(
         switches = node_round(policy, {g.id: cur}, waiting, at)
         if not switches:
             if cur is not None:
-                start(g, cur.job.id, at)  # keeps the GPU for another quantum, nothing to save
+                start(g, cur.job.id, at, keep=True)  # another quantum on the GPU it holds: nothing to save
             else:
                 g.running = None
             return
