@@ -2,12 +2,17 @@
 
 :class:`Aggregator` owns one member of the aggregators' consumer group. Each cycle it
 
-1. polls up to ``max_records`` records, or whatever arrived within ``max_latency_s`` of the first one;
+1. polls up to ``max_records`` messages, or whatever arrived within ``max_latency_s`` of the first one;
 2. skips what did not decode (the bus logs it with topic, partition and offset; here it is counted),
    keeps the latest ``gpu_telemetry`` per GPU in memory (:meth:`Aggregator.telemetry`);
 3. applies the rest with :class:`~stagetree.master.store.ingest.Ingestor` in one database transaction;
-4. commits the consumed offsets only after that transaction committed;
+4. commits that batch's offsets only after that transaction committed;
 5. notifies ``CH_RESULTS`` / ``CH_ROUND`` when requests finished or the scheduler has something new.
+
+Steps 1-2 of the next batch overlap step 3 of the current one: a writer thread applies (mostly waiting
+on the database, without the GIL) while the consumer's thread polls and decodes. The consumer's
+thread alone touches the consumer (kafka-python is not thread-safe), so it commits each batch's own
+offsets explicitly once the writer reports that batch durable. At most one batch is in flight.
 
 Delivery is at least once: a crash between 3 and 4 redelivers the records to whichever member takes
 the partitions over, and the ingest's ``applied_messages`` makes the second apply change nothing.
@@ -232,8 +237,8 @@ class Aggregator:
                     break
                 if not out:
                     deadline = time.monotonic() + self.max_latency_s
-                records = len({(r.topic, r.partition, r.offset) for r in got})
-                self._per_record = 0.8 * self._per_record + 0.2 * (len(got) / records)
+                records = sum(1 for r in got if r.index == 0)  # each bus record starts at index 0
+                self._per_record = 0.8 * self._per_record + 0.2 * (len(got) / max(records, 1))
                 out.extend(got)
         except Unavailable as e:
             log.warning("bus poll failed; retrying", extra={"aggregator": self.name, "error": e.message})

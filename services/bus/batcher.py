@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from types import TracebackType
 from typing import Self
 
@@ -31,7 +32,8 @@ logger = logging.getLogger(__name__)
 
 
 class LocalBatcher:
-    """Buffers messages and publishes them to ``bus`` by count or age."""
+    """Buffers messages and publishes them to ``bus`` by count or age, under ``router(message)``
+    (topic, key): :func:`~stagetree.bus.messages.route` unless the topics are namespaced (tests)."""
 
     def __init__(
         self,
@@ -40,6 +42,7 @@ class LocalBatcher:
         max_messages: int = 200,
         max_age_s: float = 0.5,
         max_buffered: int = 100_000,
+        router: Callable[[Message], tuple[str, str]] = route,
     ) -> None:
         if max_messages < 1 or max_age_s <= 0 or max_buffered < max_messages:
             raise InvalidArgument(
@@ -47,6 +50,7 @@ class LocalBatcher:
                 f"{max_messages}, {max_age_s}, {max_buffered}"
             )
         self._bus = bus
+        self._route = router  # (topic, key) of a message; stagetree.bus.messages.route unless namespaced
         self._max_messages = max_messages
         self._max_age_s = max_age_s
         self._max_buffered = max_buffered
@@ -96,7 +100,7 @@ class LocalBatcher:
             # points costs the bus a few records instead of one per point.
             groups: dict[tuple[str, str], list[Message]] = {}
             for _, message in batch:
-                groups.setdefault(route(message), []).append(message)
+                groups.setdefault(self._route(message), []).append(message)
             try:
                 for (topic, key), messages in groups.items():
                     self._bus.publish_many(topic, key, messages)

@@ -7,7 +7,8 @@ assignment that is redone whenever a member joins or leaves. On a rebalance a pa
 changes owner restarts from the group's committed offset, which is what makes "polled but not
 committed" records come back after a consumer goes away, as on Kafka; a member keeps its position
 in the partitions it keeps (kafka-python does the same). Nothing is persisted: the
-embedded master and node manager live and die together.
+embedded master and node manager live and die together. ``publish_many`` writes bundle records, as
+the Kafka adapter does, so both modes decode the same wire form.
 
 Thread-safe: one lock guards everything, and a condition wakes pollers when records arrive.
 """

@@ -1,10 +1,14 @@
 """``KafkaMetricBus``: the :class:`~stagetree.bus.base.MetricBus` of the cluster mode, on kafka-python.
 
 It owns the Kafka client settings (:class:`KafkaBusConfig`), the producer (batched with ``linger_ms``,
-``acks=all`` and idempotence, so retries neither lose nor reorder a key's records), the group consumers
-(manual commit only) and :func:`ensure_topics`. kafka-python errors stop here: an unreachable broker
-becomes :class:`~stagetree.core.errors.Unavailable`, a commit refused after a rebalance becomes
-:class:`~stagetree.core.errors.Conflict`.
+``acks=all`` and idempotence, so retries neither lose nor reorder a key's records; ``publish_many``
+sends a key's messages as bundle records of at most ``max_record_bytes``), the group consumers (manual
+commit only: everything polled, or explicit offsets of the partitions still owned) and
+:func:`ensure_topics`. Install the ``crc32c`` package beside kafka-python: without it the client
+checks and computes record CRCs in pure Python, which costs more CPU than the rest of consuming.
+
+kafka-python errors stop here: an unreachable broker becomes :class:`~stagetree.core.errors.Unavailable`,
+a commit refused after a rebalance becomes :class:`~stagetree.core.errors.Conflict`.
 
 Only standard Kafka protocol features are used, so the same code runs against Apache Kafka (compose)
 and the Tansu broker the integration tests start.

@@ -9,7 +9,7 @@ exercised: metrics rows, requests DONE, batches ended, nothing requeued.
 
 Two cases, one line each:
 
-* ``steady``: one aggregator throughout; ``ingest_points_per_s`` = points / (last apply - first produce);
+* ``steady``: one aggregator throughout; ``ingest_points_per_s`` = points / (last commit seen - first produce);
 * ``crash``: the aggregator is killed with SIGKILL mid-stream and restarted; afterwards
   ``dup_applied`` counts metric points the database saw applied more than once (a trigger in the bench
   database counts every row the aggregator tried to insert into ``metrics``; a redelivered message
@@ -27,6 +27,7 @@ import argparse
 import math
 import multiprocessing
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -36,6 +37,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, text
 
@@ -184,7 +186,7 @@ def node_manager(bootstrap: str, jobs: list[Job], start_at: float) -> None:
 def produce(bootstrap: str, jobs: list[Job], processes: int) -> tuple[float, list[multiprocessing.Process]]:
     """Start the node-manager processes; returns the time the first message is produced at."""
     ctx = multiprocessing.get_context("spawn")
-    start_at = time.time() + 1.5  # let every process import and connect first
+    start_at = time.time() + 3.0  # let every process import and connect first (not measured)
     procs = []
     for i in range(processes):
         p = ctx.Process(target=node_manager, args=(bootstrap, jobs[i::processes], start_at), daemon=True)
@@ -260,16 +262,22 @@ def stop_aggregator(agg: AggregatorProcess) -> None:
 # -- one case ------------------------------------------------------------------------------------------
 
 
-def wait_applied(engine: Engine, jobs: list[Job], expected: int, timeout_s: float, at_least: int | None = None) -> int:
+def wait_applied(
+    engine: Engine, jobs: list[Job], expected: int, timeout_s: float, at_least: int | None = None
+) -> tuple[int, float]:
+    """Poll until ``at_least`` (default: all ``expected``) messages are applied; returns the count and
+    the wall time just before the query that saw them, an upper bound of when the last one committed
+    (polled every 50 ms near the end, so the bound is tight)."""
     deadline = time.monotonic() + timeout_s
     target = expected if at_least is None else at_least
     n = 0
     while time.monotonic() < deadline:
+        before = time.time()
         n = applied_count(engine, jobs)
         if n >= target:
-            return n
-        time.sleep(0.1 if at_least is not None else 0.5)
-    return n
+            return n, before
+        time.sleep(0.05 if n >= 0.9 * target or at_least is not None else 0.5)
+    return n, time.time()
 
 
 def run_case(name: str, url: str, broker: TansuBroker, args: argparse.Namespace, crash: bool) -> CaseResult:
@@ -280,6 +288,7 @@ def run_case(name: str, url: str, broker: TansuBroker, args: argparse.Namespace,
         jobs = seed(store, f"{name}-{uuid.uuid4().hex[:6]}", args.workers, per_worker)
         expected_ids = {i for j in jobs for i in msg_ids(j)}
         points = per_worker * len(jobs)
+        cpu0 = cpu_seconds(broker)
         aggregator = start_aggregator(url, broker.bootstrap)
         restart_s = 0.0
         try:
@@ -293,7 +302,8 @@ def run_case(name: str, url: str, broker: TansuBroker, args: argparse.Namespace,
                 aggregator.proc.wait()
                 killed = time.monotonic()
                 aggregator = start_aggregator(url, broker.bootstrap)
-            done = wait_applied(engine, jobs, len(expected_ids), 90)
+            done, last = wait_applied(engine, jobs, len(expected_ids), 90)
+            pg_done = cpu_seconds(broker)["postgres"]  # while the aggregator's backend still exists
             if crash:
                 restart_s = time.monotonic() - killed
             for p in producers:
@@ -301,7 +311,6 @@ def run_case(name: str, url: str, broker: TansuBroker, args: argparse.Namespace,
         finally:
             stop_aggregator(aggregator)
         with engine.connect() as c:
-            last = float(c.execute(text("SELECT max(applied_at) FROM applied_messages")).scalar() or first)
             seen = {
                 str(r[0])
                 for r in c.execute(
@@ -336,16 +345,48 @@ def run_case(name: str, url: str, broker: TansuBroker, args: argparse.Namespace,
             )
         lost = max(len(expected_ids - seen), points - stored)
         per_s = points / (last - first) if last > first else 0.0
+        cpu = {k: (v - cpu0[k]) / points * 1e6 for k, v in {**cpu_seconds(broker), "postgres": pg_done}.items()}
         print(
             f"{name:6s} points={points} workers={len(jobs)} node_managers={args.processes} applied={done} "
             f"seconds={last - first:.2f} points_per_s={per_s:.0f} dup_applied={dup} lost={lost} "
             f"requests_not_done={waiting} batches_not_done={running}"
-            + (f" kill_to_caught_up_s={restart_s:.2f}" if crash else ""),
+            + (f" kill_to_caught_up_s={restart_s:.2f}" if crash else "")
+            + " cpu_us_per_point="
+            + "/".join(f"{k}:{v:.1f}" for k, v in cpu.items())
+            + f" load_avg_1m={os.getloadavg()[0]:.2f}",
             flush=True,
         )
         return CaseResult(name, points, per_s, dup, lost + waiting + running, restart_s)
     finally:
         store.dispose()
+
+
+def cpu_seconds(broker: TansuBroker) -> dict[str, float]:
+    """CPU seconds used so far by: this bench's finished child processes (node managers, aggregators),
+    the broker, and the live Postgres processes; the machine is shared, so this says what a point costs
+    beside how fast it went (process start-ups included; a killed aggregator's backend is not counted)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = {"python": children.ru_utime + children.ru_stime, "broker": _proc_cpu(broker.process.pid), "postgres": 0.0}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        if text[text.index("(") + 1 : text.rindex(")")].startswith("postgres"):
+            out["postgres"] += _stat_cpu(text)
+    return out
+
+
+def _proc_cpu(pid: int) -> float:
+    try:
+        return _stat_cpu(Path(f"/proc/{pid}/stat").read_text())
+    except OSError:
+        return 0.0
+
+
+def _stat_cpu(text: str) -> float:
+    fields = text.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def embedded_figures() -> tuple[float, float]:

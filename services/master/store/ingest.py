@@ -25,10 +25,14 @@ order they came. The bus delivers a batch's messages in order (see ``stagetree.b
 batch's metrics are never applied after its finish, and a finish never requeues work whose metrics
 are in the same apply.
 
-Throughput comes from set-based SQL: one multi-row statement per kind per apply (chunked at
-``chunk`` rows), never one statement per point. Messages that can never apply (unknown batch or node,
-a step before its node's start, a value the columns cannot hold) are logged, counted as ``rejected``
-and still marked applied, so a redelivery does not log them again.
+Throughput comes from set-based SQL: one statement per kind per apply, never one per point. On
+Postgres the rows go in with COPY (straight into the table; when some exist already, through a
+temporary table and ``INSERT ... SELECT ... ON CONFLICT DO NOTHING``); on SQLite with one prepared
+statement run for every row (chunked at ``chunk`` rows).
+
+Messages that can never apply (unknown batch or node, a step before its node's start, a value the
+columns cannot hold) are logged, counted as ``rejected`` and still marked applied, so a redelivery does
+not log them again.
 
 Non-finite metric values (a diverged loss) are stored as the strings ``"NaN"``, ``"Infinity"`` and
 ``"-Infinity"``: Postgres's JSON type refuses the bare tokens. :func:`metric_value` reads them back.

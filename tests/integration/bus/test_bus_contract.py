@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 from kafka import KafkaProducer
 
-from stagetree.bus.base import BusConsumer, Malformed, MetricBus, Record
+from stagetree.bus.base import BusConsumer, Malformed, MetricBus, Record, next_offsets
 from stagetree.bus.batcher import LocalBatcher
 from stagetree.bus.inprocess import InProcessBus
 from stagetree.bus.kafka import KafkaBusConfig, KafkaMetricBus, ensure_topics
@@ -361,3 +361,32 @@ def test_local_batcher_publishes_in_order_to_the_routed_topics(harness: Harness)
     for topic, got in by_topic.items():
         assert got == [m for m in sent if topic == m.TOPIC]
     assert sum(map(len, by_topic.values())) == len(sent)
+
+
+def test_explicit_offsets_commit_only_what_was_processed(harness: Harness) -> None:
+    topic = harness.new_topic()
+    group = _unique("g")
+    processed = [_metrics(batch, 0) for batch in range(8)]
+    polled_ahead = [_metrics(batch, 1) for batch in range(8)]
+    _publish(harness.bus, topic, processed)
+    with harness.bus.subscribe([topic], group) as consumer:
+        (done,) = _poll_until([consumer], len(processed))
+        _publish(harness.bus, topic, polled_ahead)
+        _poll_until([consumer], len(polled_ahead))
+        consumer.commit(next_offsets(done))  # the second poll is still being applied when this commits
+    with harness.bus.subscribe([topic], group) as successor:
+        (again,) = _poll_until([successor], len(polled_ahead))
+        _assert_quiet(successor)
+    assert sorted(_ids(again)) == sorted(m.msg_id for m in polled_ahead)
+
+
+def test_publish_many_bundles_a_keys_messages_into_one_record(harness: Harness) -> None:
+    topic = harness.new_topic()
+    sent = [_metrics(5, seq) for seq in range(30)]
+    harness.bus.publish_many(topic, "5", sent)
+    harness.bus.flush()
+    with harness.bus.subscribe([topic], _unique("g")) as consumer:
+        (records,) = _poll_until([consumer], len(sent))
+    assert [r.message for r in records] == sent
+    assert len({r.offset for r in records}) == 1
+    assert [r.index for r in records] == list(range(len(sent)))

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from stagetree.bus.messages import (
+    BUNDLE_TYPE,
     MESSAGE_TYPES,
     TOPIC_EVENTS,
     TOPIC_METRICS,
@@ -28,7 +29,9 @@ from stagetree.bus.messages import (
     Progress,
     UnsupportedVersion,
     decode,
+    decode_many,
     encode,
+    encode_many,
     from_json,
     make_msg_id,
     route,
@@ -277,3 +280,56 @@ def test_the_registry_has_the_eight_kinds() -> None:
 def test_msg_id_is_stable_and_distinct_per_sequence_number() -> None:
     assert make_msg_id("nm-1", 42, 2, 7) == "nm-1:42:2:7"
     assert make_msg_id("nm-1", 42, 2, 7) != make_msg_id("nm-1", 42, 2, 8)
+
+
+# -- bundles: several messages of one key in one record -------------------------------------------------
+
+
+@given(st.lists(messages, min_size=1, max_size=20), st.integers(min_value=200, max_value=5000))
+def test_bundles_keep_every_message_in_order_within_the_size_limit(batch: list[Message], max_bytes: int) -> None:
+    records = encode_many(batch, max_bytes)
+    decoded = [m for r in records for m in decode_many(r)]
+    assert decoded == batch
+    for r in records:
+        bundled = json.loads(r).get("type") == BUNDLE_TYPE
+        assert len(r) <= max_bytes or not bundled  # only a lone message may exceed the limit
+
+
+def test_a_bundle_of_one_is_the_bare_message() -> None:
+    m = _metrics_msg(1)
+    assert encode_many([m]) == [encode(m)]
+    assert decode_many(encode(m)) == [m]
+
+
+def test_a_bad_message_in_a_bundle_spoils_only_itself() -> None:
+    good = [_metrics_msg(0), _metrics_msg(2)]
+    obj = json.loads(encode_many([good[0], _metrics_msg(1), good[1]])[0])
+    obj["messages"][1]["step"] = -1
+    out = decode_many(json.dumps(obj).encode())
+    assert out[0] == good[0] and out[2] == good[1]
+    assert isinstance(out[1], MalformedMessage) and "step" in out[1].reason
+
+
+@pytest.mark.parametrize(
+    ("envelope", "error"),
+    [
+        ({"v": 2, "type": "bundle", "messages": []}, UnsupportedVersion),
+        ({"v": 1, "type": "bundle", "messages": []}, MalformedMessage),
+        ({"v": 1, "type": "bundle", "messages": {}}, MalformedMessage),
+        ({"v": 1, "type": "bundle", "messages": [1], "extra": 0}, MalformedMessage),
+        ({"v": 1, "type": "bundle", "messages": [{"v": 1, "type": "bundle", "messages": []}]}, MalformedMessage),
+    ],
+)
+def test_a_bad_envelope_is_one_malformed_entry(envelope: dict[str, Any], error: type[MalformedMessage]) -> None:
+    (out,) = decode_many(json.dumps(envelope).encode())
+    assert isinstance(out, error)
+
+
+@given(st.binary(max_size=200))
+def test_decode_many_never_raises(data: bytes) -> None:
+    out = decode_many(data)
+    assert out and all(isinstance(x, Message | MalformedMessage) for x in out)
+
+
+def _metrics_msg(step: int) -> Metrics:
+    return Metrics(msg_id=f"nm:1:1:{step}", node_manager="nm", batch_id=1, attempt=1, node=0, step=step, metrics={})
