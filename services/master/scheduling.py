@@ -19,7 +19,7 @@ import gc
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from stagetree.core.batch import BatchSpec, Point, Source, StageSpec
@@ -126,22 +126,32 @@ class SchedulingLoop:
             forest.extend(build_stage_tree(plan.nodes, steps, reqs, inflight.get(plan_id, ()), plan=str(plan_id)))
         return forest, uris, count
 
-    def spec_of(self, batch: PlannedBatch, batch_id: int, attempt: int, uris: dict[Point, str]) -> str:
+    def spec_of(self, batch: PlannedBatch, uris: dict[Point, str]) -> Callable[[int, int], str]:
+        """The renderer of ``batch``'s spec for ``store.dispatch``. Everything it needs (the plan's fixed
+        part, its nodes) is read here, before the dispatch transaction opens: rendering inside it must
+        take no lock, or a submission holding the plan cache's lock while it waits for the database
+        write lock deadlocks with the round (seen on SQLite)."""
         plan_id = int(batch.plan)
         key, fixed_json = self.store.plan_fixed(plan_id)
         plan = self.plans.ensure(plan_id, {s.node for s in batch.stages})
-        uri = uris.get(batch.source)
-        spec = BatchSpec(
-            batch_id=batch_id,
-            attempt=attempt,
-            plan_key=key,
-            fixed=FixedPart.from_json(json.loads(fixed_json)),
-            source=Source(batch.source, uri),
-            stages=tuple(StageSpec(s.node, s.start, s.end, plan.nodes[s.node].config) for s in batch.stages),
-            saves=frozenset(batch.saves),
-            evals=frozenset(batch.evals),
-        )
-        return json.dumps(spec.to_json(), separators=(",", ":"))
+        fixed = FixedPart.from_json(json.loads(fixed_json))
+        stages = tuple(StageSpec(s.node, s.start, s.end, plan.nodes[s.node].config) for s in batch.stages)
+        source = Source(batch.source, uris.get(batch.source))
+
+        def render(batch_id: int, attempt: int) -> str:
+            spec = BatchSpec(
+                batch_id=batch_id,
+                attempt=attempt,
+                plan_key=key,
+                fixed=fixed,
+                source=source,
+                stages=stages,
+                saves=frozenset(batch.saves),
+                evals=frozenset(batch.evals),
+            )
+            return json.dumps(spec.to_json(), separators=(",", ":"))
+
+        return render
 
     def enforce_checkpoint_budget(self, forest: StageForest | None = None) -> list[Point]:
         """Evict checkpoints by the core's cost-benefit policy until the rest fit the budget; never one
@@ -210,7 +220,7 @@ class SchedulingLoop:
             plan_uris = uris.get(int(d.batch.plan), {})
             rec = self.store.dispatch(
                 int(d.batch.plan),
-                lambda bid, att, b=d.batch, u=plan_uris: self.spec_of(b, bid, att, u),
+                self.spec_of(d.batch, plan_uris),
                 d.batch.requests,
                 d.slot.node_manager,
                 d.slot.id,
