@@ -16,7 +16,8 @@ This module owns:
   fails before any RPC), ``cancel``, ``results``, ``best``, ``metrics`` and ``plan``.
 * The batching of concurrent evals: every eval submitted while a batch is collected (the rest of the
   current event-loop tick plus ``window_s``) goes out in one ``SubmitRequests`` of at most ``max_batch``
-  items, and the requests it leaves waiting are answered by one ``StreamResults`` for that batch. Each
+  items, and the requests it leaves waiting are followed by the study's one ``StreamResults``, reopened
+  wider when a new batch leaves more requests waiting (so one RPC per batch at most). Each
   eval carries its own client request id (a uuid), so resending a batch after a lost answer never
   creates a request twice.
 
@@ -429,7 +430,11 @@ class Study:
         self._flusher: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sending = asyncio.Semaphore(4)
-        self._by_request: dict[int, Evaluation] = {}
+        self._by_request: dict[int, Evaluation] = {}  # sent, not finished: what the result stream follows
+        self._watcher: asyncio.Task[None] | None = None
+        self._watch_call: Any = None
+        self._watch_ids: frozenset[int] = frozenset()
+        self._widen = False
         self._completed: list[EvalResult] = []
         self._listeners: set[asyncio.Queue[EvalResult | None]] = set()
         client._studies.append(self)
@@ -668,16 +673,12 @@ class Study:
             for e in chunk:
                 e._fail(exc)
             return
-        waiting: dict[int, Evaluation] = {}
         for e, r in zip(chunk, resp.results, strict=True):
             e.request_id = r.request_id
             self._by_request[r.request_id] = e
             if _state_name(r.state) in TERMINAL:
                 self._deliver(r)
-            else:
-                waiting[r.request_id] = e
-        if waiting:
-            self._spawn(self._watch(waiting))
+        self._follow()
 
     async def _isolate(self, chunk: list[Evaluation], exc: InvalidArgument) -> None:
         """One bad item must not fail the evals batched with it: fail the item the master named (or
@@ -695,33 +696,53 @@ class Study:
         await self._submit(chunk[:half])
         await self._submit(chunk[half:])
 
-    async def _watch(self, waiting: dict[int, Evaluation]) -> None:
-        """Follow one batch's waiting requests on one result stream until each finished."""
+    def _follow(self) -> None:
+        """Make the study's one result stream cover every outstanding request: start it, or restart it
+        wider when new requests are not on it (results that finish meanwhile come on the new one)."""
+        if not self._by_request or self.client._closed:
+            return
+        if self._watcher is None or self._watcher.done():
+            self._watcher = self._spawn(self._watch())
+        elif self._watch_call is not None and not self._by_request.keys() <= self._watch_ids:
+            self._widen = True
+            self._watch_call.cancel()
+
+    async def _watch(self) -> None:
+        """Follow the outstanding requests on one ``StreamResults`` until each finished."""
         attempt = 0
-        while waiting and not self.client._closed:
-            call = self.client.stream(
-                "StreamResults", pb.StreamResultsRequest(study_id=self.id, request_ids=sorted(waiting))
-            )
+        while self._by_request and not self.client._closed:
+            ids = sorted(self._by_request)
+            call = self.client.stream("StreamResults", pb.StreamResultsRequest(study_id=self.id, request_ids=ids))
+            self._watch_call, self._watch_ids, self._widen = call, frozenset(ids), False
             try:
                 async for r in call:
-                    waiting.pop(r.request_id, None)
                     self._deliver(r)
                     attempt = 0
-                if waiting:  # the master ended the stream early: follow the rest on a new one
-                    continue
+                if any(rid in self._by_request for rid in ids):  # ended early: reopen, but not in a busy loop
+                    attempt += 1
+                    await asyncio.sleep(min(2.0, 0.05 * 2**attempt))
             except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if self._widen and task is not None and not task.cancelling():
+                    continue  # we cancelled the call to follow more requests
                 call.cancel()
                 raise
             except grpc.RpcError as exc:
                 if self.client._closed:
                     return
+                if self._widen and exc.code() == grpc.StatusCode.CANCELLED:
+                    continue
                 err = error_of(exc, "StreamResults", self.client.target)
                 attempt += 1
                 if not err.retriable or attempt >= self.client.retries:
-                    for e in waiting.values():
-                        e._fail(err)
-                    return
+                    for rid in ids:
+                        e = self._by_request.pop(rid, None)
+                        if e is not None:
+                            e._fail(err)
+                    continue
                 await asyncio.sleep(min(2.0, 0.05 * 2**attempt))
+            finally:
+                self._watch_call = None
 
     def _result_of(self, r: pb.RequestResult) -> EvalResult:
         return EvalResult(

@@ -17,8 +17,9 @@ Last line: ``evals_per_s=<n> rpcs_per_eval=<r> asha_promotions_ok=<true|false>``
 <= 0.1, true).
 
 The platform under test is the ``PLATFORM`` line below: a function of a work directory returning an
-async context manager that yields a ``Target`` (gRPC address and token). To measure the real embedded
-mode, point that line at a wrapper of it whose studies' trainer is ``TRAINER`` (a no-op ``Trainer``).
+async context manager that yields a ``Target`` (gRPC address and token). ``PLATFORM = embedded_platform``
+(or ``--platform embedded``) measures the real embedded mode instead, whose worker processes run
+``TRAINER``, a no-op ``Trainer``.
 """
 
 from __future__ import annotations
@@ -75,7 +76,20 @@ async def noop_platform(workdir: Path) -> AsyncIterator[Target]:
         yield Target(p.grpc_target, TOKEN, lambda: {"batches": len(nm.batches), "trained_steps": nm.trained_steps})
 
 
-# The platform under test: the one line to change for the embedded mode.
+@asynccontextmanager
+async def embedded_platform(workdir: Path) -> AsyncIterator[Target]:
+    """The real embedded mode (``stagetree up``): worker processes run ``TRAINER``, which trains nothing."""
+    from stagetree.embedded import Embedded, EmbeddedSettings
+
+    async with Embedded(EmbeddedSettings(home=workdir, workers=SLOTS)) as cluster:
+        yield Target(cluster.target, cluster.token)
+
+
+PLATFORMS: dict[str, Callable[[Path], AbstractAsyncContextManager[Target]]] = {
+    "noop": noop_platform,
+    "embedded": embedded_platform,
+}
+# The platform under test: the one line to change for the embedded mode (or pass --platform embedded).
 PLATFORM: Callable[[Path], AbstractAsyncContextManager[Target]] = noop_platform
 
 
@@ -155,9 +169,9 @@ async def asha_run(client: stagetree.Client) -> tuple[bool, int, float, list[str
     return tuner.finished and not problems, len(run.jobs), elapsed, problems
 
 
-async def bench(points: int) -> str:
+async def bench(points: int, platform: Callable[[Path], AbstractAsyncContextManager[Target]]) -> str:
     with tempfile.TemporaryDirectory(prefix="stagetree-bench-") as tmp:
-        async with PLATFORM(Path(tmp)) as target, stagetree.connect(target.grpc, token=target.token) as client:
+        async with platform(Path(tmp)) as target, stagetree.connect(target.grpc, token=target.token) as client:
             rate, rpe, distinct, elapsed = await concurrent_evals(client, points)
             ran = target.stats()
             calls = dict(sorted(client.rpcs.items()))
@@ -175,8 +189,9 @@ async def bench(points: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--points", type=int, default=10, help="eval points per trial (200 trials)")
+    parser.add_argument("--platform", choices=sorted(PLATFORMS), default=None, help="default: the PLATFORM line")
     ns = parser.parse_args()
-    print(asyncio.run(bench(ns.points)))
+    print(asyncio.run(bench(ns.points, PLATFORMS[ns.platform] if ns.platform else PLATFORM)))
 
 
 if __name__ == "__main__":

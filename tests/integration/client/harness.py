@@ -78,6 +78,7 @@ class NoopNodeManager:
     admin_token: str
     slots: int = 4
     metrics: Metrics = noop_metrics
+    fail_if: Callable[[Config], str | None] = lambda _config: None  # an error message fails the batch
     node_manager_id: str = field(default_factory=lambda: f"noop-{uuid.uuid4().hex[:8]}")
     batches: list[BatchSpec] = field(default_factory=list)
     trained_steps: int = 0
@@ -161,7 +162,13 @@ class NoopNodeManager:
             )
             for p in sorted(spec.saves)
         ]
-        req = pb.ReportBatchRequest(batch_id=a.batch_id, attempt=a.attempt, ok=True, metrics=metrics, checkpoints=ckpts)
+        errors = [e for e in (self.fail_if(st.config) for st in spec.stages) if e]
+        if errors:
+            req = pb.ReportBatchRequest(batch_id=a.batch_id, attempt=a.attempt, ok=False, error=errors[0])
+        else:
+            req = pb.ReportBatchRequest(
+                batch_id=a.batch_id, attempt=a.attempt, ok=True, metrics=metrics, checkpoints=ckpts
+            )
         deadline = time.monotonic() + REPORT_RETRY_S
         delay = 0.02
         while True:  # a report is idempotent: keep resending it while the master says a retry can help

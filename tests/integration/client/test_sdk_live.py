@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 import stagetree
-from stagetree.client.sdk import EvalCancelled, Study
+from stagetree.client.sdk import EvalCancelled, EvalFailed, Study
 from stagetree.client.spaces import GridSearchSpace, LogUniform, RandomSearchSpace
 from stagetree.client.tuners import ASHA, PBT, check_asha_trace
 from stagetree.core import errors as e
@@ -163,3 +163,14 @@ async def test_pbt_exploit_is_a_branch_trained_from_the_source_checkpoint(platfo
     for n in branched:  # each exploit continues from its source's checkpoint at the branch step
         first = min((b for b in mine if b.stages[0].node == n["id"]), key=lambda b: b.source.point.step)
         assert first.source.point.step == n["start"] and first.source.uri is not None
+
+
+async def test_an_eval_whose_training_keeps_failing_raises_eval_failed(platform: Platform) -> None:
+    platform.node_manager.fail_if = lambda c: "RuntimeError: loss is NaN" if c.values_at(0)["lr"] == 13.0 else None
+    async with stagetree.connect(platform.grpc_target, token=ALICE) as client:
+        study = await _study(client)
+        good, bad = study.submit({"lr": 0.03}, 3), study.submit({"lr": 13.0}, 3)
+        assert (await good)["acc"] > 0
+        with pytest.raises(EvalFailed, match="loss is NaN"):
+            await asyncio.wait_for(bad.result(), 30)
+        assert (await study.best("acc")) is not None

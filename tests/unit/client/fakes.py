@@ -42,15 +42,33 @@ def fake_metrics(config: Config, step: int) -> dict[str, float]:
 
 
 class _Stream:
-    def __init__(self, gen: AsyncIterator[pb.RequestResult]) -> None:
-        self._gen = gen
+    def __init__(self, master: FakeMaster, wanted: set[int]) -> None:
+        self.master = master
+        self.wanted = wanted
         self.cancelled = False
 
     def __aiter__(self) -> AsyncIterator[pb.RequestResult]:
-        return self._gen
+        return self._gen()
+
+    async def _gen(self) -> AsyncIterator[pb.RequestResult]:
+        m = self.master
+        m._raise_queued("StreamResults")
+        while self.wanted:
+            if self.cancelled:
+                raise asyncio.CancelledError
+            if not m.hold:
+                m.finish(sorted(self.wanted))
+            for rid in sorted(self.wanted):
+                if rid in m._finished:
+                    self.wanted.discard(rid)
+                    yield m._finished[rid]
+            if self.wanted:
+                m._changed.clear()
+                await m._changed.wait()
 
     def cancel(self) -> bool:
         self.cancelled = True
+        self.master._changed.set()
         return True
 
 
@@ -154,22 +172,7 @@ class FakeMaster:
 
     def StreamResults(self, request: pb.StreamResultsRequest, **_: Any) -> _Stream:
         self.calls["StreamResults"].append(request)
-        wanted = set(request.request_ids)
-
-        async def gen() -> AsyncIterator[pb.RequestResult]:
-            self._raise_queued("StreamResults")
-            while wanted:
-                if not self.hold:
-                    self.finish(sorted(wanted))
-                for rid in sorted(wanted):
-                    if rid in self._finished:
-                        wanted.discard(rid)
-                        yield self._finished[rid]
-                if wanted:
-                    self._changed.clear()
-                    await self._changed.wait()
-
-        return _Stream(gen())
+        return _Stream(self, set(request.request_ids))
 
 
 def fake_client(master: FakeMaster, **kwargs: Any) -> Client:

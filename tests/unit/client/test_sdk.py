@@ -266,3 +266,21 @@ async def test_closing_the_client_fails_outstanding_evals() -> None:
         await pending
     with pytest.raises(e.FailedPrecondition, match="closed"):
         study.submit({"lr": 0.1}, 5)
+
+
+async def test_one_result_stream_per_study_widened_for_new_batches() -> None:
+    master = FakeMaster()
+    master.hold = True
+    study = await _study(master)
+    first = [study.submit({"lr": 0.01 * (i + 1)}, 5) for i in range(3)]
+    while master.calls["StreamResults"] == []:
+        await asyncio.sleep(0.001)
+    second = [study.submit({"lr": 0.1 * (i + 1)}, 5) for i in range(2)]
+    while len(master.calls["StreamResults"]) < 2:
+        await asyncio.sleep(0.001)
+    one, two = master.calls["StreamResults"]
+    assert len(one.request_ids) == 3 and sorted(two.request_ids) == sorted(e.request_id for e in first + second)
+    master.hold = False
+    master.finish()
+    results = await asyncio.gather(*first, *second)
+    assert len(results) == 5 and study.client.rpcs["StreamResults"] == 2
