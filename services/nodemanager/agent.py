@@ -44,7 +44,7 @@ from stagetree.core.errors import (
 from stagetree.nodemanager.gpu import GpuProbe
 from stagetree.nodemanager.link import ABORT, DELETE_CHECKPOINTS, PREEMPT, RUN, Assignment, MasterLink
 from stagetree.nodemanager.mps import MpsDaemon
-from stagetree.nodemanager.reporting import TERMINAL_EVENTS, AttemptEnd, AttemptInfo, BatchReporter
+from stagetree.nodemanager.reporting import TERMINAL_EVENTS, AttemptEnd, AttemptInfo, BatchReporter, RecentKeys
 from stagetree.nodemanager.runtime.checkpoints import CheckpointStore
 from stagetree.nodemanager.slots import LocalSlot
 from stagetree.nodemanager.workers import EXIT_USAGE, WorkerLauncher, WorkerProcess
@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 PREEMPT_SIGNAL = signal.SIGUSR1
 DEFAULT_HEARTBEAT_S = 5.0
 STOPPED = "the node manager stopped"
+EOF_GRACE_S = 2.0  # after a worker exits, how long its last events may take to arrive
 
 
 @dataclass
@@ -68,7 +69,6 @@ class _Attempt:
     stopping: bool = False  # the node manager is shutting down
     terminal: tuple[str, dict[str, Any]] | None = None
     task: asyncio.Task[None] | None = None
-    events: int = 0
     exited: asyncio.Event = field(default_factory=asyncio.Event)  # the worker is gone (or never started)
 
 
@@ -85,8 +85,10 @@ def classify_end(attempt: _Attempt, returncode: int, stderr_tail: str) -> Attemp
         )
     if attempt.aborted:
         return AttemptEnd("aborted", error="aborted by the master", by_worker=False)
-    if attempt.stopping and attempt.worker is not None and attempt.worker.killed:
-        return AttemptEnd("preempted", error=STOPPED, by_worker=False)
+    if attempt.worker is not None and attempt.worker.killed:
+        if attempt.stopping:
+            return AttemptEnd("preempted", error=STOPPED, by_worker=False)
+        return AttemptEnd("failed", error="the node manager killed its worker after an error", by_worker=False)
     last = next((ln for ln in reversed(stderr_tail.strip().splitlines()) if ln.strip()), "")
     oom = False
     if returncode < 0:
@@ -96,7 +98,7 @@ def classify_end(attempt: _Attempt, returncode: int, stderr_tail: str) -> Attemp
             name = f"signal {-returncode}"
         error = f"worker killed by {name} before reporting an end"
         if -returncode == signal.SIGKILL:
-            oom = True  # nobody here sent it: most likely the kernel's (or the cgroup's) OOM killer
+            oom = True  # not sent from here: most likely the kernel's (or the cgroup's) OOM killer
             error += " (most likely the out-of-memory killer)"
     elif returncode == EXIT_USAGE:
         error = "worker refused the batch spec (exit status 2)"
@@ -108,10 +110,11 @@ def classify_end(attempt: _Attempt, returncode: int, stderr_tail: str) -> Attemp
 
 
 class NodeManager:
-    """The node manager service. Build it with ``from_settings`` (the CLI) or directly (embedded mode):
+    """The node manager service. Build it from settings with ``app.build_node_manager`` (the CLI and
+    the embedded mode), or from its parts::
 
-    ``NodeManager(link, reporter, slots, launcher, node_manager_id=..., store=...)`` then
-    ``await nm.run(stop)``.
+        nm = NodeManager(link, reporter, slots, launcher, node_manager_id="nm-1", store=store)
+        await nm.run(stop)  # until stop is set
     """
 
     def __init__(
@@ -154,7 +157,7 @@ class NodeManager:
         self.connected = asyncio.Event()  # registered and consuming the stream (for tests, health)
         self.registrations = 0
         self._attempts: dict[tuple[int, int], _Attempt] = {}
-        self._done: set[tuple[int, int]] = set()
+        self._done = RecentKeys()  # attempts that ended here: a RUN for one of them is a duplicate
         self._queue: deque[_Attempt] = deque()
         self._free: dict[str, LocalSlot] = {s.id: s for s in self.slots}
         self._background: set[asyncio.Task[Any]] = set()
@@ -392,12 +395,7 @@ class NodeManager:
             log.info("worker started", extra={**ids, "pid": worker.pid, "slot_id": att.slot.id})
             if att.aborted:
                 worker.kill()
-            try:
-                await self._follow(att, worker)
-            except Exception:
-                log.exception("error while following a worker; killing it", extra=ids)
-                worker.kill()
-            rc = await worker.wait()
+            rc = await self._watch(att, worker)
             end = classify_end(att, rc, worker.stderr_tail() if att.terminal is None else "")
             log.info(
                 "worker exited",
@@ -416,11 +414,33 @@ class NodeManager:
             self._dispatch()
             await self.reporter.finish(info, end)
 
+    async def _watch(self, att: _Attempt, worker: WorkerProcess) -> int:
+        """Follow the worker's events until it has exited and its pipe is drained; its exit status."""
+        ids = {"batch_id": att.info.batch_id, "attempt": att.info.attempt}
+        follow = asyncio.ensure_future(self._follow(att, worker))
+        exited = asyncio.ensure_future(worker.wait())
+        try:
+            await asyncio.wait({follow, exited}, return_when=asyncio.FIRST_COMPLETED)
+            if not follow.done():
+                # The worker is gone but the pipe is still open: something it forked holds it. Take
+                # the lines already written, then end what is left of its session.
+                done, _ = await asyncio.wait({follow}, timeout=EOF_GRACE_S)
+                if not done:
+                    log.warning("worker exited but its session lives on; killing it", extra=ids)
+                    worker.kill_session()
+                    await asyncio.wait({follow}, timeout=10)
+            if follow.done() and not follow.cancelled() and follow.exception() is not None:
+                log.error("error while following a worker; killing it", exc_info=follow.exception(), extra=ids)
+                worker.kill()
+            return await exited
+        finally:
+            for f in (follow, exited):
+                f.cancel()
+
     async def _follow(self, att: _Attempt, worker: WorkerProcess) -> None:
         """Hand the worker's events to the reporter until it closes its pipe."""
         info = att.info
         async for kind, payload in worker.events():
-            att.events += 1
             if kind == "batch_started":
                 att.started = True
                 if att.preempt_requested:

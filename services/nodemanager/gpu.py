@@ -85,7 +85,7 @@ class NvmlGpuProbe(GpuProbe):
             return self._handles
         self._handles = []
         try:
-            import pynvml
+            import pynvml  # type: ignore[import-untyped]
 
             pynvml.nvmlInit()
             self._nvml = pynvml

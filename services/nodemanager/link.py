@@ -168,7 +168,7 @@ class GrpcMasterLink(MasterLink):
     def _get_stub(self) -> pb_grpc.MasterServiceStub:
         if self._stub is None:
             self._channel = grpc.aio.insecure_channel(self.target, options=self._options)
-            self._stub = pb_grpc.MasterServiceStub(self._channel)
+            self._stub = pb_grpc.MasterServiceStub(self._channel)  # type: ignore[no-untyped-call]
         return self._stub
 
     async def register(self, node_manager_id: str, address: str, slots: Sequence[LocalSlot]) -> float:

@@ -79,11 +79,31 @@ class AttemptEnd:
     by_worker: bool = True
 
 
+class RecentKeys:
+    """A set that remembers only its ``maxlen`` most recently added keys (a long-lived node manager
+    must not keep every attempt it ever ran; a duplicate comes soon or never)."""
+
+    def __init__(self, maxlen: int = 100_000) -> None:
+        self._keys: dict[tuple[int, int], None] = {}
+        self._maxlen = maxlen
+
+    def add(self, key: tuple[int, int]) -> None:
+        self._keys[key] = None
+        if len(self._keys) > self._maxlen:
+            del self._keys[next(iter(self._keys))]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
 class BatchReporter(ABC):
     """Receives one attempt's events in order, then its end, exactly once (later calls are ignored)."""
 
     def __init__(self) -> None:
-        self._ended: set[tuple[int, int]] = set()
+        self._ended = RecentKeys()
 
     async def event(self, info: AttemptInfo, kind: str, payload: dict[str, Any]) -> None:
         """One worker event (``runtime.events.EVENT_FIELDS``)."""

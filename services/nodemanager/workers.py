@@ -69,7 +69,8 @@ class WorkerProcess(ABC):
         """The exit status (negative: the signal that killed it); None while it runs."""
 
     @abstractmethod
-    async def wait(self) -> int: ...
+    async def wait(self) -> int:
+        """The exit status, once the process has exited (whoever still holds its pipes)."""
 
     async def events(self) -> AsyncIterator[tuple[str, dict[str, Any]]]:
         """``(kind, payload)`` of each event until the worker closes its end of the pipe; malformed
@@ -102,6 +103,11 @@ class WorkerProcess(ABC):
                 os.killpg(self.pid, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
+
+    def kill_session(self) -> None:
+        """SIGKILL what is left of the worker's session (processes it forked and did not stop)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
 
     def stderr_tail(self, max_bytes: int = 4000) -> str:
         """The end of the worker's log (its stderr)."""
@@ -186,7 +192,11 @@ class _ExecWorker(WorkerProcess):
         return self.proc.returncode
 
     async def wait(self) -> int:
-        return await self.proc.wait()
+        # Not proc.wait(): it also waits for the pipes to close, which a process the worker forked
+        # (a data-loader worker) can keep open after the worker itself is gone.
+        while self.proc.returncode is None:
+            await asyncio.sleep(0.05)
+        return self.proc.returncode
 
 
 class ExecLauncher(WorkerLauncher):

@@ -85,7 +85,7 @@ class ResumableLoader:
 
     def __next__(self) -> tuple[torch.Tensor, ...]:
         idx = self.next_indices()
-        return tuple(t[idx] for t in self._tensors)
+        return tuple([t[idx] for t in self._tensors])
 
     def state_dict(self) -> dict[str, Any]:
         return {

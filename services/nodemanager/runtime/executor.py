@@ -179,7 +179,14 @@ class BatchRun:
                 self._last_ckpt_step, self._last_ckpt_time = step, self._clock()
                 last_progress = float("-inf")
                 end = spec.end.step
+                # The per-step path runs between two of the user's steps: keep it to a few local
+                # lookups (every bit of work here shows in a small model's step time).
+                emit, clock, should_preempt = self._emit, self._clock, self._should_preempt
+                lock, point_steps, interval = self._lock, self._point_steps, self._progress_interval
+                periodic = spec.peripheral_every_steps > 0 or spec.peripheral_every_s > 0
+                batch_id, attempt = spec.batch_id, spec.attempt
                 for stage in spec.stages:
+                    node = stage.node
                     same_until: float = -1  # the stage's values at steps < this equal those last applied
                     for s in range(stage.start, stage.end):
                         if s >= same_until:
@@ -187,17 +194,22 @@ class BatchRun:
                             same_until = constant_until(stage.config, s)
                         trainer.step = s
                         trainer.train()
-                        step, trained = s + 1, trained + 1
-                        now = self._clock()
-                        if self._progress_interval <= 0 or now - last_progress >= self._progress_interval:
-                            self._emit("progress", {**self._ids, "node": stage.node, "step": step})
+                        step = s + 1
+                        trained += 1
+                        now = clock()
+                        if interval <= 0 or now - last_progress >= interval:
+                            emit("progress", {"batch_id": batch_id, "attempt": attempt, "node": node, "step": step})
                             last_progress = now
-                        saved = self._handle_points(trainer, step)
-                        if step < end and not saved and self._peripheral_due(step, now):
-                            self._save(trainer, (Point(stage.node, step),), "peripheral", step)
-                        self._drain(block=False)
-                        if step < end and self._should_preempt():
-                            return self._preempt(trainer, stage.node, step, trained)
+                        with lock:  # amend() sees either this step handled or its point in point_steps
+                            self._handled = step
+                            due = step in point_steps
+                        saved = due and self._handle_points(trainer, step)
+                        if periodic and step < end and not saved and self._peripheral_due(step, now):
+                            self._save(trainer, (Point(node, step),), "peripheral", step)
+                        if self._pending:
+                            self._drain(block=False)
+                        if step < end and should_preempt():
+                            return self._preempt(trainer, node, step, trained)
                 self._drain(block=True)
             self._emit("batch_finished", {**self._ids, "steps": trained})
             return BatchOutcome("finished", step, trained)

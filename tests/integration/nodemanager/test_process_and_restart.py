@@ -148,9 +148,9 @@ async def test_workers_survive_a_master_restart_and_report_to_the_new_master(
         await until(lambda: nm.reporter.of("batch_started"), 30, "the batch to start")
         await first.kill()
         masters.remove(first)
-        # The worker trains on and finishes while no master is there; its report waits.
+        assert not nm.reporter.of("batch_finished")  # the worker outlives the master...
+        # ... trains on and finishes while no master is there; its report waits for the next one.
         await until(lambda: nm.reporter.of("batch_finished"), 30, "the worker to finish")
-        assert not nm.reporter.ends or nm.nm.registrations == 1
         # Liveness is in-process here (Redis keeps it across restarts in a cluster): let the node manager
         # register again before the new master's first round, or that round would find it lost.
         second = await Master.start(fresh_db_url, port=first.port, schedule=False)

@@ -97,3 +97,21 @@ class FlakyBus(InProcessBus):
         if self.down:
             raise Unavailable("broker down (test)")
         super().publish_many(topic, key, messages)
+
+
+class ForkingDigits(DigitsMLP):
+    """Digits whose init forks a process that outlives the worker and holds its pipes (as a
+    data-loader worker can); its pid goes to ``fixed["pid_file"]``."""
+
+    def init(self) -> None:
+        import time
+
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(60)
+            os._exit(0)
+        Path(str(self.fixed["pid_file"])).write_text(str(pid))
+        super().init()
+
+
+FORKING = "tests.unit.nodemanager.fakes:ForkingDigits"

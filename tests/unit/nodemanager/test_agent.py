@@ -28,7 +28,7 @@ from stagetree.nodemanager.reporting import GrpcReporter
 from stagetree.nodemanager.runtime.checkpoints import LocalCheckpointStore
 from stagetree.nodemanager.slots import LocalSlot
 from stagetree.nodemanager.workers import ExecLauncher, ForkserverLauncher, WorkerLauncher
-from tests.unit.nodemanager.fakes import ENV_RECORDER, FakeLink
+from tests.unit.nodemanager.fakes import ENV_RECORDER, FORKING, FakeLink
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -346,3 +346,20 @@ async def test_stop_with_the_master_gone_does_not_wait_forever_for_reports(tmp_p
     h.stop.set()
     await asyncio.wait_for(h.task, 60)
     assert loop.time() - started < 5 and h.link.reports == []
+
+
+async def test_a_process_the_worker_leaves_behind_does_not_hold_up_the_report(h: Harness) -> None:
+    pid_file = h.tmp / "grandchild.pid"
+    h.run(_spec(17, steps=3, trainer=FORKING, pid_file=str(pid_file)))
+    report = await h.report(17, timeout=20)
+    assert report.ok and report.metrics
+    grandchild = int(pid_file.read_text())
+
+    def gone() -> bool:
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    await until(gone, 10)

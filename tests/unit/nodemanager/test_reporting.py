@@ -26,7 +26,14 @@ from stagetree.bus.messages import (
 )
 from stagetree.core.errors import InvalidArgument, Unavailable
 from stagetree.nodemanager.gpu import GpuSample
-from stagetree.nodemanager.reporting import AttemptEnd, AttemptInfo, BatchReporter, BusReporter, GrpcReporter
+from stagetree.nodemanager.reporting import (
+    AttemptEnd,
+    AttemptInfo,
+    BatchReporter,
+    BusReporter,
+    GrpcReporter,
+    RecentKeys,
+)
 from tests.unit.nodemanager.fakes import FakeLink, FlakyBus
 
 INFO = AttemptInfo(batch_id=7, attempt=2, plan_key="plan-a", slot_id="cpu0")
@@ -277,3 +284,10 @@ async def test_close_gives_up_on_a_master_that_never_comes_back() -> None:
     await asyncio.wait_for(reporter.close(), 5)
     await asyncio.wait_for(pending, 5)
     assert link.reports == []
+
+
+def test_recent_keys_forget_the_oldest() -> None:
+    keys = RecentKeys(maxlen=3)
+    for i in range(5):
+        keys.add((i, 1))
+    assert (0, 1) not in keys and (1, 1) not in keys and (4, 1) in keys and len(keys) == 3
