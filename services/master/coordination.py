@@ -5,8 +5,11 @@ a ``SET NX PX`` leader lease renewed by its holder only, pub/sub wake-ups) and
 ``InProcessCoordination`` the embedded one (same semantics inside one process, thread-safe). One
 contract suite runs against both.
 
-Wake-ups are hints, not messages: a ``notify`` that happens before a ``wait`` starts is not kept, so
-every waiter re-checks the state it waits for and waits with a timeout.
+Wake-ups are hints, not messages, and they coalesce: a loop that waits on one channel again and again
+(the scheduling round, a result stream, an assignment stream) holds a ``Subscription``, which keeps a
+``notify`` that arrives while the loop is busy, so the next ``wait`` returns at once. A one-off ``wait``
+only sees notifies that come after it started. Every waiter still re-checks the state it waits for and
+waits with a timeout (a lost connection can lose a wake-up).
 """
 
 from __future__ import annotations
@@ -22,8 +25,21 @@ from typing import Any, Protocol
 log = logging.getLogger(__name__)
 
 
+class Subscription(Protocol):
+    async def wait(self, timeout: float) -> bool:
+        """True when notified since the subscription started or the previous ``wait`` returned True
+        (at once if so), False after ``timeout`` seconds without one."""
+        ...
+
+    async def close(self) -> None: ...
+
+
 class Coordination(Protocol):
     def notify(self, channel: str) -> None: ...
+
+    async def subscribe(self, channel: str) -> Subscription:
+        """Start keeping notifies on ``channel``; ``close`` the subscription when done."""
+        ...
 
     async def wait(self, channel: str, timeout: float) -> bool:
         """True when woken on ``channel`` before ``timeout`` seconds."""
@@ -51,13 +67,31 @@ class InProcessCoordination:
         self._beats: dict[str, float] = {}
         self._lease: tuple[str, float] | None = None
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]] = {}
+        self._subs: dict[str, set[_InProcessSubscription]] = {}
 
     def notify(self, channel: str) -> None:
         with self._lock:
             waiters = self._waiters.pop(channel, [])
+            subs = list(self._subs.get(channel, ()))
         for loop, fut in waiters:
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting any more
                 loop.call_soon_threadsafe(_resolve, fut)
+        for sub in subs:
+            sub.wake()
+
+    async def subscribe(self, channel: str) -> Subscription:
+        sub = _InProcessSubscription(self, channel, asyncio.get_running_loop())
+        with self._lock:
+            self._subs.setdefault(channel, set()).add(sub)
+        return sub
+
+    def _unsubscribe(self, sub: _InProcessSubscription) -> None:
+        with self._lock:
+            subs = self._subs.get(sub.channel)
+            if subs is not None:
+                subs.discard(sub)
+                if not subs:
+                    del self._subs[sub.channel]
 
     async def wait(self, channel: str, timeout: float) -> bool:
         loop = asyncio.get_running_loop()
@@ -105,6 +139,27 @@ class InProcessCoordination:
 def _resolve(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+class _InProcessSubscription:
+    def __init__(self, owner: InProcessCoordination, channel: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.owner, self.channel, self._loop = owner, channel, loop
+        self._event = asyncio.Event()
+
+    def wake(self) -> None:  # from any thread
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting any more
+            self._loop.call_soon_threadsafe(self._event.set)
+
+    async def wait(self, timeout: float) -> bool:
+        if not self._event.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._event.wait(), timeout)
+        woken = self._event.is_set()
+        self._event.clear()
+        return woken
+
+    async def close(self) -> None:
+        self.owner._unsubscribe(self)
 
 
 _RENEW = """
@@ -155,6 +210,19 @@ class RedisCoordination:
         finally:
             await client.aclose()
 
+    async def subscribe(self, channel: str) -> Subscription:
+        import redis.asyncio as aredis
+
+        client = aredis.Redis.from_url(self._url)
+        ps = client.pubsub()
+        try:
+            await ps.subscribe(self._k("wake", channel))
+        except BaseException:
+            await ps.aclose()
+            await client.aclose()
+            raise
+        return _RedisSubscription(client, ps)
+
     def heartbeat(self, node_manager_id: str, ttl_s: float) -> None:
         self._redis.set(self._k("nm", node_manager_id), b"1", px=max(1, int(ttl_s * 1000)))
 
@@ -175,3 +243,29 @@ class RedisCoordination:
 
     def close(self) -> None:
         self._redis.close()
+
+
+class _RedisSubscription:
+    """One pub/sub connection kept open: a message published while nobody waits stays in the socket
+    until the next ``wait`` reads it (and any others behind it: wake-ups coalesce)."""
+
+    def __init__(self, client: Any, pubsub: Any) -> None:
+        self._client, self._ps = client, pubsub
+
+    async def wait(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        woken = False
+        while not woken:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            woken = await self._ps.get_message(ignore_subscribe_messages=True, timeout=left) is not None
+        while await self._ps.get_message(ignore_subscribe_messages=True, timeout=0) is not None:
+            pass  # the wake-ups behind this one ask for the same re-check
+        return True
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._ps.aclose()
+        with contextlib.suppress(Exception):
+            await self._client.aclose()

@@ -28,7 +28,7 @@ from stagetree.core.config import FixedPart
 from stagetree.core.scheduler import PlannedBatch, RoundResult, Slot, schedule_round, steps_cost
 from stagetree.core.searchplan import Checkpoint, CheckpointKind, Node
 from stagetree.core.stagetree import InflightBatch, InflightStage, StageForest, build_stage_tree
-from stagetree.master.coordination import Coordination
+from stagetree.master.coordination import Coordination, Subscription
 from stagetree.master.plans import PlanCache
 from stagetree.master.service import CH_ROUND, ch_node_manager
 from stagetree.master.settings import SchedulingSettings
@@ -137,6 +137,7 @@ class SchedulingLoop:
         fixed = FixedPart.from_json(json.loads(fixed_json))
         stages = tuple(StageSpec(s.node, s.start, s.end, plan.nodes[s.node].config) for s in batch.stages)
         source = Source(batch.source, uris.get(batch.source))
+        every_steps, every_s = self.settings.peripheral_every_steps, self.settings.peripheral_every_s
 
         def render(batch_id: int, attempt: int) -> str:
             spec = BatchSpec(
@@ -148,6 +149,8 @@ class SchedulingLoop:
                 stages=stages,
                 saves=frozenset(batch.saves),
                 evals=frozenset(batch.evals),
+                peripheral_every_steps=every_steps,
+                peripheral_every_s=every_s,
             )
             return json.dumps(spec.to_json(), separators=(",", ":"))
 
@@ -241,6 +244,14 @@ class SchedulingLoop:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Rounds on every wake-up (and at least every ``round_interval_s``) while holding the lease."""
+        wakeups = await self.coord.subscribe(CH_ROUND)  # keeps a wake-up that comes during a round
+        try:
+            await self._rounds(stop, wakeups)
+        finally:
+            await wakeups.close()
+            await asyncio.to_thread(self.coord.release_lease, self.instance_id)
+
+    async def _rounds(self, stop: asyncio.Event, wakeups: Subscription) -> None:
         s = self.settings
         while not stop.is_set():
             leader = await asyncio.to_thread(self.coord.acquire_lease, self.instance_id, s.lease_ttl_s)
@@ -256,8 +267,7 @@ class SchedulingLoop:
                     log.info("round", extra={"dispatched": len(report.dispatched), "pending": report.pending})
             except Exception:
                 log.exception("scheduling round failed; retrying on the next wake-up")
-            await self.coord.wait(CH_ROUND, min(s.round_interval_s, s.lease_ttl_s / 3))
-        await asyncio.to_thread(self.coord.release_lease, self.instance_id)
+            await wakeups.wait(min(s.round_interval_s, s.lease_ttl_s / 3))
 
 
 @contextlib.contextmanager

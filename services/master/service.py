@@ -21,7 +21,15 @@ from stagetree.core.searchplan import check_step
 from stagetree.master.auth import Principal
 from stagetree.master.plans import PlanCache, config_text
 from stagetree.master.settings import LimitSettings
-from stagetree.master.store.store import Assignment, NewRequest, RequestRecord, SlotInfo, SqlStore, StudyRecord
+from stagetree.master.store.store import (
+    Assignment,
+    NewRequest,
+    NodeManagerRecord,
+    RequestRecord,
+    SlotInfo,
+    SqlStore,
+    StudyRecord,
+)
 
 log = logging.getLogger(__name__)
 
@@ -283,6 +291,11 @@ class MasterService:
         self.store.register_node_manager(nm_id, address, slots)
         log.info("node manager registered", extra={"node_manager_id": nm_id, "slots": len(slots)})
         self.wakeups.notify(CH_ROUND)
+
+    def list_node_managers(self, who: Principal) -> list[NodeManagerRecord]:
+        """Every registered node manager with its slots and liveness (admin only)."""
+        who.require_admin()
+        return self.store.node_managers()
 
     def heartbeat(self, who: Principal, nm_id: str) -> None:
         who.require_admin()

@@ -32,6 +32,10 @@ class SchedulingSettings(BaseModel):
     max_attempts: int = Field(default=3, ge=1)  # failed attempts of a request's work before it fails
     # bytes all checkpoints may hold; over it the master evicts by cost-benefit (core.cache). None: no limit
     checkpoint_budget_bytes: int | None = Field(default=None, ge=0)
+    # peripheral checkpoints inside a batch, so work lost with a node manager restarts near where it
+    # stopped: every this many steps and/or seconds (0: off). Central ones (branch points) are always saved.
+    peripheral_every_steps: int = Field(default=0, ge=0)
+    peripheral_every_s: float = Field(default=60.0, ge=0)
 
 
 class MasterSettings(BaseSettings):

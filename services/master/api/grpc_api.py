@@ -16,7 +16,7 @@ import grpc
 
 from stagetree.core.errors import InvalidArgument, StagetreeError
 from stagetree.master.auth import Authenticator, Principal, bearer
-from stagetree.master.coordination import Coordination
+from stagetree.master.coordination import Coordination, Subscription
 from stagetree.master.errors import status_of
 from stagetree.master.service import (
     CH_RESULTS,
@@ -142,17 +142,52 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
             missing = wanted - {r.id for r in known}
             if missing:
                 raise InvalidArgument(f"request_ids: {sorted(missing)[:10]} are not requests of this study")
-            while wanted:
-                recs = await asyncio.to_thread(self.svc.finished, who, request.study_id, sorted(wanted))
-                for r in recs:
-                    wanted.discard(r.id)
-                    yield result_pb(r)
-                if wanted:
-                    await self.coord.wait(CH_RESULTS, POLL_S)
+            wakeups = await self.coord.subscribe(CH_RESULTS)  # before the first look: none is missed
+            try:
+                while wanted:
+                    recs = await asyncio.to_thread(self.svc.finished, who, request.study_id, sorted(wanted))
+                    for r in recs:
+                        wanted.discard(r.id)
+                        yield result_pb(r)
+                    if wanted:
+                        await wakeups.wait(POLL_S)
+            finally:
+                await wakeups.close()
         except Exception as exc:
             await self._abort(context, exc)
 
+    async def ListRequests(self, request: pb.ListRequestsRequest, context: Any) -> pb.ListRequestsResponse:
+        ids = sorted(set(request.request_ids)) or None
+        recs = await self._call(context, lambda who: self.svc.get_requests(who, request.study_id, ids))
+        return pb.ListRequestsResponse(results=[result_pb(r) for r in recs])
+
     # -- node managers --------------------------------------------------------------------------
+
+    async def ListNodeManagers(self, request: pb.ListNodeManagersRequest, context: Any) -> pb.ListNodeManagersResponse:
+        recs = await self._call(context, self.svc.list_node_managers)
+        return pb.ListNodeManagersResponse(
+            node_managers=[
+                pb.NodeManager(
+                    node_manager_id=n.id,
+                    address=n.address,
+                    state=n.state,
+                    last_heartbeat=n.last_heartbeat,
+                    slots=[
+                        pb.Slot(
+                            id=s.id,
+                            gpu_type=s.gpu_type,
+                            memory_bytes=s.memory_bytes,
+                            compute_capability=s.compute_capability,
+                            share=s.share,
+                            cpu_cores=s.cpu_cores,
+                            gpu_index=s.gpu_index,
+                        )
+                        for s in n.slot_infos
+                    ],
+                )
+                for n in recs
+            ]
+        )
 
     async def RegisterNodeManager(
         self, request: pb.RegisterNodeManagerRequest, context: Any
@@ -194,22 +229,31 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
         try:
             who = self._who(context)
             who.require_admin()
-            while True:
-                for a in await asyncio.to_thread(self.svc.take_assignments, who, nm):
-                    log.info(
-                        "assignment sent",
-                        extra={"batch_id": a.batch_id, "attempt": a.attempt, "kind": a.kind, "node_manager_id": nm},
-                    )
-                    yield pb.Assignment(
-                        batch_id=a.batch_id,
-                        attempt=a.attempt,
-                        batch_spec_json=a.spec_json,
-                        kind=a.kind,  # the enum value's name
-                        checkpoint_uris=a.checkpoint_uris,
-                    )
-                await self.coord.wait(ch_node_manager(nm), POLL_S)
+            wakeups = await self.coord.subscribe(ch_node_manager(nm))
+            try:
+                async for a in self._assignments(who, nm, wakeups):
+                    yield a
+            finally:
+                await wakeups.close()
         except Exception as exc:
             await self._abort(context, exc)
+
+    async def _assignments(self, who: Principal, nm: str, wakeups: Subscription) -> AsyncIterator[pb.Assignment]:
+        while True:
+            for a in await asyncio.to_thread(self.svc.take_assignments, who, nm):
+                log.info(
+                    "assignment sent",
+                    extra={"batch_id": a.batch_id, "attempt": a.attempt, "kind": a.kind, "node_manager_id": nm},
+                )
+                yield pb.Assignment(
+                    batch_id=a.batch_id,
+                    attempt=a.attempt,
+                    batch_spec_json=a.spec_json,
+                    kind=a.kind,  # the enum value's name
+                    checkpoint_uris=a.checkpoint_uris,
+                    slot_id=a.slot_id,
+                )
+            await wakeups.wait(POLL_S)
 
     async def ReportBatch(self, request: pb.ReportBatchRequest, context: Any) -> pb.ReportBatchResponse:
         metrics = [MetricReport(m.node, m.step, dict(m.values)) for m in request.metrics]

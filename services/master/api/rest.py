@@ -209,7 +209,6 @@ def create_rest_app(master: MasterApp) -> FastAPI:
 
     @api.get(f"{PREFIX}/nodes")
     def list_nodes(who: Who) -> list[dict[str, Any]]:
-        who.require_admin()
         return [
             {
                 "node_manager_id": n.id,
@@ -218,7 +217,7 @@ def create_rest_app(master: MasterApp) -> FastAPI:
                 "last_heartbeat": n.last_heartbeat,
                 "slots": [dataclasses.asdict(i) for i in n.slot_infos],
             }
-            for n in master.store.node_managers()
+            for n in svc.list_node_managers(who)
         ]
 
     return api

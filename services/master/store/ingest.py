@@ -35,7 +35,7 @@ columns cannot hold) are logged, counted as ``rejected`` and still marked applie
 not log them again.
 
 Non-finite metric values (a diverged loss) are stored as the strings ``"NaN"``, ``"Infinity"`` and
-``"-Infinity"``: Postgres's JSON type refuses the bare tokens. :func:`metric_value` reads them back.
+``"-Infinity"``: Postgres's JSON type refuses the bare tokens. :func:`store.metric_value` reads them back.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -75,6 +74,7 @@ from stagetree.master.store.store import (
     RUNNING,
     SCHED,
     SqlStore,
+    json_safe_metrics,
 )
 
 log = logging.getLogger(__name__)
@@ -128,25 +128,11 @@ class IngestResult:
             getattr(self, name).extend(getattr(other, name))
 
 
-def metric_value(v: float | str) -> float:
-    """A stored metric value as a float (non-finite values are stored as strings, see the module doc)."""
-    return float(v)
-
-
-def _json_safe(values: dict[str, float]) -> dict[str, float | str]:
-    if all(math.isfinite(v) for v in values.values()):
-        return values
-    return {
-        k: v if math.isfinite(v) else ("NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity"))
-        for k, v in values.items()
-    }
-
-
 def _json_text(values: dict[str, float]) -> str:
     try:
         return _JSON.encode(values)
     except ValueError:  # a non-finite value: rare, so checked only when the fast path refuses
-        return _JSON.encode(_json_safe(values))
+        return _JSON.encode(json_safe_metrics(values))
 
 
 def _copy_escape(text: str) -> str:
@@ -290,7 +276,7 @@ class Ingestor:
             params = [dict(zip(columns, r, strict=True)) for r in rows]
             for d in params:
                 for i in json_cols:
-                    d[columns[i]] = _json_safe(d[columns[i]])
+                    d[columns[i]] = json_safe_metrics(d[columns[i]])
             if returning is None:
                 for part in _chunks(params, self.chunk):
                     s.execute(stmt, part)

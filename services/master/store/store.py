@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import time
 import uuid
@@ -145,6 +146,7 @@ class Assignment:
     spec_json: str
     kind: str = RUN
     checkpoint_uris: tuple[str, ...] = ()
+    slot_id: str = ""  # RUN: the slot the master placed the batch on
 
 
 def make_engine(url: str, *, pool_size: int = 10) -> Engine:
@@ -471,7 +473,7 @@ class SqlStore:
                     tuple_(m.Metric.node_id, m.Metric.step).in_(chunk)
                 )
             ).all()
-            out.update({(int(n), int(st)): dict(v) for n, st, v in rows})
+            out.update({(int(n), int(st)): {k: metric_value(x) for k, x in v.items()} for n, st, v in rows})
         return out
 
     def get_requests(self, study_id: str, request_ids: Sequence[int] | None = None) -> list[RequestRecord]:
@@ -518,7 +520,7 @@ class SqlStore:
         with self._tx("record metrics") as s:
             s.execute(
                 self._insert(m.Metric.__table__)
-                .values(node_id=node, step=step, values=values, recorded_at=now)
+                .values(node_id=node, step=step, values=json_safe_metrics(values), recorded_at=now)
                 .on_conflict_do_nothing(index_elements=["node_id", "step"])
             )
             ids = s.scalars(
@@ -768,7 +770,7 @@ class SqlStore:
         out: list[Assignment] = []
         with self._tx("take assignments") as s:
             rows = s.execute(
-                select(m.BatchAttempt.batch_id, m.BatchAttempt.attempt, m.Batch.spec_json)
+                select(m.BatchAttempt.batch_id, m.BatchAttempt.attempt, m.Batch.spec_json, m.BatchAttempt.slot_id)
                 .join(m.Batch, m.Batch.id == m.BatchAttempt.batch_id)
                 .where(
                     m.BatchAttempt.node_manager_id == nm_id,
@@ -777,7 +779,7 @@ class SqlStore:
                 )
                 .order_by(m.BatchAttempt.batch_id)
             ).all()
-            for bid, att, spec in rows:
+            for bid, att, spec, slot in rows:
                 res = s.execute(
                     update(m.BatchAttempt)
                     .where(
@@ -788,7 +790,7 @@ class SqlStore:
                     .values(sent_at=now)
                 )
                 if res.rowcount == 1:  # type: ignore[attr-defined]
-                    out.append(Assignment(int(bid), int(att), spec))
+                    out.append(Assignment(int(bid), int(att), spec, slot_id=slot or ""))
             actions = s.scalars(
                 select(m.NodeManagerAction)
                 .where(m.NodeManagerAction.node_manager_id == nm_id, m.NodeManagerAction.sent_at.is_(None))
@@ -984,6 +986,22 @@ def _request_record(r: m.Request) -> RequestRecord:
         None,
         r.error if r.state == REQUEST_FAILED else None,
     )
+
+
+def metric_value(v: float | str) -> float:
+    """A stored metric value as a float: non-finite values (a diverged loss) are stored as the strings
+    ``"NaN"``, ``"Infinity"`` and ``"-Infinity"``, since Postgres's JSON type refuses the bare tokens."""
+    return float(v)
+
+
+def json_safe_metrics(values: dict[str, float]) -> dict[str, float | str]:
+    """``values`` with each non-finite value as the string :func:`metric_value` reads back."""
+    if all(math.isfinite(v) for v in values.values()):
+        return values  # type: ignore[return-value]
+    return {
+        k: v if math.isfinite(v) else ("NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity"))
+        for k, v in values.items()
+    }
 
 
 def _with_metrics(r: RequestRecord, metrics: dict[str, float] | None) -> RequestRecord:

@@ -8,8 +8,8 @@ import threading
 
 from stagetree.bus.messages import CheckpointSaved, Message, Metrics
 from stagetree.master.store import store as st
-from stagetree.master.store.ingest import Ingestor, IngestResult, metric_value
-from stagetree.master.store.store import SqlStore
+from stagetree.master.store.ingest import Ingestor, IngestResult
+from stagetree.master.store.store import SqlStore, metric_value
 from tests.unit.aggregator.helpers import applied_count, make_world
 
 

@@ -53,3 +53,21 @@ async def test_wait_is_woken_by_notify_and_times_out_otherwise(coord: Coordinati
     assert await waiter
     assert time.monotonic() - t0 < 2
     assert not await coord.wait("other", 0.05)
+
+
+async def test_a_subscription_keeps_a_notify_that_comes_while_nobody_waits(coord: Coordination) -> None:
+    # a round loop is busy when the wake-up comes: its next wait must return at once, not time out
+    sub = await coord.subscribe("busy")
+    try:
+        assert not await sub.wait(0.05)
+        await asyncio.to_thread(coord.notify, "busy")
+        await asyncio.to_thread(coord.notify, "busy")
+        await asyncio.sleep(0.05)  # the notifies land while nobody waits
+        t0 = time.monotonic()
+        assert await sub.wait(5)
+        assert time.monotonic() - t0 < 1
+        assert not await sub.wait(0.05)  # the two coalesced into one wake-up
+        assert not await coord.wait("busy", 0.01)  # a one-off wait does not see old notifies
+    finally:
+        await sub.close()
+    await asyncio.to_thread(coord.notify, "busy")  # closed: nothing left to wake, nothing raises

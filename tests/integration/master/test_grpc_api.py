@@ -133,6 +133,7 @@ async def test_node_manager_flow_completes_results(stub: pb_grpc.MasterServiceSt
     got = await asyncio.wait_for(assignments.read(), 10)
     spec = BatchSpec.from_json(json.loads(got.batch_spec_json))
     assert (spec.batch_id, spec.attempt) == (got.batch_id, 1)
+    assert got.slot_id == "g0"  # the slot the round placed it on
     assert spec.steps == 10 and spec.source.uri is None
     end = spec.end
     assignments.cancel()
@@ -166,6 +167,20 @@ async def test_node_manager_flow_completes_results(stub: pb_grpc.MasterServiceSt
     plan = await stub.GetPlan(pb.GetPlanRequest(study_id=s.id), metadata=ALICE)
     assert [n.checkpoint_steps for n in plan.nodes] == [[10]]
     assert plan.nodes[0].requests["DONE"] == 2
+
+    listed = await stub.ListRequests(pb.ListRequestsRequest(study_id=s.id), metadata=ALICE)
+    assert [(r.client_request_id, r.state) for r in listed.results] == [("a", pb.DONE), ("b", pb.DONE)]
+    one = await stub.ListRequests(pb.ListRequestsRequest(study_id=s.id, request_ids=[rid]), metadata=ALICE)
+    assert [r.request_id for r in one.results] == [rid] and dict(one.results[0].metrics) == {"loss": 0.25}
+    assert (
+        await _code(stub.ListRequests(pb.ListRequestsRequest(study_id=s.id), metadata=BOB)) == grpc.StatusCode.NOT_FOUND
+    )
+
+    nms = await stub.ListNodeManagers(pb.ListNodeManagersRequest(), metadata=ADMIN)
+    (mine,) = [n for n in nms.node_managers if n.node_manager_id == nm]
+    assert mine.state == "ALIVE" and [(x.id, x.gpu_type, x.gpu_index) for x in mine.slots] == [("g0", "cpu", -1)]
+    call = stub.ListNodeManagers(pb.ListNodeManagersRequest(), metadata=ALICE)
+    assert await _code(call) == grpc.StatusCode.PERMISSION_DENIED
 
 
 async def test_cancel_a_pending_request(stub: pb_grpc.MasterServiceStub) -> None:

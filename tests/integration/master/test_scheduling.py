@@ -46,6 +46,8 @@ def test_round_fills_free_slots_and_never_sends_an_attempt_twice(app: MasterApp)
     assert app.service.take_assignments(ADMIN, nm) == []
     specs = [BatchSpec.from_json(json.loads(a.spec_json)) for a in sent]
     assert {s.steps for s in specs} == {10}
+    assert {(s.peripheral_every_steps, s.peripheral_every_s) for s in specs} == {(0, 60.0)}  # the defaults
+    assert {a.slot_id for a in sent} == {"g0", "g1"}  # each batch names the slot it was placed on
     app.service.report_batch(ADMIN, specs[0].batch_id, 1, ok=True, metrics=[])
     assert len(app.scheduler.run_round().dispatched) == 1  # the freed slot takes the queued batch
 

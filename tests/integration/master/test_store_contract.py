@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from sqlalchemy import create_engine
 
@@ -69,6 +71,18 @@ def test_metrics_complete_waiting_requests(store: SqlStore) -> None:
     assert store.record_metrics(pid, node, 7, {"acc": 0.9}) == [r.id]
     (done,) = store.done_since(study.id, [r.id])
     assert done.state == st.DONE and done.metrics == {"acc": 0.9}
+
+
+def test_non_finite_metrics_are_stored_and_read_back_as_floats(store: SqlStore) -> None:
+    # a diverged trial: Postgres's JSON type refuses the bare NaN / Infinity tokens
+    pid, node = _plan_with_node(store)
+    study = store.create_study(unique("o"), "s", None)
+    (r,) = store.add_requests(study.id, pid, [NewRequest("a", node, 3)])
+    assert store.record_metrics(pid, node, 3, {"loss": math.nan, "gn": math.inf, "acc": 0.1}) == [r.id]
+    got = store.metrics_at(node, 3)
+    assert got is not None and math.isnan(got["loss"]) and got["gn"] == math.inf and got["acc"] == 0.1
+    (done,) = store.get_requests(study.id, [r.id])
+    assert math.isnan(done.metrics["loss"]) and all(isinstance(v, float) for v in done.metrics.values())
 
 
 def test_cancel_not_sched_and_sched(store: SqlStore) -> None:

@@ -15,8 +15,8 @@ from stagetree.master.auth import Principal
 from stagetree.master.service import CheckpointReport, MasterService, MetricReport
 from stagetree.master.settings import LimitSettings
 from stagetree.master.store import store as st
-from stagetree.master.store.ingest import Ingestor, metric_value
-from stagetree.master.store.store import SqlStore, make_engine
+from stagetree.master.store.ingest import Ingestor
+from stagetree.master.store.store import SqlStore, make_engine, metric_value
 from tests.unit.aggregator.helpers import BRANCH, World, applied_count, make_world
 
 

@@ -137,6 +137,20 @@ class StreamResultsRequest(_message.Message):
     request_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, study_id: _Optional[str] = ..., request_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class ListRequestsRequest(_message.Message):
+    __slots__ = ("study_id", "request_ids")
+    STUDY_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    study_id: str
+    request_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, study_id: _Optional[str] = ..., request_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ListRequestsResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[RequestResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[RequestResult, _Mapping]]] = ...) -> None: ...
+
 class GetMetricsRequest(_message.Message):
     __slots__ = ("study_id", "config_json", "step")
     STUDY_ID_FIELD_NUMBER: _ClassVar[int]
@@ -260,18 +274,20 @@ class StreamAssignmentsRequest(_message.Message):
     def __init__(self, node_manager_id: _Optional[str] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("batch_id", "attempt", "batch_spec_json", "kind", "checkpoint_uris")
+    __slots__ = ("batch_id", "attempt", "batch_spec_json", "kind", "checkpoint_uris", "slot_id")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     BATCH_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_URIS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_ID_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     attempt: int
     batch_spec_json: str
     kind: AssignmentKind
     checkpoint_uris: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, batch_id: _Optional[int] = ..., attempt: _Optional[int] = ..., batch_spec_json: _Optional[str] = ..., kind: _Optional[_Union[AssignmentKind, str]] = ..., checkpoint_uris: _Optional[_Iterable[str]] = ...) -> None: ...
+    slot_id: str
+    def __init__(self, batch_id: _Optional[int] = ..., attempt: _Optional[int] = ..., batch_spec_json: _Optional[str] = ..., kind: _Optional[_Union[AssignmentKind, str]] = ..., checkpoint_uris: _Optional[_Iterable[str]] = ..., slot_id: _Optional[str] = ...) -> None: ...
 
 class MetricPoint(_message.Message):
     __slots__ = ("node", "step", "values")
@@ -329,3 +345,27 @@ class ReportBatchResponse(_message.Message):
     COMPLETED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     completed_request_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, completed_request_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ListNodeManagersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeManager(_message.Message):
+    __slots__ = ("node_manager_id", "address", "state", "last_heartbeat", "slots")
+    NODE_MANAGER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    node_manager_id: str
+    address: str
+    state: str
+    last_heartbeat: float
+    slots: _containers.RepeatedCompositeFieldContainer[Slot]
+    def __init__(self, node_manager_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_heartbeat: _Optional[float] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ...) -> None: ...
+
+class ListNodeManagersResponse(_message.Message):
+    __slots__ = ("node_managers",)
+    NODE_MANAGERS_FIELD_NUMBER: _ClassVar[int]
+    node_managers: _containers.RepeatedCompositeFieldContainer[NodeManager]
+    def __init__(self, node_managers: _Optional[_Iterable[_Union[NodeManager, _Mapping]]] = ...) -> None: ...

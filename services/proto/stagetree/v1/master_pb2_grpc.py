@@ -65,6 +65,11 @@ class MasterServiceStub:
                 request_serializer=stagetree_dot_v1_dot_master__pb2.StreamResultsRequest.SerializeToString,
                 response_deserializer=stagetree_dot_v1_dot_master__pb2.RequestResult.FromString,
                 _registered_method=True)
+        self.ListRequests = channel.unary_unary(
+                '/stagetree.v1.MasterService/ListRequests',
+                request_serializer=stagetree_dot_v1_dot_master__pb2.ListRequestsRequest.SerializeToString,
+                response_deserializer=stagetree_dot_v1_dot_master__pb2.ListRequestsResponse.FromString,
+                _registered_method=True)
         self.GetMetrics = channel.unary_unary(
                 '/stagetree.v1.MasterService/GetMetrics',
                 request_serializer=stagetree_dot_v1_dot_master__pb2.GetMetricsRequest.SerializeToString,
@@ -94,6 +99,11 @@ class MasterServiceStub:
                 '/stagetree.v1.MasterService/ReportBatch',
                 request_serializer=stagetree_dot_v1_dot_master__pb2.ReportBatchRequest.SerializeToString,
                 response_deserializer=stagetree_dot_v1_dot_master__pb2.ReportBatchResponse.FromString,
+                _registered_method=True)
+        self.ListNodeManagers = channel.unary_unary(
+                '/stagetree.v1.MasterService/ListNodeManagers',
+                request_serializer=stagetree_dot_v1_dot_master__pb2.ListNodeManagersRequest.SerializeToString,
+                response_deserializer=stagetree_dot_v1_dot_master__pb2.ListNodeManagersResponse.FromString,
                 _registered_method=True)
 
 
@@ -136,6 +146,12 @@ class MasterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRequests(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetMetrics(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -173,6 +189,13 @@ class MasterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListNodeManagers(self, request, context):
+        """admin only
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -206,6 +229,11 @@ def add_MasterServiceServicer_to_server(servicer, server):
                     request_deserializer=stagetree_dot_v1_dot_master__pb2.StreamResultsRequest.FromString,
                     response_serializer=stagetree_dot_v1_dot_master__pb2.RequestResult.SerializeToString,
             ),
+            'ListRequests': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRequests,
+                    request_deserializer=stagetree_dot_v1_dot_master__pb2.ListRequestsRequest.FromString,
+                    response_serializer=stagetree_dot_v1_dot_master__pb2.ListRequestsResponse.SerializeToString,
+            ),
             'GetMetrics': grpc.unary_unary_rpc_method_handler(
                     servicer.GetMetrics,
                     request_deserializer=stagetree_dot_v1_dot_master__pb2.GetMetricsRequest.FromString,
@@ -235,6 +263,11 @@ def add_MasterServiceServicer_to_server(servicer, server):
                     servicer.ReportBatch,
                     request_deserializer=stagetree_dot_v1_dot_master__pb2.ReportBatchRequest.FromString,
                     response_serializer=stagetree_dot_v1_dot_master__pb2.ReportBatchResponse.SerializeToString,
+            ),
+            'ListNodeManagers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListNodeManagers,
+                    request_deserializer=stagetree_dot_v1_dot_master__pb2.ListNodeManagersRequest.FromString,
+                    response_serializer=stagetree_dot_v1_dot_master__pb2.ListNodeManagersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -410,6 +443,33 @@ class MasterService:
             _registered_method=True)
 
     @staticmethod
+    def ListRequests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagetree.v1.MasterService/ListRequests',
+            stagetree_dot_v1_dot_master__pb2.ListRequestsRequest.SerializeToString,
+            stagetree_dot_v1_dot_master__pb2.ListRequestsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def GetMetrics(request,
             target,
             options=(),
@@ -561,6 +621,33 @@ class MasterService:
             '/stagetree.v1.MasterService/ReportBatch',
             stagetree_dot_v1_dot_master__pb2.ReportBatchRequest.SerializeToString,
             stagetree_dot_v1_dot_master__pb2.ReportBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListNodeManagers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagetree.v1.MasterService/ListNodeManagers',
+            stagetree_dot_v1_dot_master__pb2.ListNodeManagersRequest.SerializeToString,
+            stagetree_dot_v1_dot_master__pb2.ListNodeManagersResponse.FromString,
             options,
             channel_credentials,
             insecure,
