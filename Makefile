@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: venv install test lint typecheck unit services proto demo clean
+.PHONY: venv install test lint typecheck unit services proto demo cluster clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -42,6 +42,11 @@ proto: $(STAMP)
 # A real study end to end in embedded mode (no servers): SHA over 27 schedules of an MLP on digits.
 demo: $(STAMP)
 	$(BIN)/python examples/digits_sha.py
+
+# The cluster mode as local processes (master, two aggregators, two node managers, a Tansu broker)
+# against the local Postgres and Redis; Ctrl-C stops it.
+cluster: $(STAMP) services
+	$(BIN)/stagetree cluster up
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

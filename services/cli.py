@@ -18,6 +18,7 @@ GROUPS: dict[str, tuple[str, bool, str]] = {
     "study": ("stagetree.client.cli", True, "studies: list | show | best"),
     "plan": ("stagetree.client.cli", True, "plan show: the stage tree as text"),
     "nodes": ("stagetree.client.cli", True, "node managers and their slots"),
+    "cluster": ("stagetree.cluster", False, "cluster up: master, aggregators, node managers as local processes"),
 }
 
 

@@ -162,6 +162,9 @@ class Embedded:
         self.node_manager = build_node_manager(nm_settings, bus=bus)
         self._tasks.append(asyncio.create_task(self.node_manager.run(self._stop), name="stagetree-node-manager"))
         await self._wait_registered()
+        # and its workers ready to start (the fork server's imports take seconds): startup, not the
+        # first study, pays for them
+        await asyncio.wait_for(self.node_manager.workers_ready(), 120)
         log.info("embedded stagetree up", extra={"target": self.target, "home": str(s.home)})
         return self
 

@@ -35,6 +35,7 @@ import logging
 import math
 import os
 import re
+import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Mapping
@@ -157,11 +158,15 @@ class StudyInfo:
     owner: str
     fixed: FixedPart | None
     created_at: float
+    policies: dict[str, Any] | None = None  # the scheduling policies it chose (stagetree.master.policies)
 
 
 def _study_info(s: pb.Study) -> StudyInfo:
-    fixed = FixedPart.from_json(json.loads(s.fixed_json)) if s.fixed_json else None
-    return StudyInfo(s.id, s.name, s.owner, fixed, s.created_at)
+    if not s.fixed_json:
+        return StudyInfo(s.id, s.name, s.owner, None, s.created_at)
+    obj = json.loads(s.fixed_json)
+    policies = obj.pop("policies", None) if isinstance(obj, dict) else None
+    return StudyInfo(s.id, s.name, s.owner, FixedPart.from_json(obj), s.created_at, policies)
 
 
 def _state_name(value: int) -> str:
@@ -227,7 +232,8 @@ class Evaluation:
                 EvalFailed(f"eval at step {self.step} failed: {res.error or 'no reason given'}; see the node log")
             )
         else:
-            self._future.set_exception(EvalCancelled(f"request {r.request_id} was cancelled"))
+            why = f": {res.error}" if res.error else ""  # e.g. a search policy killed the trial
+            self._future.set_exception(EvalCancelled(f"request {r.request_id} was cancelled{why}"))
         return res
 
     def _fail(self, exc: BaseException) -> None:
@@ -251,7 +257,9 @@ class Client:
     ``window_s``: how long a batch of evals is collected after the tick that opened it; ``max_batch``:
     the most items per ``SubmitRequests`` (lowered automatically when the master says its limit is
     smaller); ``retries``: attempts of an idempotent call that fails with a retriable error;
-    ``timeout_s``: the deadline of each unary call.
+    ``timeout_s``: the deadline of each unary call; ``reconnect_s``: once the master has answered, how
+    long an idempotent call or a result stream keeps retrying past ``retries`` while it is unavailable
+    (a master restart), with backoff capped at 2 s. A master that never answered fails after ``retries``.
     """
 
     def __init__(
@@ -263,6 +271,7 @@ class Client:
         max_batch: int = 1000,
         retries: int = 6,
         timeout_s: float = 60.0,
+        reconnect_s: float = 120.0,
         channel: grpc.aio.Channel | None = None,
     ) -> None:
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
@@ -274,11 +283,20 @@ class Client:
         self.max_batch = max_batch
         self.retries = max(1, int(retries))
         self.timeout_s = timeout_s
+        self.reconnect_s = float(reconnect_s)
+        self.reached = False  # the master answered once: Unavailable from now on is a restart, waited for
         self.rpcs: Counter[str] = Counter()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._channel = channel or grpc.aio.insecure_channel(
             target,
-            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
+            options=[
+                ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.max_send_message_length", 64 << 20),
+                # reconnect soon after a master restart (the default backoff grows to minutes)
+                ("grpc.initial_reconnect_backoff_ms", 200),
+                ("grpc.min_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 2000),
+            ],
         )
         self.stub = pb_grpc.MasterServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._studies: list[Study] = []
@@ -339,18 +357,28 @@ class Client:
             raise FailedPrecondition(f"{method}: the client is closed; open a new one with stagetree.connect()")
         fn = getattr(self.stub, method)
         attempts = self.retries if idempotent else 1
-        for i in range(attempts):
+        first_failure = 0.0
+        i = 0
+        while True:
             self.rpcs[method] += 1
             try:
-                return await fn(request, metadata=self._metadata, timeout=self.timeout_s)
+                resp = await fn(request, metadata=self._metadata, timeout=self.timeout_s)
+                self.reached = True
+                return resp
             except grpc.RpcError as exc:
                 err = error_of(exc, method, self.target)
-                if not err.retriable or i == attempts - 1:
+                first_failure = first_failure or time.monotonic()
+                i += 1
+                if not err.retriable or (i >= attempts and not (idempotent and self.waits_for(err, first_failure))):
                     raise err from exc
                 delay = min(2.0, 0.05 * 2**i)
-                log.info("retrying %s after %s", method, type(err).__name__, extra={"attempt": i + 1})
+                log.info("retrying %s after %s", method, type(err).__name__, extra={"attempt": i})
                 await asyncio.sleep(delay)
-        raise AssertionError("unreachable")
+
+    def waits_for(self, err: StagetreeError, first_failure: float) -> bool:
+        """Past its retries, whether a call failing since ``first_failure`` (``time.monotonic``) keeps
+        trying: only while the master is unavailable after having answered, up to ``reconnect_s``."""
+        return isinstance(err, Unavailable) and self.reached and time.monotonic() - first_failure < self.reconnect_s
 
     def stream(self, method: str, request: Any) -> Any:
         """Start one server-streaming RPC, counted; iterate the returned call."""
@@ -368,6 +396,7 @@ def connect(
     max_batch: int = 1000,
     retries: int = 6,
     timeout_s: float = 60.0,
+    reconnect_s: float = 120.0,
 ) -> Client:
     """A client for the master's gRPC API at ``url`` (``host:port`` or ``grpc://host:port``; default
     ``$STAGETREE_MASTER`` or ``127.0.0.1:50051``), authenticated by ``token`` (default ``$STAGETREE_TOKEN``).
@@ -377,7 +406,15 @@ def connect(
     target = parse_target(url if url is not None else os.environ.get(ENV_TARGET, DEFAULT_TARGET))
     if token is None:
         token = os.environ.get(ENV_TOKEN) or None
-    return Client(target, token, window_s=window_s, max_batch=max_batch, retries=retries, timeout_s=timeout_s)
+    return Client(
+        target,
+        token,
+        window_s=window_s,
+        max_batch=max_batch,
+        retries=retries,
+        timeout_s=timeout_s,
+        reconnect_s=reconnect_s,
+    )
 
 
 def parse_target(url: str) -> str:
@@ -466,10 +503,13 @@ class Study:
         seed: int = 0,
         values: Mapping[str, Any] | None = None,
         tuned: Iterable[str],
+        policies: Mapping[str, Any] | None = None,
     ) -> Study:
         """Create a study named ``name`` (unique per owner). ``trainer`` is the entry point of the user's
         ``Trainer`` (``"package.module:Class"``); ``values`` are fixed hyper-parameters; ``tuned`` names
-        the hyper-parameters every eval gives a sequence for."""
+        the hyper-parameters every eval gives a sequence for; ``policies`` picks scheduling policies by
+        name (``{"time_share": "hermes", "placement": "wfd", "qos": "urgent", ...}``: see
+        ``stagetree.master.policies``), validated by the master."""
         names = _check_tuned(tuned)
         if not isinstance(name, str) or not name.strip():
             raise InvalidArgument(f"name: must be a non-empty string, got {name!r}")
@@ -477,7 +517,10 @@ class Study:
         clash = sorted(set(fixed.values) & set(names or ()))
         if clash:
             raise InvalidArgument(f"{clash} are both fixed values and tuned; a hyper-parameter is one or the other")
-        req = pb.CreateStudyRequest(name=name, fixed_json=json.dumps(fixed.to_json(), sort_keys=True))
+        fixed_obj = fixed.to_json()
+        if policies is not None:
+            fixed_obj["policies"] = dict(policies)
+        req = pb.CreateStudyRequest(name=name, fixed_json=json.dumps(fixed_obj, sort_keys=True))
         return cls(client, _study_info(await client.call("CreateStudy", req, idempotent=False)), names)
 
     @classmethod
@@ -710,6 +753,7 @@ class Study:
     async def _watch(self) -> None:
         """Follow the outstanding requests on one ``StreamResults`` until each finished."""
         attempt = 0
+        first_failure = 0.0  # of the current run of failures (time.monotonic)
         while self._by_request and not self.client._closed:
             ids = sorted(self._by_request)
             call = self.client.stream("StreamResults", pb.StreamResultsRequest(study_id=self.id, request_ids=ids))
@@ -717,7 +761,8 @@ class Study:
             try:
                 async for r in call:
                     self._deliver(r)
-                    attempt = 0
+                    attempt, first_failure = 0, 0.0
+                    self.client.reached = True
                 if any(rid in self._by_request for rid in ids):  # ended early: reopen, but not in a busy loop
                     attempt += 1
                     await asyncio.sleep(min(2.0, 0.05 * 2**attempt))
@@ -734,7 +779,10 @@ class Study:
                     continue
                 err = error_of(exc, "StreamResults", self.client.target)
                 attempt += 1
-                if not err.retriable or attempt >= self.client.retries:
+                first_failure = first_failure or time.monotonic()
+                if not err.retriable or (
+                    attempt >= self.client.retries and not self.client.waits_for(err, first_failure)
+                ):
                     for rid in ids:
                         e = self._by_request.pop(rid, None)
                         if e is not None:

@@ -19,8 +19,10 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
+
+from stagetree.core.errors import Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +177,12 @@ return 0
 
 
 class RedisCoordination:
-    """Cluster mode: Redis keys under ``prefix`` (connects lazily, on first use)."""
+    """Cluster mode: Redis keys under ``prefix`` (connects lazily, on first use).
+
+    Redis going away (restarted, unreachable) must not stop a master or an aggregator: ``notify`` only
+    logs (a wake-up is a hint, every waiter also polls), a subscription's ``wait`` reconnects and
+    reports a wake-up (so its loop re-checks the state), and the calls whose answer matters
+    (``heartbeat``, ``alive``, the lease) raise the core's retriable ``Unavailable``."""
 
     def __init__(self, url: str, prefix: str = "stagetree") -> None:
         import redis
@@ -189,57 +196,56 @@ class RedisCoordination:
     def _k(self, *parts: str) -> str:
         return ":".join((self._prefix, *parts))
 
+    @contextlib.contextmanager
+    def _unavailable(self, what: str) -> Iterator[None]:
+        import redis
+
+        try:
+            yield
+        except redis.RedisError as e:
+            raise Unavailable(f"{what}: Redis at {self._url} is unavailable ({e}); it is retried") from e
+
     def notify(self, channel: str) -> None:
-        self._redis.publish(self._k("wake", channel), b"1")
+        import redis
+
+        try:
+            self._redis.publish(self._k("wake", channel), b"1")
+        except redis.RedisError as e:  # a lost hint: every waiter also re-checks on a timer
+            log.warning("wake-up not published: Redis unavailable (%s)", e, extra={"channel": channel})
 
     async def wait(self, channel: str, timeout: float) -> bool:
-        import redis.asyncio as aredis
-
-        client = aredis.Redis.from_url(self._url)
+        sub = await self.subscribe(channel)
         try:
-            async with client.pubsub() as ps:
-                await ps.subscribe(self._k("wake", channel))
-                deadline = time.monotonic() + timeout
-                while True:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        return False
-                    msg = await ps.get_message(ignore_subscribe_messages=True, timeout=left)
-                    if msg is not None:
-                        return True
+            return await sub.wait(timeout)
         finally:
-            await client.aclose()
+            await sub.close()
 
     async def subscribe(self, channel: str) -> Subscription:
-        import redis.asyncio as aredis
-
-        client = aredis.Redis.from_url(self._url)
-        ps = client.pubsub()
-        try:
-            await ps.subscribe(self._k("wake", channel))
-        except BaseException:
-            await ps.aclose()
-            await client.aclose()
-            raise
-        return _RedisSubscription(client, ps)
+        sub = _RedisSubscription(self._url, self._k("wake", channel))
+        await sub.connect()  # best effort: a Redis that is down now is retried by wait
+        return sub
 
     def heartbeat(self, node_manager_id: str, ttl_s: float) -> None:
-        self._redis.set(self._k("nm", node_manager_id), b"1", px=max(1, int(ttl_s * 1000)))
+        with self._unavailable("heartbeat"):
+            self._redis.set(self._k("nm", node_manager_id), b"1", px=max(1, int(ttl_s * 1000)))
 
     def alive(self, node_manager_ids: Iterable[str]) -> set[str]:
         ids = list(node_manager_ids)
         if not ids:
             return set()
-        pipe = self._redis.pipeline()
-        for n in ids:
-            pipe.exists(self._k("nm", n))
-        return {n for n, found in zip(ids, pipe.execute(), strict=True) if found}
+        with self._unavailable("liveness"):
+            pipe = self._redis.pipeline()
+            for n in ids:
+                pipe.exists(self._k("nm", n))
+            return {n for n, found in zip(ids, pipe.execute(), strict=True) if found}
 
     def acquire_lease(self, holder: str, ttl_s: float) -> bool:
-        return bool(self._renew(keys=[self._k("leader")], args=[holder, max(1, int(ttl_s * 1000))]))
+        with self._unavailable("leader lease"):
+            return bool(self._renew(keys=[self._k("leader")], args=[holder, max(1, int(ttl_s * 1000))]))
 
     def release_lease(self, holder: str) -> None:
-        self._release(keys=[self._k("leader")], args=[holder])
+        with self._unavailable("leader lease"):
+            self._release(keys=[self._k("leader")], args=[holder])
 
     def close(self) -> None:
         self._redis.close()
@@ -247,25 +253,77 @@ class RedisCoordination:
 
 class _RedisSubscription:
     """One pub/sub connection kept open: a message published while nobody waits stays in the socket
-    until the next ``wait`` reads it (and any others behind it: wake-ups coalesce)."""
+    until the next ``wait`` reads it (and any others behind it: wake-ups coalesce).
 
-    def __init__(self, client: Any, pubsub: Any) -> None:
-        self._client, self._ps = client, pubsub
+    When the connection breaks (Redis restarted), ``wait`` reports a wake-up, since notifies may have
+    been lost, and subscribes again on its next call; while Redis stays away it waits out its timeout
+    between tries, so its loop falls back to polling."""
 
-    async def wait(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        woken = False
-        while not woken:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            woken = await self._ps.get_message(ignore_subscribe_messages=True, timeout=left) is not None
-        while await self._ps.get_message(ignore_subscribe_messages=True, timeout=0) is not None:
-            pass  # the wake-ups behind this one ask for the same re-check
+    RETRY_S = 0.5
+
+    def __init__(self, url: str, channel: str) -> None:
+        self._url, self._channel = url, channel
+        self._client: Any = None
+        self._ps: Any = None
+        self._broken = False  # the connection broke since the last wait: report a wake-up
+
+    async def connect(self) -> bool:
+        import redis
+        import redis.asyncio as aredis
+
+        if self._ps is not None:
+            return True
+        client = aredis.Redis.from_url(self._url)
+        ps = client.pubsub()
+        try:
+            await ps.subscribe(self._channel)
+        except redis.RedisError as e:
+            log.warning("wake-ups not subscribed: Redis unavailable (%s)", e, extra={"channel": self._channel})
+            await self._drop(client, ps)
+            self._broken = True
+            return False
+        self._client, self._ps = client, ps
         return True
 
+    async def wait(self, timeout: float) -> bool:
+        import redis
+
+        deadline = time.monotonic() + timeout
+        if not await self.connect():
+            await asyncio.sleep(max(0.0, min(timeout, self.RETRY_S)))
+            return False
+        if self._take_broken():
+            return True  # resubscribed: what was notified meanwhile is lost, so re-check now
+        try:
+            woken = False
+            while not woken:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                woken = await self._ps.get_message(ignore_subscribe_messages=True, timeout=left) is not None
+            while await self._ps.get_message(ignore_subscribe_messages=True, timeout=0) is not None:
+                pass  # the wake-ups behind this one ask for the same re-check
+            return True
+        except (redis.RedisError, OSError) as e:
+            log.warning("wake-up subscription lost; resubscribing (%s)", e, extra={"channel": self._channel})
+            client, ps = self._client, self._ps
+            self._client = self._ps = None
+            await self._drop(client, ps)
+            await asyncio.sleep(max(0.0, min(deadline - time.monotonic(), self.RETRY_S)))
+            return True
+
+    def _take_broken(self) -> bool:
+        broken, self._broken = self._broken, False
+        return broken
+
+    @staticmethod
+    async def _drop(client: Any, ps: Any) -> None:
+        with contextlib.suppress(Exception):
+            await ps.aclose()
+        with contextlib.suppress(Exception):
+            await client.aclose()
+
     async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await self._ps.aclose()
-        with contextlib.suppress(Exception):
-            await self._client.aclose()
+        if self._ps is not None:
+            await self._drop(self._client, self._ps)
+        self._client = self._ps = None

@@ -25,14 +25,16 @@ from dataclasses import dataclass
 from stagetree.core.batch import BatchSpec, Point, Source, StageSpec
 from stagetree.core.cache import choose_evictions, pinned_points, prefix_cost
 from stagetree.core.config import FixedPart
+from stagetree.core.errors import StagetreeError, Unavailable
 from stagetree.core.scheduler import PlannedBatch, RoundResult, Slot, schedule_round, steps_cost
 from stagetree.core.searchplan import Checkpoint, CheckpointKind, Node
 from stagetree.core.stagetree import InflightBatch, InflightStage, StageForest, build_stage_tree
 from stagetree.master.coordination import Coordination, Subscription
 from stagetree.master.plans import PlanCache
+from stagetree.master.policies import Kill, PolicyStep
 from stagetree.master.service import CH_ROUND, ch_node_manager
 from stagetree.master.settings import SchedulingSettings
-from stagetree.master.store.store import ALIVE, SqlStore
+from stagetree.master.store.store import ALIVE, DispatchItem, SqlStore
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,8 @@ class Decision:
     snapshot_ms: float
     decide_ms: float
     forest: StageForest | None  # None when no slot was free (nothing was built)
+    preempts: tuple[int, ...] = ()  # running batches the studies' policies preempt (master.policies)
+    kills: tuple[Kill, ...] = ()  # trials the studies' search policies kill
 
 
 def source_of(spec_json: str) -> Point | None:
@@ -88,13 +92,23 @@ class SchedulingLoop:
         self.settings = settings
         self.instance_id = instance_id
         self.is_leader = False
+        # when this instance started leading (construction, then each lease taken): see requeue_lost
+        self.leader_since = time.time()
+        self.policy_step = PolicyStep(store)
+        self._bad_specs: set[int] = set()
+        self._bad_plans: set[int] = set()
 
     # -- one round ------------------------------------------------------------------------------
 
     def requeue_lost(self) -> list[str]:
+        """Requeue the work of node managers whose heartbeat key lapsed. A master that just started
+        leading (restarted, or a standby taking over) gives the node managers it has not heard from yet
+        one heartbeat TTL to reconnect: while no master ran, their keys lapsed with nobody to renew them."""
         nms = [n for n in self.store.node_managers() if n.state == ALIVE]
         alive = self.coord.alive(n.id for n in nms)
-        lost = [n.id for n in nms if n.id not in alive]
+        since = self.leader_since
+        grace = time.time() < since + self.settings.heartbeat_ttl_s
+        lost = [n.id for n in nms if n.id not in alive and not (grace and n.last_heartbeat <= since)]
         for nm in lost:
             batches = self.store.mark_lost(nm)
             log.warning("node manager lost; work requeued", extra={"node_manager_id": nm, "batches": batches})
@@ -110,13 +124,29 @@ class SchedulingLoop:
         pending = self.store.pending()
         inflight: dict[int, list[InflightBatch]] = {}
         for b in self.store.running_batches():
-            inflight.setdefault(b.plan_id, []).append(inflight_of(b.spec_json))
+            if b.plan_id not in pending:
+                continue  # nothing waits in its plan: it cannot take new work
+            try:
+                inflight.setdefault(b.plan_id, []).append(inflight_of(b.spec_json))
+            except (ValueError, KeyError, TypeError):
+                if b.id not in self._bad_specs:  # say it once; one bad row must not stop every round
+                    self._bad_specs.add(b.id)
+                    log.error("running batch with an unreadable spec ignored", extra={"batch_id": b.id})
         forest = StageForest()
         uris = self.store.checkpoints_of(sorted(pending))
         count = 0
         for plan_id, reqs in pending.items():
+            if plan_id in self._bad_plans:
+                continue
+            try:
+                plan = self.plans.ensure(plan_id, {p.node for _, p in reqs})
+            except (StagetreeError, ValueError, KeyError, TypeError):
+                # a plan whose rows no longer load (written by another version, edited by hand) must not
+                # stop the rounds of every other study: leave it out, and say so once
+                self._bad_plans.add(plan_id)
+                log.exception("plan left out of scheduling: its nodes do not load", extra={"plan_id": plan_id})
+                continue
             count += len(reqs)
-            plan = self.plans.ensure(plan_id, {p.node for _, p in reqs})
             ckpts = uris.setdefault(plan_id, {})
             steps: dict[int, list[int]] = {}
             for p in ckpts:
@@ -205,29 +235,38 @@ class SchedulingLoop:
         with _gc_paused():
             t0 = time.perf_counter()
             slots = self.free_slots()
-            if not slots:
+            policies = self.policy_step.active()  # studies that chose policies (usually none)
+            if not slots and not any(p.time_share or p.search for p in policies.values()):
                 return Decision(RoundResult([], [], [], {}, 0), {}, 0, (time.perf_counter() - t0) * 1000, 0.0, None)
             forest, uris, count = self.snapshot()
             t1 = time.perf_counter()
             cost = steps_cost(self.settings.default_step_seconds)
-            result = schedule_round(forest, slots, cost, self.settings.policy)
+            preempts: list[int] = []
+            kills: list[Kill] = []
+            if policies:
+                result, preempts, kills = self.policy_step.round(forest, slots, cost, self.settings.policy, policies)
+            else:
+                result = schedule_round(forest, slots, cost, self.settings.policy)
             t2 = time.perf_counter()
-        return Decision(result, uris, count, (t1 - t0) * 1000, (t2 - t1) * 1000, forest)
+        return Decision(result, uris, count, (t1 - t0) * 1000, (t2 - t1) * 1000, forest, tuple(preempts), tuple(kills))
 
     def run_round(self) -> RoundReport:
         lost = self.requeue_lost()
         dec = self.decide()
         result, uris = dec.result, dec.uris
         dispatched: list[int] = []
-        for d in result.dispatches:
-            plan_uris = uris.get(int(d.batch.plan), {})
-            rec = self.store.dispatch(
+        items = [
+            DispatchItem(
                 int(d.batch.plan),
-                self.spec_of(d.batch, plan_uris),
+                self.spec_of(d.batch, uris.get(int(d.batch.plan), {})),
                 d.batch.requests,
                 d.slot.node_manager,
                 d.slot.id,
             )
+            for d in result.dispatches
+        ]
+        woken: set[str] = set()
+        for d, rec in zip(result.dispatches, self.store.dispatch_many(items), strict=True):
             if rec is None:
                 continue
             dispatched.append(rec.id)
@@ -235,7 +274,11 @@ class SchedulingLoop:
                 "batch dispatched",
                 extra={"batch_id": rec.id, "node_manager_id": d.slot.node_manager, "slot_id": d.slot.id},
             )
-            self.coord.notify(ch_node_manager(d.slot.node_manager))
+            woken.add(d.slot.node_manager)
+        for nm in sorted(woken):
+            self.coord.notify(ch_node_manager(nm))
+        if dec.preempts or dec.kills:
+            self.policy_step.carry_out(dec.preempts, dec.kills, self.coord.notify)
         if self.settings.checkpoint_budget_bytes is not None:
             self.enforce_checkpoint_budget(dec.forest)
         return RoundReport(dec.pending, dispatched, lost, result.queued, dec.snapshot_ms, dec.decide_ms)
@@ -249,15 +292,22 @@ class SchedulingLoop:
             await self._rounds(stop, wakeups)
         finally:
             await wakeups.close()
-            await asyncio.to_thread(self.coord.release_lease, self.instance_id)
+            with contextlib.suppress(Unavailable):  # it lapses by itself
+                await asyncio.to_thread(self.coord.release_lease, self.instance_id)
 
     async def _rounds(self, stop: asyncio.Event, wakeups: Subscription) -> None:
         s = self.settings
         while not stop.is_set():
-            leader = await asyncio.to_thread(self.coord.acquire_lease, self.instance_id, s.lease_ttl_s)
+            try:
+                leader = await asyncio.to_thread(self.coord.acquire_lease, self.instance_id, s.lease_ttl_s)
+            except Unavailable as e:  # Redis away: lead nothing until the lease can be checked again
+                log.warning("leader lease cannot be checked; retrying: %s", e.message)
+                leader = False
             if leader != self.is_leader:
                 log.info("leadership changed", extra={"instance_id": self.instance_id, "leader": leader})
                 self.is_leader = leader
+                if leader:
+                    self.leader_since = time.time()
             if not leader:
                 await _sleep_or_stop(stop, s.lease_ttl_s / 3)
                 continue

@@ -20,6 +20,7 @@ from stagetree.core.errors import InvalidArgument, NotFound, ResourceExhausted, 
 from stagetree.core.searchplan import check_step
 from stagetree.master.auth import Principal
 from stagetree.master.plans import PlanCache, config_text
+from stagetree.master.policies import fixed_without_policies, split_policies
 from stagetree.master.settings import LimitSettings
 from stagetree.master.store.store import (
     Assignment,
@@ -119,12 +120,14 @@ class MasterService:
     def create_study(self, who: Principal, name: str, fixed_json: str = "") -> StudyRecord:
         if not isinstance(name, str) or not name.strip() or len(name) > self.limits.max_name_len:
             raise InvalidArgument(f"study name: must be a non-empty string of at most {self.limits.max_name_len}")
-        fixed = None
+        stored = None
         if fixed_json:
-            fixed = FixedPart.from_json(_json_object(fixed_json, "fixed", self.limits.max_config_bytes))
-        rec = self.store.create_study(
-            who.name, name, None if fixed is None else json.dumps(fixed.to_json(), sort_keys=True)
-        )
+            # a "policies" key picks the study's scheduling policies (master.policies); the rest names the plan
+            fixed_obj, policies = split_policies(_json_object(fixed_json, "fixed", self.limits.max_config_bytes))
+            stored = FixedPart.from_json(fixed_obj).to_json()
+            if policies is not None:
+                stored["policies"] = policies.to_json()
+        rec = self.store.create_study(who.name, name, None if stored is None else json.dumps(stored, sort_keys=True))
         log.info("study created", extra={"study_id": rec.id, "owner": who.name})
         return rec
 
@@ -156,7 +159,7 @@ class MasterService:
         if fixed_obj is None:
             if study.fixed_json is None:
                 raise InvalidArgument(f"{what}: no 'fixed' part and the study has no default one")
-            fixed_obj = json.loads(study.fixed_json)
+            fixed_obj = fixed_without_policies(study.fixed_json)
         try:
             return FixedPart.from_json(fixed_obj), Config.of(obj["tuned"])
         except StagetreeError as e:
@@ -243,7 +246,7 @@ class MasterService:
         plan_ids = self.store.study_plan_ids(study.id)
         keys = {self.store.plan_fixed(pid)[0]: pid for pid in plan_ids}
         if study.fixed_json is not None:
-            key = FixedPart.from_json(json.loads(study.fixed_json)).key()
+            key = FixedPart.from_json(fixed_without_policies(study.fixed_json)).key()
             keys.update(self.store.plan_ids_by_key([key]))
         if not plan_key:
             if len(keys) != 1:
@@ -271,8 +274,17 @@ class MasterService:
     # -- node managers --------------------------------------------------------------------------
 
     def register_node_manager(
-        self, who: Principal, nm_id: str, address: str, slots: Sequence[SlotInfo | tuple[str, str]]
+        self,
+        who: Principal,
+        nm_id: str,
+        address: str,
+        slots: Sequence[SlotInfo | tuple[str, str]],
+        *,
+        known: Sequence[tuple[int, int]] | None = None,
     ) -> None:
+        """Register (or re-register) a node manager. ``known``: every attempt the registering process
+        runs or recently ended; its other sent, running attempts are requeued (see
+        ``SqlStore.requeue_unknown``). None (a node manager that does not say) requeues nothing."""
         who.require_admin()
         if not nm_id or len(nm_id) > 128:
             raise InvalidArgument("node_manager_id: must be a non-empty string of at most 128 characters")
@@ -290,6 +302,13 @@ class MasterService:
             raise InvalidArgument("slots: slot ids must be non-empty and distinct")
         self.store.register_node_manager(nm_id, address, slots)
         log.info("node manager registered", extra={"node_manager_id": nm_id, "slots": len(slots)})
+        if known is not None:
+            lost = self.store.requeue_unknown(nm_id, known)
+            if lost:
+                log.warning(
+                    "node manager registered without some of its running work; requeued",
+                    extra={"node_manager_id": nm_id, "batches": lost},
+                )
         self.wakeups.notify(CH_ROUND)
 
     def list_node_managers(self, who: Principal) -> list[NodeManagerRecord]:
@@ -333,18 +352,19 @@ class MasterService:
         requests it completed. A failed attempt's requests are retried up to ``max_attempts`` times, then
         fail with the error; a preempted one's are rescheduled from its checkpoint without counting."""
         who.require_admin()
-        batch = self.store.get_batch(batch_id)
+        plan_id = self.store.plan_of_batch(batch_id)
+        ckpts = []
         for c in checkpoints:
-            p = self.plans.canonical(batch.plan_id, Point(c.node, check_step(c.step)))
-            self.store.record_checkpoint(p.node, p.step, c.uri, c.bytes, c.kind)
-        done: list[int] = []
+            p = self.plans.canonical(plan_id, Point(c.node, check_step(c.step)))
+            ckpts.append((p.node, p.step, c.uri, c.bytes, c.kind))
+        points = []
         for mr in metrics:
-            p = self.plans.canonical(batch.plan_id, Point(mr.node, check_step(mr.step)))
-            done.extend(self.store.record_metrics(batch.plan_id, p.node, p.step, dict(mr.values)))
+            p = self.plans.canonical(plan_id, Point(mr.node, check_step(mr.step)))
+            points.append((p.node, p.step, dict(mr.values)))
         if oom and not ok:
             error = f"out of memory: {error}" if error else "out of memory"
-        requeued = self.store.finish_batch(
-            batch_id, attempt, ok, error=error, preempted=preempted, max_failures=self.max_attempts
+        done, requeued = self.store.report_batch(
+            batch_id, attempt, ok, points, ckpts, error=error, preempted=preempted, max_failures=self.max_attempts
         )
         log.info(
             "batch reported",

@@ -15,9 +15,12 @@ heartbeats, and carries out its assignment stream:
 
 When the master goes away (killed, restarting, network) the node manager keeps its workers running,
 queues their reports (``GrpcReporter``) or keeps publishing (``BusReporter``), and reconnects with
-exponential backoff, registering again. A wrong token is not retried: ``run`` raises
-``Unauthenticated``/``PermissionDenied`` with the setting to fix. On stop, running workers are
-preempted (``stop_grace_s`` to save) so their work resumes elsewhere from a checkpoint.
+exponential backoff, registering again. Each registration lists the attempts this process runs or
+recently ended (``known_attempts``), so the master requeues only what it sent here and this process
+never got: the work of a previous, killed process under the same id, or a RUN lost with a broken stream.
+A wrong token is not retried: ``run`` raises ``Unauthenticated``/``PermissionDenied`` with the setting
+to fix. On stop, running workers are preempted (``stop_grace_s`` to save) so their work resumes
+elsewhere from a checkpoint.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ PREEMPT_SIGNAL = signal.SIGUSR1
 DEFAULT_HEARTBEAT_S = 5.0
 STOPPED = "the node manager stopped"
 EOF_GRACE_S = 2.0  # after a worker exits, how long its last events may take to arrive
+KNOWN_ENDED = 1000  # ended attempts listed at registration (their reports may not be applied yet)
 
 
 @dataclass
@@ -200,6 +204,18 @@ class NodeManager:
             if self.probe is not None:
                 self.probe.close()
 
+    async def workers_ready(self) -> None:
+        """Until the worker launcher is ready (registered, fork server imported or workers prestarted):
+        the first batch then starts without waiting for imports."""
+        while self._launcher_ready is None:
+            await asyncio.sleep(0.05)
+        await asyncio.shield(self._launcher_ready)
+
+    def known_attempts(self) -> list[tuple[int, int]]:
+        """What this process runs, waits to run or recently ended (its report may still be on its way):
+        sent at registration, so the master requeues only work this process never got."""
+        return sorted(set(self._attempts) | set(self._done.latest(KNOWN_ENDED)))
+
     def running(self) -> list[tuple[int, int]]:
         """(batch id, attempt) of the attempts started or waiting for a slot."""
         return sorted(self._attempts)
@@ -216,7 +232,7 @@ class NodeManager:
         delay = self.reconnect_initial_s
         while True:
             try:
-                interval = await self.link.register(self.id, self.address, self.slots)
+                interval = await self.link.register_known(self.id, self.address, self.slots, self.known_attempts())
                 self.registrations += 1
                 log.info(
                     "registered with the master",

@@ -80,6 +80,14 @@ class MasterLink(ABC):
     async def register(self, node_manager_id: str, address: str, slots: Sequence[LocalSlot]) -> float:
         """Register (or re-register) with these slots; returns the heartbeat interval the master wants."""
 
+    async def register_known(
+        self, node_manager_id: str, address: str, slots: Sequence[LocalSlot], known: Sequence[tuple[int, int]]
+    ) -> float:
+        """``register``, also telling the master every (batch, attempt) this process runs or recently
+        ended, so it requeues the other attempts it sent here (a restarted process lost them). An adapter
+        that cannot say so just registers."""
+        return await self.register(node_manager_id, address, slots)
+
     @abstractmethod
     async def heartbeat(self, node_manager_id: str) -> None: ...
 
@@ -175,6 +183,21 @@ class GrpcMasterLink(MasterLink):
         req = pb.RegisterNodeManagerRequest(
             node_manager_id=node_manager_id, address=address, slots=[_slot_pb(s) for s in slots]
         )
+        return await self._register(req)
+
+    async def register_known(
+        self, node_manager_id: str, address: str, slots: Sequence[LocalSlot], known: Sequence[tuple[int, int]]
+    ) -> float:
+        req = pb.RegisterNodeManagerRequest(
+            node_manager_id=node_manager_id,
+            address=address,
+            slots=[_slot_pb(s) for s in slots],
+            lists_attempts=True,
+            known_attempts=[pb.AttemptRef(batch_id=b, attempt=a) for b, a in known],
+        )
+        return await self._register(req)
+
+    async def _register(self, req: pb.RegisterNodeManagerRequest) -> float:
         try:
             resp = await self._get_stub().RegisterNodeManager(req, metadata=self._metadata, timeout=self._timeout)
         except grpc.aio.AioRpcError as e:

@@ -98,6 +98,11 @@ class RecentKeys:
     def __len__(self) -> int:
         return len(self._keys)
 
+    def latest(self, n: int) -> list[tuple[int, int]]:
+        """The ``n`` most recently added keys, oldest first."""
+        keys = list(self._keys)
+        return keys[-n:] if n > 0 else []
+
 
 class BatchReporter(ABC):
     """Receives one attempt's events in order, then its end, exactly once (later calls are ignored)."""
@@ -205,15 +210,25 @@ class BusReporter(BatchReporter):
                 log.warning("bus buffer full; holding the worker's events", extra={"error": e.message})
                 time.sleep(self._retry_s)
 
-    async def _publish(self, message: Message) -> None:
+    def _add_now(self, message: Message) -> None:
+        self._add_blocking(message)
+        try:
+            self.batcher.flush()
+        except StagetreeError as e:  # the bus is down: the batcher keeps it and its thread retries
+            log.warning("bus unavailable; the batch's end goes out when it is back", extra={"error": e.message})
+
+    async def _publish(self, message: Message, *, now: bool = False) -> None:
+        """Buffer ``message`` for the next batch; with ``now``, publish it (and what is buffered before
+        it) at once: a batch's end is what the scheduler waits for to start the work that depends on
+        it, so it does not wait out the batcher's ``max_age_s``."""
         # add() may flush to the broker when it fills a batch: keep that off the event loop.
-        await asyncio.to_thread(self._add_blocking, message)
+        await asyncio.to_thread(self._add_now if now else self._add_blocking, message)
 
     async def _event(self, info: AttemptInfo, kind: str, payload: dict[str, Any]) -> None:
         if kind not in _BUS_TYPES:
             log.warning("unknown worker event not published", extra={"batch_id": info.batch_id, "kind": kind})
             return
-        await self._publish(self._message(info, kind, payload))
+        await self._publish(self._message(info, kind, payload), now=kind in TERMINAL_EVENTS)
 
     async def _finish(self, info: AttemptInfo, end: AttemptEnd) -> None:
         if end.status == "failed" and not end.by_worker:
@@ -227,7 +242,8 @@ class BusReporter(BatchReporter):
                     error=end.error,
                     traceback=end.traceback,
                     oom=end.oom,
-                )
+                ),
+                now=True,
             )
         self._seq.pop(info.key, None)
 

@@ -350,6 +350,11 @@ class ForkserverLauncher(WorkerLauncher):
             # Only our modules: the default would import the node manager's __main__ in the server.
             self._ctx.set_forkserver_preload([WORKER_MODULE, *self.preload])
             forkserver.ensure_running()
+            # The server imports its preload (torch: seconds) after it starts: fork one no-op child and
+            # wait for it, so that time is spent here and not by the first batch.
+            warm = self._ctx.Process(target=_noop, name="forkserver-warmup", daemon=True)
+            warm.start()
+            warm.join(timeout=120)
 
         await asyncio.to_thread(ensure)
 
@@ -377,6 +382,10 @@ class ForkserverLauncher(WorkerLauncher):
         reader = await _stream_reader(read_end)
         log.debug("worker process forked", extra={"pid": proc.pid, "slot_id": slot.id, "batch_id": spec.batch_id})
         return _ForkedWorker(proc, slot, log_path, reader)
+
+
+def _noop() -> None:
+    pass
 
 
 async def _stream_reader(conn: Connection) -> asyncio.StreamReader:

@@ -209,7 +209,8 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
             who.require_admin()
             # alive before it is registered: a round between the two would otherwise find it lost
             self.coord.heartbeat(request.node_manager_id, self.heartbeat_interval_s * 3)
-            self.svc.register_node_manager(who, request.node_manager_id, request.address, slots)
+            known = [(a.batch_id, a.attempt) for a in request.known_attempts] if request.lists_attempts else None
+            self.svc.register_node_manager(who, request.node_manager_id, request.address, slots, known=known)
 
         await self._call(context, register)
         return pb.RegisterNodeManagerResponse(heartbeat_interval_s=self.heartbeat_interval_s)

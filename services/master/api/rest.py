@@ -3,14 +3,16 @@
 Owns only translation: JSON bodies to use-case arguments (configs as JSON objects here, serialized
 to the core's JSON text), records to JSON, and domain errors to HTTP statuses through
 ``master.errors.status_of``. Routes are plain ``def``: FastAPI runs them in its thread pool, as the
-use cases are synchronous.
+use cases are synchronous; the long poll is ``async`` and runs them in threads itself.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
+import time
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Query, Request
@@ -20,7 +22,7 @@ from pydantic import BaseModel, Field
 from stagetree.core.errors import StagetreeError
 from stagetree.master.auth import Principal, bearer
 from stagetree.master.errors import status_of
-from stagetree.master.service import SubmitItem
+from stagetree.master.service import CH_RESULTS, SubmitItem
 from stagetree.master.store.store import RequestRecord, SlotInfo, StudyRecord
 
 if TYPE_CHECKING:
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 PREFIX = "/api/v1"
+MAX_WAIT_S = 60.0  # the longest a long poll may hold a request
+TERMINAL = frozenset({"DONE", "FAILED", "CANCELLED"})
 
 
 class StudyIn(BaseModel):
@@ -164,8 +168,29 @@ def create_rest_app(master: MasterApp) -> FastAPI:
         return [_request(r) for r in svc.submit(who, study_id, items)]
 
     @api.get(f"{PREFIX}/studies/{{study_id}}/requests")
-    def get_requests(study_id: str, who: Who, ids: Annotated[list[int] | None, Query()] = None) -> list[RequestOut]:
-        return [_request(r) for r in svc.get_requests(who, study_id, ids)]
+    async def get_requests(
+        study_id: str,
+        who: Who,
+        ids: Annotated[list[int] | None, Query()] = None,
+        wait_s: Annotated[
+            float,
+            Query(ge=0, le=MAX_WAIT_S, description="long poll: answer once every listed request has finished"),
+        ] = 0,
+    ) -> list[RequestOut]:
+        """The study's requests (or those ``ids``). With ``wait_s``, the answer waits until all of them are
+        DONE, FAILED or CANCELLED, or ``wait_s`` seconds have passed, so a CI job need not poll hard."""
+        deadline = time.monotonic() + wait_s
+        wakeups = await master.coordination.subscribe(CH_RESULTS) if wait_s > 0 else None
+        try:
+            while True:
+                recs = await asyncio.to_thread(svc.get_requests, who, study_id, ids)
+                left = deadline - time.monotonic()
+                if wakeups is None or left <= 0 or all(r.state in TERMINAL for r in recs):
+                    return [_request(r) for r in recs]
+                await wakeups.wait(min(left, 1.0))
+        finally:
+            if wakeups is not None:
+                await wakeups.close()
 
     @api.delete(f"{PREFIX}/studies/{{study_id}}/requests/{{request_id}}")
     def cancel(study_id: str, request_id: int, who: Who) -> RequestOut:

@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import random
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -23,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sqlalchemy import Engine, create_engine, event, func, select, tuple_, update
+from sqlalchemy import JSON, Engine, create_engine, event, func, select, tuple_, update
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -127,6 +128,17 @@ class NodeManagerRecord:
 
 
 @dataclass(frozen=True)
+class DispatchItem:
+    """One batch for ``SqlStore.dispatch_many``; ``spec_for(batch_id, attempt) -> str`` renders its spec."""
+
+    plan_id: int
+    spec_for: Callable[[int, int], str]
+    request_ids: Sequence[int]
+    node_manager_id: str
+    slot_id: str
+
+
+@dataclass(frozen=True)
 class BatchRecord:
     id: int
     plan_id: int
@@ -147,6 +159,9 @@ class Assignment:
     kind: str = RUN
     checkpoint_uris: tuple[str, ...] = ()
     slot_id: str = ""  # RUN: the slot the master placed the batch on
+
+
+SQLITE_TURN_TIMEOUT_S = 30.0  # as long as SQLite's own busy timeout (make_engine)
 
 
 def make_engine(url: str, *, pool_size: int = 10) -> Engine:
@@ -181,6 +196,12 @@ class SqlStore:
         self._sessions = sessionmaker(engine, expire_on_commit=False)
         self._pg = engine.dialect.name == "postgresql"
         self._plan_ids: dict[str, int] = {}
+        self._plan_fixed: dict[int, tuple[str, str]] = {}
+        self._batch_plans: dict[int, int] = {}
+        # SQLite has one writer at a time and its busy handler waits by sleeping (1, 2, 5, ... 100 ms),
+        # so threads of one process that queue on it lose most of their time asleep. They take turns on
+        # this lock instead (the busy timeout still bounds the wait; other processes still rely on SQLite).
+        self._turn = threading.RLock() if not self._pg else None
         if check:
             with self._translate("check schema"):
                 check_schema(engine)
@@ -205,9 +226,12 @@ class SqlStore:
         if not self._pg:
             s.execute(self._insert(table).on_conflict_do_nothing(index_elements=conflict), rows)
             return
-        from psycopg2.extras import execute_values
+        from psycopg2.extras import Json, execute_values
 
         cols = list(rows[0])
+        json_cols = [c for c in cols if isinstance(table.c[c].type, JSON)]
+        if json_cols:  # psycopg2 adapts no dict by itself
+            rows = [{**r, **{c: Json(r[c], dumps=_compact_json) for c in json_cols}} for r in rows]
         sql = f"INSERT INTO {table.name} ({', '.join(cols)}) VALUES %s ON CONFLICT ({', '.join(conflict)}) DO NOTHING"
         template = "(" + ", ".join(f"%({c})s" for c in cols) + ")"
         cur = s.connection().connection.cursor()
@@ -248,8 +272,17 @@ class SqlStore:
 
     @contextmanager
     def _tx(self, what: str) -> Iterator[Session]:
-        with self._translate(what), self._sessions.begin() as s:
-            yield s
+        if self._turn is None:
+            with self._translate(what), self._sessions.begin() as s:
+                yield s
+            return
+        if not self._turn.acquire(timeout=SQLITE_TURN_TIMEOUT_S):
+            raise Conflict(f"{what}: the database is busy; retry")
+        try:
+            with self._translate(what), self._sessions.begin() as s:
+                yield s
+        finally:
+            self._turn.release()
 
     def dispose(self) -> None:
         self.engine.dispose()
@@ -308,11 +341,29 @@ class SqlStore:
 
     def plan_fixed(self, plan_id: int) -> tuple[str, str]:
         """(key, fixed part JSON) of a plan."""
+        got = self._plan_fixed.get(plan_id)
+        if got is not None:  # a plan's key and fixed part never change
+            return got
         with self._tx("get plan") as s:
             row = s.get(m.Plan, plan_id)
             if row is None:
                 raise NotFound(f"plan {plan_id} does not exist")
-            return row.key, row.fixed_json
+            got = self._plan_fixed[plan_id] = (row.key, row.fixed_json)
+            return got
+
+    def plan_of_batch(self, batch_id: int) -> int:
+        """The plan a batch belongs to (it never changes: asked once per batch, then remembered)."""
+        pid = self._batch_plans.get(batch_id)
+        if pid is None:
+            pid = self.get_batch(batch_id).plan_id
+            self._remember_batch_plan(batch_id, pid)
+        return pid
+
+    def _remember_batch_plan(self, batch_id: int, plan_id: int) -> None:
+        if len(self._batch_plans) >= 100_000:  # keep the newest half
+            for k in list(self._batch_plans)[:50_000]:
+                del self._batch_plans[k]
+        self._batch_plans[batch_id] = plan_id
 
     def load_nodes(self, plan_id: int, after: int = 0) -> list[NodeRecord]:
         """Nodes of a plan with id above ``after``, parents before children (ids grow)."""
@@ -516,29 +567,64 @@ class SqlStore:
 
     def record_metrics(self, plan_id: int, node: int, step: int, values: dict[str, float]) -> list[int]:
         """Store metrics at a canonical point; the live requests waiting there become DONE (ids returned)."""
-        now = time.time()
         with self._tx("record metrics") as s:
-            s.execute(
-                self._insert(m.Metric.__table__)
-                .values(node_id=node, step=step, values=json_safe_metrics(values), recorded_at=now)
-                .on_conflict_do_nothing(index_elements=["node_id", "step"])
-            )
-            ids = s.scalars(
-                select(m.Request.id).where(
-                    m.Request.node_id == node, m.Request.step == step, m.Request.state.in_(LIVE_STATES)
-                )
-            ).all()
-            if ids:
-                s.execute(update(m.Request).where(m.Request.id.in_(ids)).values(state=DONE, done_at=now))
-            return [int(i) for i in ids]
+            return self._record_metrics_in(s, [(node, step, values)])
 
     def record_checkpoint(self, node: int, step: int, uri: str, nbytes: int, kind: str) -> None:
         with self._tx("record checkpoint") as s:
-            s.execute(
-                self._insert(m.Checkpoint.__table__)
-                .values(node_id=node, step=step, uri=uri, bytes=nbytes, kind=kind, refcount=0, last_used=time.time())
-                .on_conflict_do_nothing(index_elements=["node_id", "step"])
+            self._record_checkpoints_in(s, [(node, step, uri, nbytes, kind)])
+
+    def report_batch(
+        self,
+        batch_id: int,
+        attempt: int,
+        ok: bool,
+        metrics: Sequence[tuple[int, int, dict[str, float]]],
+        checkpoints: Sequence[tuple[int, int, str, int, str]],
+        *,
+        error: str = "",
+        preempted: bool = False,
+        max_failures: int = 3,
+    ) -> tuple[list[int], list[int]]:
+        """What a batch attempt produced and how it ended, in one transaction: its checkpoints
+        ``(node, step, uri, bytes, kind)`` and metrics ``(node, step, values)`` at canonical points, then
+        ``finish_batch``. Returns the requests completed and the requests requeued."""
+        with self._tx("report batch") as s:
+            s.get(m.Batch, batch_id, with_for_update=True)  # the batch row first, as finish_batch takes it
+            self._record_checkpoints_in(s, checkpoints)
+            done = self._record_metrics_in(s, metrics)
+            return done, self._finish_batch_in(s, batch_id, attempt, ok, error, preempted, max_failures)
+
+    def _record_metrics_in(self, s: Session, points: Sequence[tuple[int, int, dict[str, float]]]) -> list[int]:
+        if not points:
+            return []
+        now = time.time()
+        rows = [{"node_id": n, "step": st, "values": json_safe_metrics(v), "recorded_at": now} for n, st, v in points]
+        self._insert_ignore(s, m.Metric.__table__, rows, ["node_id", "step"])
+        keys = list({(n, st) for n, st, _ in points})
+        ids: list[int] = []
+        for i in range(0, len(keys), 500):
+            ids.extend(
+                s.scalars(
+                    select(m.Request.id).where(
+                        tuple_(m.Request.node_id, m.Request.step).in_(keys[i : i + 500]),
+                        m.Request.state.in_(LIVE_STATES),
+                    )
+                )
             )
+        for i in range(0, len(ids), 1000):
+            s.execute(update(m.Request).where(m.Request.id.in_(ids[i : i + 1000])).values(state=DONE, done_at=now))
+        return [int(i) for i in ids]
+
+    def _record_checkpoints_in(self, s: Session, ckpts: Sequence[tuple[int, int, str, int, str]]) -> None:
+        if not ckpts:
+            return
+        now = time.time()
+        rows = [
+            {"node_id": n, "step": st, "uri": uri, "bytes": nb, "kind": kind, "refcount": 0, "last_used": now}
+            for n, st, uri, nb, kind in ckpts
+        ]
+        self._insert_ignore(s, m.Checkpoint.__table__, rows, ["node_id", "step"])
 
     def checkpoint_bytes(self) -> int:
         """Bytes held by every recorded checkpoint (what the checkpoint budget limits)."""
@@ -677,6 +763,30 @@ class SqlStore:
             self._end_batches(s, ids, LOST)
             return ids
 
+    def requeue_unknown(self, nm_id: str, known: Iterable[tuple[int, int]]) -> list[int]:
+        """A node manager registered listing the attempts it knows: its running batches whose current
+        attempt was sent to it but is not in ``known`` are LOST and their requests NOT_SCHED (a restarted
+        process never runs them; an assignment lost in a broken stream never arrives). Unsent attempts
+        stay: its new stream sends them. Returns the batch ids."""
+        keep = {(int(b), int(a)) for b, a in known}
+        with self._tx("requeue unknown attempts") as s:
+            rows = s.execute(
+                select(m.Batch.id, m.Batch.attempt)
+                .join(
+                    m.BatchAttempt,
+                    (m.BatchAttempt.batch_id == m.Batch.id) & (m.BatchAttempt.attempt == m.Batch.attempt),
+                )
+                .where(
+                    m.Batch.node_manager_id == nm_id,
+                    m.Batch.state == RUNNING,
+                    m.BatchAttempt.state == RUNNING,
+                    m.BatchAttempt.sent_at.is_not(None),
+                )
+            ).all()
+            ids = [int(b) for b, a in rows if (int(b), int(a)) not in keep]
+            self._end_batches(s, ids, LOST)
+            return ids
+
     def _end_batches(self, s: Session, ids: list[int], state: str) -> None:
         if not ids:
             return
@@ -730,6 +840,56 @@ class SqlStore:
         except _NothingToDispatch:
             return None
 
+    def dispatch_many(self, items: Sequence[DispatchItem]) -> list[BatchRecord | None]:
+        """``dispatch`` for each item, all in one transaction (a round's dispatches commit together, not
+        one transaction per batch). An item none of whose requests is still NOT_SCHED gets None."""
+        if not items:
+            return []
+        now = time.time()
+        out: list[BatchRecord | None] = []
+        with self._tx("dispatch batches") as s:
+            for it in items:
+                b = m.Batch(
+                    plan_id=it.plan_id,
+                    state=RUNNING,
+                    attempt=1,
+                    spec_json="",
+                    node_manager_id=it.node_manager_id,
+                    slot_id=it.slot_id,
+                    created_at=now,
+                    updated_at=now,
+                )
+                s.add(b)
+                s.flush()
+                if it.request_ids:
+                    res = s.execute(
+                        update(m.Request)
+                        .where(m.Request.id.in_(list(it.request_ids)), m.Request.state == NOT_SCHED)
+                        .values(state=SCHED, batch_id=b.id)
+                    )
+                    if res.rowcount == 0:  # type: ignore[attr-defined]
+                        s.delete(b)  # taken meanwhile (another round, a cancel): this one is not needed
+                        s.flush()
+                        out.append(None)
+                        continue
+                b.spec_json = it.spec_for(b.id, 1)
+                s.add(
+                    m.BatchAttempt(
+                        batch_id=b.id,
+                        attempt=1,
+                        node_manager_id=it.node_manager_id,
+                        slot_id=it.slot_id,
+                        state=RUNNING,
+                        dispatched_at=now,
+                    )
+                )
+                out.append(_batch_record(b))
+            s.flush()
+        for rec in out:
+            if rec is not None:
+                self._remember_batch_plan(rec.id, rec.plan_id)
+        return out
+
     def _dispatch(
         self, plan_id: int, spec_for: Any, request_ids: Sequence[int], nm_id: str, slot_id: str, now: float
     ) -> BatchRecord:
@@ -761,7 +921,9 @@ class SqlStore:
                 )
             )
             s.flush()
-            return _batch_record(b)
+            rec = _batch_record(b)
+        self._remember_batch_plan(rec.id, rec.plan_id)
+        return rec
 
     def take_assignments(self, nm_id: str) -> list[Assignment]:
         """Running attempts for this node manager not yet sent, then its queued control actions; each is
@@ -857,31 +1019,36 @@ class SqlStore:
         ``max_failures``-th: those become FAILED with ``error``. A preemption is not a failure. A report
         for an attempt that is not the running one is ignored (it was lost, aborted or already reported)."""
         with self._tx("finish batch") as s:
-            b = s.get(m.Batch, batch_id, with_for_update=True)
-            if b is None:
-                raise NotFound(f"batch {batch_id} does not exist")
-            if b.attempt != attempt or b.state != RUNNING:
-                log.info("stale batch report ignored", extra={"batch_id": batch_id, "attempt": attempt})
-                return []
-            failed = not ok and not preempted
-            if failed:
-                s.execute(
-                    update(m.Request)
-                    .where(m.Request.batch_id == batch_id, m.Request.state == SCHED)
-                    .values(failures=m.Request.failures + 1, error=error[-4000:] or "the batch failed")
-                )
-                now = time.time()
-                s.execute(
-                    update(m.Request)
-                    .where(m.Request.batch_id == batch_id, m.Request.state == SCHED, m.Request.failures >= max_failures)
-                    .values(state=REQUEST_FAILED, done_at=now)
-                )
-            requeued = [
-                int(r)
-                for r in s.scalars(select(m.Request.id).where(m.Request.batch_id == batch_id, m.Request.state == SCHED))
-            ]
-            self._end_batches(s, [batch_id], BATCH_DONE if ok else (PREEMPTED if preempted else FAILED))
-            return requeued
+            return self._finish_batch_in(s, batch_id, attempt, ok, error, preempted, max_failures)
+
+    def _finish_batch_in(
+        self, s: Session, batch_id: int, attempt: int, ok: bool, error: str, preempted: bool, max_failures: int
+    ) -> list[int]:
+        b = s.get(m.Batch, batch_id, with_for_update=True)
+        if b is None:
+            raise NotFound(f"batch {batch_id} does not exist")
+        if b.attempt != attempt or b.state != RUNNING:
+            log.info("stale batch report ignored", extra={"batch_id": batch_id, "attempt": attempt})
+            return []
+        failed = not ok and not preempted
+        if failed:
+            s.execute(
+                update(m.Request)
+                .where(m.Request.batch_id == batch_id, m.Request.state == SCHED)
+                .values(failures=m.Request.failures + 1, error=error[-4000:] or "the batch failed")
+            )
+            now = time.time()
+            s.execute(
+                update(m.Request)
+                .where(m.Request.batch_id == batch_id, m.Request.state == SCHED, m.Request.failures >= max_failures)
+                .values(state=REQUEST_FAILED, done_at=now)
+            )
+        requeued = [
+            int(r)
+            for r in s.scalars(select(m.Request.id).where(m.Request.batch_id == batch_id, m.Request.state == SCHED))
+        ]
+        self._end_batches(s, [batch_id], BATCH_DONE if ok else (PREEMPTED if preempted else FAILED))
+        return requeued
 
     def abort_batch(self, batch_id: int) -> str | None:
         """End a running batch no live request needs and queue the order to stop it for its node
@@ -968,6 +1135,90 @@ class SqlStore:
             metrics = self._metrics_at(s, {(r.node, r.step) for r in recs if r.state == DONE})
         return [_with_metrics(r, metrics.get((r.node, r.step))) for r in recs]
 
+    # -- study policies (stagetree.master.policies) --------------------------------------------------
+
+    def policy_studies(self) -> list[tuple[str, str]]:
+        """(study id, fixed json) of the studies that chose policies and have live requests."""
+        live = select(m.Request.id).where(m.Request.study_id == m.Study.id, m.Request.state.in_(LIVE_STATES)).exists()
+        with self._tx("policy studies") as s:
+            rows = s.execute(
+                select(m.Study.id, m.Study.fixed_json).where(m.Study.fixed_json.like('%"policies"%'), live)
+            ).all()
+            return [(str(i), str(f)) for i, f in rows]
+
+    def request_studies(self, request_ids: Sequence[int]) -> dict[int, tuple[str, float]]:
+        """Study id and arrival time of each request."""
+        out: dict[int, tuple[str, float]] = {}
+        ids = list(request_ids)
+        with self._tx("request studies") as s:
+            for i in range(0, len(ids), 1000):
+                for rid, sid, created in s.execute(
+                    select(m.Request.id, m.Request.study_id, m.Request.created_at).where(
+                        m.Request.id.in_(ids[i : i + 1000])
+                    )
+                ):
+                    out[int(rid)] = (str(sid), float(created))
+        return out
+
+    def running_batch_info(self) -> list[tuple[BatchRecord, float, list[str]]]:
+        """Every running batch with when its current attempt was dispatched and the studies of the
+        requests it serves."""
+        with self._tx("running batch info") as s:
+            rows = s.execute(
+                select(m.Batch, m.BatchAttempt.dispatched_at)
+                .join(
+                    m.BatchAttempt,
+                    (m.BatchAttempt.batch_id == m.Batch.id) & (m.BatchAttempt.attempt == m.Batch.attempt),
+                )
+                .where(m.Batch.state == RUNNING)
+            ).all()
+            studies: dict[int, list[str]] = {}
+            ids = [int(b.id) for b, _ in rows]
+            for i in range(0, len(ids), 1000):
+                for bid, sid in s.execute(
+                    select(m.Request.batch_id, m.Request.study_id)
+                    .where(m.Request.batch_id.in_(ids[i : i + 1000]))
+                    .order_by(m.Request.id)
+                ):
+                    studies.setdefault(int(bid), []).append(str(sid))
+            return [(_batch_record(b), float(t), studies.get(int(b.id), [])) for b, t in rows]
+
+    def live_requests_at(self, study_id: str, node: int, step: int) -> list[int]:
+        """The study's NOT_SCHED or SCHED requests at a point."""
+        with self._tx("live requests at") as s:
+            return [
+                int(i)
+                for i in s.scalars(
+                    select(m.Request.id).where(
+                        m.Request.study_id == study_id,
+                        m.Request.node_id == node,
+                        m.Request.step == step,
+                        m.Request.state.in_(LIVE_STATES),
+                    )
+                )
+            ]
+
+    def set_request_error(self, request_ids: Sequence[int], error: str) -> None:
+        """Say why requests ended (e.g. a policy cancelled them); their state is left as it is."""
+        if not request_ids:
+            return
+        with self._tx("set request error") as s:
+            s.execute(update(m.Request).where(m.Request.id.in_(list(request_ids))).values(error=error[-4000:]))
+
+    def metrics_since(self, nodes: Sequence[int], since: float) -> list[tuple[int, int, float, dict[str, float]]]:
+        """(node, step, recorded_at, values) of the metrics recorded on ``nodes`` after ``since``."""
+        if not nodes:
+            return []
+        with self._tx("metrics since") as s:
+            rows = s.execute(
+                select(m.Metric.node_id, m.Metric.step, m.Metric.recorded_at, m.Metric.values).where(
+                    m.Metric.node_id.in_(list(nodes)), m.Metric.recorded_at > since
+                )
+            ).all()
+            return [
+                (int(n), int(st), float(t), {k: metric_value(v) for k, v in vals.items()}) for n, st, t, vals in rows
+            ]
+
 
 class _NothingToDispatch(Exception):
     """Rolls a dispatch back when its requests were taken meanwhile."""
@@ -984,8 +1235,12 @@ def _request_record(r: m.Request) -> RequestRecord:
         r.client_request_id,
         r.batch_id,
         None,
-        r.error if r.state == REQUEST_FAILED else None,
+        r.error if r.state in (REQUEST_FAILED, CANCELLED) else None,  # why it failed, or why a policy cancelled it
     )
+
+
+def _compact_json(v: Any) -> str:
+    return json.dumps(v, separators=(",", ":"))
 
 
 def metric_value(v: float | str) -> float:

@@ -87,6 +87,24 @@ def test_submit_cancel_and_query(http: httpx.Client) -> None:
     assert len(plan["nodes"]) == 2 and plan["fixed"]["trainer"] == f["trainer"]
 
 
+def test_long_poll_answers_when_the_requests_finish(http: httpx.Client) -> None:
+    sid = http.post("/studies", json={"name": unique("s")}, headers=ALICE).json()["id"]
+    (a,) = http.post(f"/studies/{sid}/requests", json={"items": [_item("a", fixed())]}, headers=ALICE).json()
+    t0 = time.monotonic()
+    waited = http.get(f"/studies/{sid}/requests", params={"wait_s": 0.3}, headers=ALICE).json()
+    assert [x["state"] for x in waited] == ["NOT_SCHED"] and time.monotonic() - t0 >= 0.3  # timed out
+    cancel = threading.Timer(
+        0.3, lambda: http.delete(f"/studies/{sid}/requests/{a['request_id']}", headers=ALICE).raise_for_status()
+    )
+    t0 = time.monotonic()
+    cancel.start()
+    done = http.get(f"/studies/{sid}/requests", params={"wait_s": 8}, headers=ALICE).json()
+    assert [x["state"] for x in done] == ["CANCELLED"] and time.monotonic() - t0 < 5  # woken, not timed out
+    too_long = http.get(f"/studies/{sid}/requests", params={"wait_s": 600}, headers=ALICE)
+    assert too_long.status_code == 422
+    assert http.get(f"/studies/{sid}/requests", params={"wait_s": 1}, headers=BOB).status_code == 404
+
+
 @pytest.mark.parametrize(
     ("items", "status", "code"),
     [

@@ -117,6 +117,26 @@ def test_dispatch_marks_sched_and_assignments_are_sent_once(store: SqlStore) -> 
     assert store.take_assignments(nm) == []
 
 
+def test_dispatch_many_commits_a_rounds_batches_together_and_skips_taken_ones(store: SqlStore) -> None:
+    pid, node = _plan_with_node(store)
+    study = store.create_study(unique("o"), "s", None)
+    a, b = store.add_requests(study.id, pid, [NewRequest("a", node, 3), NewRequest("b", node, 6)])
+    nm = unique("nm")
+    store.register_node_manager(nm, "x:1", [("gpu0", "a100"), ("gpu1", "a100")])
+    assert store.dispatch(pid, lambda bid, att: "first", [b.id], nm, "gpu1") is not None  # b is taken
+    got = store.dispatch_many(
+        [
+            st.DispatchItem(pid, lambda bid, att: f"spec-{bid}-{att}", [a.id], nm, "gpu0"),
+            st.DispatchItem(pid, lambda bid, att: "never", [b.id], nm, "gpu1"),
+        ]
+    )
+    assert got[1] is None and got[0] is not None and got[0].spec_json == f"spec-{got[0].id}-1"
+    assert {x.spec_json for x in store.running_batches() if x.plan_id == pid} == {"first", got[0].spec_json}
+    assert sorted(x.slot_id for x in store.take_assignments(nm)) == ["gpu0", "gpu1"]
+    assert store.plan_of_batch(got[0].id) == pid
+    assert store.dispatch_many([]) == []
+
+
 def test_lost_node_manager_requeues_and_stale_report_is_ignored(store: SqlStore) -> None:
     pid, node = _plan_with_node(store)
     study = store.create_study(unique("o"), "s", None)

@@ -242,14 +242,26 @@ class Slot(_message.Message):
     def __init__(self, id: _Optional[str] = ..., gpu_type: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., compute_capability: _Optional[str] = ..., share: _Optional[float] = ..., cpu_cores: _Optional[int] = ..., gpu_index: _Optional[int] = ...) -> None: ...
 
 class RegisterNodeManagerRequest(_message.Message):
-    __slots__ = ("node_manager_id", "address", "slots")
+    __slots__ = ("node_manager_id", "address", "slots", "lists_attempts", "known_attempts")
     NODE_MANAGER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LISTS_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     node_manager_id: str
     address: str
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
-    def __init__(self, node_manager_id: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ...) -> None: ...
+    lists_attempts: bool
+    known_attempts: _containers.RepeatedCompositeFieldContainer[AttemptRef]
+    def __init__(self, node_manager_id: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., lists_attempts: _Optional[bool] = ..., known_attempts: _Optional[_Iterable[_Union[AttemptRef, _Mapping]]] = ...) -> None: ...
+
+class AttemptRef(_message.Message):
+    __slots__ = ("batch_id", "attempt")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    attempt: int
+    def __init__(self, batch_id: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class RegisterNodeManagerResponse(_message.Message):
     __slots__ = ("heartbeat_interval_s",)

@@ -1,0 +1,178 @@
+"""Embedded-mode figures for ``python -m tests.bench.pipeline``: the demo's study, and what an ideal
+platform would have needed for it.
+
+The study is the demo's (``examples/digits_sha.py``: 27 learning-rate x batch-size schedules, successive
+halving at steps 10, 30 and 90, 2 CPU workers) with a wider MLP (``HEAVY``) so that a step costs tens of
+milliseconds instead of one: with the demo's tiny model the figure would measure process start-up, not
+the platform's overhead on a real workload.
+
+* ``embedded_steps_vs_unique`` = steps the workers trained (``store.executed_steps``) / unique steps of
+  the plan (each shared prefix once): 1.00 when every shared step ran exactly once.
+* ``embedded_overhead`` = the study's wall time in embedded mode (from creating the study to the
+  tuner's finish; the cluster's start-up is reported apart) / the *pure* time: the makespan of the same
+  work on the same number of workers with no platform at all. The pure time comes from the core's
+  discrete-event simulator replaying the run's exact tuner decisions (each result triggers the same
+  submits it did for real) with every step costing what a plain PyTorch loop of the same model measured
+  in this process (per batch size), evaluations likewise, and checkpoints free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import stagetree
+from stagetree.client.driver import drive
+from stagetree.client.tuners import SHA
+from stagetree.client.tuners.base import Action, Result, Start, Submit
+from stagetree.core.config import Config
+from stagetree.core.simulator import Ask, Simulator
+from stagetree.embedded import Embedded, EmbeddedSettings
+from stagetree.nodemanager.examples.digits import build_mlp, digits_split
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import digits_sha  # the demo is a script, not a package
+
+HEAVY = {"hidden": 4096, "minibatches": 16}
+WORKERS = 2
+SEED = 0
+
+
+@dataclass(frozen=True)
+class EmbeddedFigures:
+    executed: int
+    unique: int
+    wall_s: float  # the study, creation to finish
+    startup_s: float  # the embedded cluster coming up
+    pure_s: float  # the simulated makespan with plain-loop step costs and no platform
+    step_ms: dict[int, float]  # plain-loop cost of a step per batch size
+    eval_ms: float
+
+    @property
+    def steps_vs_unique(self) -> float:
+        return self.executed / self.unique
+
+    @property
+    def overhead(self) -> float:
+        return self.wall_s / self.pure_s
+
+
+def plain_costs(batch_sizes: Sequence[int], steps: int = 40) -> tuple[dict[int, float], float]:
+    """Seconds per step (per batch size) and per evaluation of the heavy MLP in a plain loop, one
+    thread like a worker, after a warm-up."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x_train, y_train, x_test, y_test = digits_split()
+        torch.manual_seed(SEED)
+        model = build_mlp(HEAVY["hidden"], 0.0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        n = x_train.shape[0]
+        costs: dict[int, float] = {}
+        for bs in batch_sizes:
+            for timed in (False, True):
+                t0 = time.perf_counter()
+                for _ in range(steps if timed else 5):
+                    model.train()
+                    for _ in range(HEAVY["minibatches"]):
+                        idx = torch.randint(0, n, (bs,))
+                        opt.zero_grad(set_to_none=True)
+                        F.cross_entropy(model(x_train[idx]), y_train[idx]).backward()
+                        opt.step()
+                if timed:
+                    costs[bs] = (time.perf_counter() - t0) / steps
+        t0 = time.perf_counter()
+        for _ in range(10):
+            model.eval()
+            with torch.no_grad():
+                logits = model(x_test)
+                (logits.argmax(dim=1) == y_test).float().mean().item()
+                F.cross_entropy(logits, y_test).item()
+        return costs, (time.perf_counter() - t0) / 10
+    finally:
+        torch.set_num_threads(threads)
+
+
+class ReplayDriver:
+    """Plays a real run's tuner decisions in the simulator: the submits that followed ``Start`` first,
+    then, on each result, the submits the tuner made on that result in the real run."""
+
+    def __init__(self, trace: Sequence[tuple[object, list[Action]]]) -> None:
+        self.first: list[Submit] = []
+        self.after: dict[tuple[int, int], list[Submit]] = {}
+        for event, actions in trace:
+            subs = [a for a in actions if isinstance(a, Submit)]
+            if isinstance(event, Start):
+                self.first.extend(subs)
+            elif isinstance(event, Result):
+                self.after.setdefault((event.trial_id, event.step), []).extend(subs)
+
+    @staticmethod
+    def _asks(subs: Sequence[Submit]) -> list[Ask]:
+        return [Ask((s.trial_id, s.step), Config.of(s.config), s.step) for s in subs]
+
+    def start(self) -> list[Ask]:
+        return self._asks(self.first)
+
+    def on_result(self, tag: Any, step: int, metrics: dict[str, float]) -> list[Ask]:
+        return self._asks(self.after.pop(tag, []))
+
+
+async def _run_study(home: Path) -> tuple[Any, dict[str, Any], int, float, float]:
+    t0 = time.monotonic()
+    async with Embedded(EmbeddedSettings(home=home, workers=WORKERS)) as cluster:
+        startup = time.monotonic() - t0
+        async with stagetree.connect(cluster.target, token=cluster.token) as client:
+            t1 = time.monotonic()
+            study = await stagetree.Study.create(
+                client,
+                "digits-sha-heavy",
+                trainer=digits_sha.TRAINER,
+                dataset="sklearn-digits",
+                model=f"mlp-{HEAVY['hidden']}",
+                seed=SEED,
+                values=dict(HEAVY),
+                tuned=["lr", "bs", "momentum"],
+            )
+            tuner = SHA(digits_sha.search_space(), metric="accuracy", mode="max", eta=3, min_step=10, max_step=90)
+            run = await drive(study, tuner)
+            wall = time.monotonic() - t1
+            plan = await study.plan()
+            executed = await asyncio.to_thread(cluster.app.store.executed_steps)
+    return run, plan, executed, wall, startup
+
+
+def embedded_figures(home: Path | None = None) -> EmbeddedFigures:
+    with tempfile.TemporaryDirectory(prefix="stagetree-bench-embedded-") as tmp:
+        run, plan, executed, wall, startup = asyncio.run(_run_study(home or Path(tmp)))
+    step_s, eval_s = plain_costs([32, 64, 128])
+
+    def step_time(config: Config, step: int) -> float:
+        return step_s[int(config.values_at(step)["bs"])]
+
+    sim = Simulator(ReplayDriver(run.trace), WORKERS, step_time=step_time, eval_s=eval_s)
+    report = sim.run()
+    return EmbeddedFigures(
+        executed=executed,
+        unique=digits_sha.unique_steps(plan),
+        wall_s=wall,
+        startup_s=startup,
+        pure_s=report.makespan,
+        step_ms={bs: s * 1000 for bs, s in step_s.items()},
+        eval_ms=eval_s * 1000,
+    )
+
+
+if __name__ == "__main__":
+    f = embedded_figures()
+    print(f)
+    print(f"embedded_steps_vs_unique={f.steps_vs_unique:.2f} embedded_overhead={f.overhead:.2f}")

@@ -1,0 +1,69 @@
+"""What a master does when node managers and masters come back: a node manager that registers listing the
+attempts it knows gets the others requeued; a master that starts leading gives node managers it has not
+heard from one heartbeat TTL before it requeues their work (while no master ran, nobody renewed their
+heartbeat keys)."""
+
+from __future__ import annotations
+
+import time
+
+from stagetree.master.app import MasterApp
+from stagetree.master.auth import Principal
+from stagetree.master.scheduling import SchedulingLoop
+from stagetree.master.service import SubmitItem
+from stagetree.master.settings import SchedulingSettings
+from tests.integration.master.helpers import config_json, fixed, unique
+
+ALICE = Principal("alice")
+ADMIN = Principal("admin", admin=True)
+
+
+def _dispatched(app: MasterApp, nm: str, n: int = 2) -> list[int]:
+    study = app.service.create_study(ALICE, unique("s"))
+    f = fixed()
+    app.service.submit(ALICE, study.id, [SubmitItem(f"r{i}", config_json(f, lr=0.01 * (i + 1)), 10) for i in range(n)])
+    dispatched = app.scheduler.run_round().dispatched
+    assert sorted(a.batch_id for a in app.service.take_assignments(ADMIN, nm)) == sorted(dispatched)
+    return sorted(dispatched)
+
+
+def test_registration_listing_known_attempts_requeues_only_the_others(app: MasterApp) -> None:
+    nm = unique("nm")
+    app.service.register_node_manager(ADMIN, nm, "local", [("g0", "cpu"), ("g1", "cpu")])
+    app.coordination.heartbeat(nm, 30)
+    kept, lost = _dispatched(app, nm)
+    app.service.register_node_manager(ADMIN, nm, "local", [("g0", "cpu"), ("g1", "cpu")], known=[(kept, 1)])
+    assert app.store.get_batch(kept).state == "RUNNING"
+    assert app.store.get_batch(lost).state == "LOST"
+    # a registration that lists nothing (an older node manager) requeues nothing
+    app.service.register_node_manager(ADMIN, nm, "local", [("g0", "cpu"), ("g1", "cpu")])
+    assert app.store.get_batch(kept).state == "RUNNING"
+    # the requeued work is dispatched again (attempts are sent once: the new batch is new work)
+    again = app.scheduler.run_round().dispatched
+    assert len(again) == 1 and again[0] not in (kept, lost)
+
+
+def test_a_new_leader_gives_silent_node_managers_one_ttl_before_requeueing(app: MasterApp) -> None:
+    nm = unique("nm")
+    app.service.register_node_manager(ADMIN, nm, "local", [("g0", "cpu")])
+    app.coordination.heartbeat(nm, 0.2)
+    (bid,) = _dispatched(app, nm, 1)
+    time.sleep(0.3)  # its key lapsed while (say) the master was down
+    settings = SchedulingSettings(heartbeat_ttl_s=0.8)
+    restarted = SchedulingLoop(app.store, app.scheduler.plans, app.coordination, settings, "master-2")
+    assert restarted.requeue_lost() == []  # within the grace period
+    assert app.store.get_batch(bid).state == "RUNNING"
+    time.sleep(0.9)
+    assert restarted.requeue_lost() == [nm]
+    assert app.store.get_batch(bid).state == "LOST"
+
+
+def test_a_node_manager_that_heartbeated_to_the_new_leader_is_lost_at_once(app: MasterApp) -> None:
+    settings = SchedulingSettings(heartbeat_ttl_s=30)
+    leader = SchedulingLoop(app.store, app.scheduler.plans, app.coordination, settings, "master-3")
+    nm = unique("nm")
+    time.sleep(0.01)
+    app.service.register_node_manager(ADMIN, nm, "local", [("g0", "cpu")])  # after the leader started
+    app.coordination.heartbeat(nm, 0.1)
+    time.sleep(0.2)
+    assert nm in leader.requeue_lost()

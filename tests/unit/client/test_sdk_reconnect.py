@@ -1,0 +1,43 @@
+"""The SDK rides out a master restart: once the master has answered, an idempotent call keeps retrying
+``Unavailable`` past ``retries`` (bounded by ``reconnect_s``); a master that never answered fails fast."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from stagetree.client.sdk import Study
+from stagetree.core import errors as e
+from stagetree.core.config import Config
+from tests.unit.client.fakes import FakeMaster, FakeRpcError, fake_client
+
+
+def _down(master: FakeMaster, method: str, times: int) -> None:
+    master.errors[method].extend(FakeRpcError(grpc.StatusCode.UNAVAILABLE, "restarting") for _ in range(times))
+
+
+async def test_a_master_that_answered_before_is_waited_for_past_the_retry_count() -> None:
+    master = FakeMaster()
+    client = fake_client(master, retries=2, reconnect_s=30)
+    study = await Study.create(client, "s", trainer="pkg.mod:Net", dataset="d", tuned=["lr"])
+    _down(master, "SubmitRequests", 4)  # twice the retry count: a restart, not a wrong address
+    assert await study.eval({"lr": 0.03}, 3) == master.metrics_of(Config.of({"lr": 0.03}), 3)
+    assert len(master.calls["SubmitRequests"]) == 5  # four refused, the fifth answered
+
+
+async def test_the_wait_is_bounded_by_reconnect_s() -> None:
+    master = FakeMaster()
+    client = fake_client(master, retries=2, reconnect_s=0.2)
+    study = await Study.create(client, "s", trainer="pkg.mod:Net", dataset="d", tuned=["lr"])
+    _down(master, "SubmitRequests", 50)
+    with pytest.raises(e.Unavailable):
+        await study.eval({"lr": 0.03}, 3)
+
+
+async def test_a_master_that_never_answered_fails_after_the_retries() -> None:
+    master = FakeMaster()
+    client = fake_client(master, retries=2, reconnect_s=30)
+    _down(master, "GetStudy", 3)
+    with pytest.raises(e.Unavailable):
+        await Study.load(client, "study-1")
+    assert len(master.calls["GetStudy"]) == 2  # the retry count, then the error
