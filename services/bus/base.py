@@ -59,7 +59,7 @@ class Record(NamedTuple):
     offset: int
     key: str | None
     message: Message | Malformed
-    index: int = 0
+    index: int = 0  # type: ignore[assignment]  # shadows tuple.index, which nothing here calls
 
 
 def decode_records(topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None) -> list[Record]:

@@ -438,7 +438,7 @@ def _has_default(f: dataclasses.Field[Any]) -> bool:
 def _default(f: dataclasses.Field[Any]) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
-    return f.default_factory()  # type: ignore[misc]  # only immutable defaults are used
+    return f.default_factory()  # type: ignore[misc,operator]  # only immutable defaults are used
 
 
 def _type_name(cls: type) -> str:

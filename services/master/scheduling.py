@@ -203,7 +203,7 @@ class SchedulingLoop:
                 ckpts[p] = Checkpoint(p, uri, nbytes, CheckpointKind(kind), used)
         batches = self.store.running_batches()
         running = [inflight_of(b.spec_json) for b in batches]
-        sources = {p for b in batches if (p := source_of(b.spec_json)) is not None}
+        sources = {src for b in batches if (src := source_of(b.spec_json)) is not None}
         pinned = pinned_points(forest, sources) if forest is not None else set(sources)
         for ib in running:  # a running batch may still load anything on its path
             pinned.update(p for p in ckpts if any(st.node == p.node for st in ib.stages))

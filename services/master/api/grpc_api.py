@@ -279,7 +279,7 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
 async def start_grpc_server(servicer: MasterGrpc, host: str, port: int) -> tuple[grpc.aio.Server, int]:
     """Start serving; ``port`` 0 picks a free one. Returns the server and the bound port."""
     server = grpc.aio.server()
-    pb_grpc.add_MasterServiceServicer_to_server(servicer, server)
+    pb_grpc.add_MasterServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     log.info("gRPC server listening", extra={"host": host, "port": bound})

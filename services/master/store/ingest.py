@@ -46,7 +46,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from sqlalchemy import JSON, Connection, String, Table, select, update
 from sqlalchemy.orm import Session
@@ -74,6 +74,7 @@ from stagetree.master.store.store import (
     RUNNING,
     SCHED,
     SqlStore,
+    _table,
     json_safe_metrics,
 )
 
@@ -83,7 +84,7 @@ DONE = "DONE"  # a request's state once its metrics exist
 MAX_MSG_ID = 200  # applied_messages.msg_id is String(200)
 MAX_INT32 = 2**31 - 1  # metrics.step, checkpoints.step
 MAX_INT64 = 2**63 - 1  # ids, checkpoint bytes
-PREEMPTION_CHECKPOINT_KIND = "peripheral"  # a preemption saves where it stopped, not at a branch point
+PREEMPTION_CHECKPOINT_KIND: Final = "peripheral"  # a preemption saves where it stopped, not at a branch point
 
 _EFFECTFUL = frozenset({Metrics, CheckpointSaved, BatchFinished, BatchPreempted, BatchFailed})
 _POINTED = frozenset({Metrics, CheckpointSaved, BatchPreempted})  # the kinds that carry a (node, step)
@@ -247,7 +248,7 @@ class Ingestor:
 
     def _claim(self, s: Session, msg_ids: list[str], now: float) -> set[str]:
         """Insert the ids not applied yet; returns those (the others were applied before)."""
-        table = m.AppliedMessage.__table__
+        table = _table(m.AppliedMessage)
         rows = [(i, now) for i in msg_ids]
         return set(self._insert_ignore(s, table, ("msg_id", "applied_at"), rows, ("msg_id",), returning="msg_id"))
 
@@ -381,7 +382,7 @@ class Ingestor:
                 rows[point] = (point[0], point[1], msg.metrics, now)  # type: ignore[attr-defined,index]
         # one lock order for concurrent writers
         ordered = [rows[k] for k in sorted(rows)]  # type: ignore[type-var]
-        self._insert_ignore(s, m.Metric.__table__, ("node_id", "step", "values", "recorded_at"), ordered, _POINT)
+        self._insert_ignore(s, _table(m.Metric), ("node_id", "step", "values", "recorded_at"), ordered, _POINT)
         out.points += len(items)
         # The live requests waiting at these points: read them by node (few), match points here, then
         # update by id. Portable, and cheaper than a row-value IN list over thousands of points.
@@ -421,7 +422,7 @@ class Ingestor:
                 uri, nbytes, kind = msg.uri, 0, PREEMPTION_CHECKPOINT_KIND
             rows[key] = (key[0], key[1], uri, nbytes, kind, 0, now)
         columns = ("node_id", "step", "uri", "bytes", "kind", "refcount", "last_used")
-        self._insert_ignore(s, m.Checkpoint.__table__, columns, [rows[k] for k in sorted(rows)], _POINT)
+        self._insert_ignore(s, _table(m.Checkpoint), columns, [rows[k] for k in sorted(rows)], _POINT)
         out.checkpoints += len(rows)
 
     def _apply_terminals(self, s: Session, items: list[_Terminal], now: float, out: IngestResult) -> None:
@@ -498,7 +499,7 @@ class Ingestor:
             raise InvalidArgument(f"older_than_s must be positive, got {older_than_s}")
         with self.store._tx("prune applied messages") as s:
             res = s.execute(
-                m.AppliedMessage.__table__.delete().where(m.AppliedMessage.applied_at < time.time() - older_than_s)
+                _table(m.AppliedMessage).delete().where(m.AppliedMessage.applied_at < time.time() - older_than_s)
             )
             return int(res.rowcount)  # type: ignore[attr-defined]
 

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sqlalchemy import JSON, Engine, create_engine, event, func, select, tuple_, update
+from sqlalchemy import JSON, Engine, Table, create_engine, event, func, select, tuple_, update
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -424,7 +424,7 @@ class SqlStore:
             foreign: set[int] = set()  # refs whose key holds another writer's config
             with self._tx("insert nodes") as s:
                 for level in levels:
-                    rows = []
+                    rows: list[dict[str, Any]] = []
                     for n in level:
                         if n.parent is not None and n.parent in foreign:
                             foreign.add(n.ref)
@@ -745,10 +745,10 @@ class SqlStore:
                     )
                 )
             out = []
-            for r in s.scalars(select(m.NodeManager).order_by(m.NodeManager.id)):
-                mine = tuple(infos.get(r.id, ()))
+            for nm in s.scalars(select(m.NodeManager).order_by(m.NodeManager.id)):
+                mine = tuple(infos.get(nm.id, ()))
                 slots = tuple((i.id, i.gpu_type) for i in mine)
-                out.append(NodeManagerRecord(r.id, r.address, r.state, r.last_heartbeat, slots, mine))
+                out.append(NodeManagerRecord(nm.id, nm.address, nm.state, nm.last_heartbeat, slots, mine))
             return out
 
     def mark_lost(self, nm_id: str) -> list[int]:
@@ -998,7 +998,7 @@ class SqlStore:
             ]
             if not uris:
                 return {}
-            s.execute(m.Checkpoint.__table__.delete().where(tuple_(m.Checkpoint.node_id, m.Checkpoint.step).in_(keys)))
+            s.execute(_table(m.Checkpoint).delete().where(tuple_(m.Checkpoint.node_id, m.Checkpoint.step).in_(keys)))
             nms = [str(n) for n in s.scalars(select(m.NodeManager.id).where(m.NodeManager.state == ALIVE))]
             for nm in nms:
                 self._enqueue_action(s, nm, DELETE_CHECKPOINTS, uris=uris)
@@ -1180,7 +1180,7 @@ class SqlStore:
                     .where(m.Request.batch_id.in_(ids[i : i + 1000]))
                     .order_by(m.Request.id)
                 ):
-                    studies.setdefault(int(bid), []).append(str(sid))
+                    studies.setdefault(int(bid or 0), []).append(str(sid))
             return [(_batch_record(b), float(t), studies.get(int(b.id), [])) for b, t in rows]
 
     def live_requests_at(self, study_id: str, node: int, step: int) -> list[int]:
@@ -1265,6 +1265,12 @@ def _with_metrics(r: RequestRecord, metrics: dict[str, float] | None) -> Request
     return RequestRecord(
         r.id, r.study_id, r.plan_id, r.node, r.step, r.state, r.client_request_id, r.batch_id, dict(metrics), r.error
     )
+
+
+def _table(model: Any) -> Table:
+    """A model's table, typed as such (``__table__`` is declared as a ``FromClause``)."""
+    table: Table = model.__table__
+    return table
 
 
 def _batch_record(b: m.Batch) -> BatchRecord:

@@ -1,0 +1,582 @@
+"""stagetree (embedded mode) side by side with Ray Tune on real PyTorch CPU training.
+
+    pip install ".[bench]"        # ray[tune]
+    python -m tests.bench.vs_raytune [--runs 3] [--minibatches 200] [--hidden 256] [--nm-bus-max-age S]
+
+Workloads (``raytune_workloads``), the digits MLP (``stagetree.nodemanager.examples.digits``):
+
+* S1: 48 trials x 40 steps whose learning rate branches in three phases (2 / 4 / 6 choices): merge rate
+  3.2. Both systems train every trial to step 40 and evaluate there.
+* S2: an ASHA study (reduction 4, rungs 4 / 16 / 64) over 64 warmup -> cosine / multistep schedules x
+  4 batch-size sequences. ASHA runs once live on stagetree (untimed; it also warms stagetree up); its
+  decisions are then replayed on both systems: each trial is trained to the last step ASHA took it to
+  and evaluated at every rung ASHA asked for (stagetree: all those evals submitted at once; Ray Tune:
+  one trial at a time per actor, from scratch to its last rung, reporting at each). The live run's own
+  figures are printed too (its ASHA decisions depend on timing, so they are taken once).
+
+Both systems get 2 workers with ``torch.set_num_threads(1)``: stagetree ``Embedded(workers=2)`` (one
+worker process per batch, forked from a fork server), Ray Tune ``ray.init(num_cpus=2)`` with one CPU per
+trial and ``reuse_actors=True``. Each system is started once and reused by every run; a short warm-up
+run on Ray (stagetree's is the live ASHA run) precedes the timed runs; the runs are interleaved (the
+system that goes first alternates) and each figure is the median of ``--runs``.
+
+Figures:
+
+* e2e: wall-clock seconds from submitting the work to the last result (stagetree: study creation to the
+  last eval; Ray: ``Tuner.fit``). ``--nm-bus-max-age`` sets how long stagetree's node manager may hold
+  worker events before publishing them (a platform setting, 0.5 s by default; it once delayed every
+  batch's end by that much, which is worth seeing in e2e).
+* cpu_s (the headline, the GPU-hours analog): CPU-seconds of the processes that train, from their own
+  accounting. stagetree: the children's user+system time its worker processes leave with their parent
+  (the fork server's ``cutime + cstime``, the ``getrusage(RUSAGE_CHILDREN)`` of that process, read from
+  ``/proc``), whole worker lifetimes. Ray: each actor's ``time.process_time()`` from the start of its
+  first trial to the last report of its last trial (reported through the results; the actors' start-up
+  is left out, in Ray's favour) plus the driver's ``getrusage(RUSAGE_CHILDREN)``.
+* cpu_all: the same plus the control plane: this process's own CPU (stagetree's master, aggregator and
+  node manager run in it; so does the Tune driver) and, for Ray, its raylet, GCS and the other processes
+  ``ray.init`` started (their own and their reaped children's time).
+
+Correctness: every trial's final metrics on stagetree equal a straight run of that trial in this process
+(``raytune_train.train_straight``, the same seed) to 1e-6; the steps stagetree's batches trained equal
+the unique steps of the work (each shared prefix ran once); and Ray's final metrics equal the straight
+run too (so both systems did the same training).
+
+Last line: ``merge_rate=<m> cpu_s_ratio_s1=<x> e2e_ratio_s1=<y> cpu_s_ratio_s2=<x2> e2e_ratio_s2=<y2>
+exact=<true|false>``; each ratio is Ray Tune's figure over stagetree's; ``merge_rate`` is S1's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.bench.raytune_workloads import (
+    DATASET,
+    SEED,
+    TRAINER,
+    TUNED,
+    TrialWork,
+    max_abs_diff,
+    merge_rate,
+    replay_work,
+    s1_work,
+    s2_asha_params,
+    s2_space,
+    trial_steps,
+    unique_steps,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+INSTALL = 'pip install ".[bench]"   (or: pip install "ray[tune]==2.60.0")'
+TOLERANCE = 1e-6
+TIMEOUT_S = 1800.0
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU accounting from /proc
+
+
+def _stat(pid: int) -> tuple[int, float, float] | None:
+    """``(ppid, own cpu s, reaped children's cpu s)`` of a live process, None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(")") + 2 :].split()
+    ppid = int(fields[1])
+    utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
+    return ppid, (utime + stime) / CLK_TCK, (cutime + cstime) / CLK_TCK
+
+
+def _tree_cpu(roots: list[int]) -> float:
+    """CPU-seconds of ``roots`` and every live descendant, each with its reaped children."""
+    table: dict[int, tuple[int, float, float]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = _stat(int(name))
+            if st is not None:
+                table[int(name)] = st
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo, seen = 0.0, [p for p in roots if p in table], set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        _, own, reaped = table[pid]
+        total += own + reaped
+        todo.extend(children.get(pid, []))
+    return total
+
+
+def _live_children(pid: int) -> int:
+    n = 0
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = _stat(int(name))
+            if st is not None and st[0] == pid:
+                n += 1
+    return n
+
+
+def _self_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _forkserver_pid() -> int | None:
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)  # type: ignore[attr-defined]
+    return int(pid) if pid else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+
+
+@dataclass
+class RunFigures:
+    system: str
+    workload: str
+    e2e_s: float
+    cpu_s: float
+    cpu_all_s: float
+    metrics: dict[int, dict[str, float]]  # trial id -> final metrics
+    executed: int | None = None  # stagetree: steps its batches trained
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def line(self) -> str:
+        extra = "" if self.executed is None else f"  executed steps {self.executed}"
+        return (
+            f"  {self.workload} {self.system:9s} e2e {self.e2e_s:7.1f} s   cpu_s {self.cpu_s:7.1f}   "
+            f"cpu_all {self.cpu_all_s:7.1f}{extra}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# stagetree
+
+
+class StagetreeSide:
+    """One embedded cluster (2 CPU workers) reused by every run; each run gets a plan of its own (the
+    fixed value ``bench_run`` differs), so nothing is answered from an earlier run's results."""
+
+    def __init__(self, home: Path, fixed: dict[str, Any]) -> None:
+        self.home = home
+        self.fixed = fixed
+        self.cluster: Any = None
+        self.client: Any = None
+        self.runs = 0
+
+    async def __aenter__(self) -> StagetreeSide:
+        from stagetree.client.sdk import connect
+        from stagetree.embedded import Embedded, EmbeddedSettings
+
+        self._embedded = Embedded(EmbeddedSettings(home=self.home, workers=2, threads_per_worker=1))
+        self.cluster = await self._embedded.__aenter__()
+        self._connect = connect(self.cluster.target, token=self.cluster.token)
+        self.client = await self._connect.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.client is not None:
+            await self._connect.__aexit__(None, None, None)
+        if self.cluster is not None:
+            await self._embedded.__aexit__(None, None, None)
+
+    async def _study(self, name: str) -> Any:
+        from stagetree.client.sdk import Study
+
+        self.runs += 1
+        return await Study.create(
+            self.client,
+            f"{name}-{self.runs}",
+            trainer=TRAINER,
+            dataset=DATASET,
+            model=f"mlp-{self.fixed['hidden']}",
+            seed=SEED,
+            values={**self.fixed, "bench_run": self.runs},
+            tuned=list(TUNED),
+        )
+
+    async def _idle(self) -> None:
+        """Until every batch has finished and its worker process has exited (its CPU is then counted)."""
+        store = self.cluster.app.store
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            busy = await asyncio.to_thread(store.busy_slots)
+            fs = _forkserver_pid()
+            if not busy and (fs is None or _live_children(fs) == 0):
+                return
+            await asyncio.sleep(0.05)
+        log.warning("stagetree workers still busy after 60 s; CPU figures may be short")
+
+    def _cpu(self) -> tuple[float, float]:
+        fs = _forkserver_pid()
+        workers = _tree_cpu([fs]) - (_stat(fs) or (0, 0.0, 0.0))[1] if fs is not None else 0.0
+        return workers + _children_cpu(), _self_cpu()
+
+    async def run(self, workload: str, work: list[TrialWork]) -> RunFigures:
+        await self._idle()
+        store = self.cluster.app.store
+        executed0 = await asyncio.to_thread(store.executed_steps)
+        workers0, self0 = self._cpu()
+        t0 = time.perf_counter()
+        study = await self._study(workload)
+
+        # The decisions are known (a replay): every eval goes in at once, as every Ray trial is started
+        # knowing its last step. (Submitted rung by rung, a rung's request can arrive after the batch
+        # that would have shared its prefix has passed the branch point: see asha_live.)
+        handles = [(w, s, study.submit(w.config, s)) for w in work for s in w.evals]
+        results = await asyncio.wait_for(asyncio.gather(*(h for _, _, h in handles)), TIMEOUT_S)
+        e2e = time.perf_counter() - t0
+        finals = [m for (w, s, _), m in zip(handles, results, strict=True) if s == w.stop]
+        await self._idle()
+        workers1, self1 = self._cpu()
+        executed = await asyncio.to_thread(store.executed_steps) - executed0
+        cpu = workers1 - workers0
+        return RunFigures(
+            "stagetree",
+            workload,
+            e2e,
+            cpu,
+            cpu + (self1 - self0),
+            {w.trial_id: m for w, m in zip(work, finals, strict=True)},
+            executed=executed,
+        )
+
+    async def asha_live(self) -> tuple[list[TrialWork], float, int]:
+        """S2's ASHA driven live (``stagetree.client.driver.drive``): its work, its wall time and the
+        steps stagetree trained for it (more than the unique steps when a promotion's request arrives
+        after the batch it could have shared with has passed the branch point)."""
+        from stagetree.client.driver import drive
+        from stagetree.client.tuners import ASHA
+
+        store = self.cluster.app.store
+        executed0 = await asyncio.to_thread(store.executed_steps)
+        t0 = time.perf_counter()
+        study = await self._study("s2-asha-live")
+        run = await asyncio.wait_for(drive(study, ASHA(s2_space(), **s2_asha_params())), TIMEOUT_S)
+        wall = time.perf_counter() - t0
+        await self._idle()
+        executed = await asyncio.to_thread(store.executed_steps) - executed0
+        return replay_work(run.submits()), wall, executed
+
+
+# ---------------------------------------------------------------------------------------------
+# Ray Tune
+
+
+class RaySide:
+    """``ray.init(num_cpus=2)`` once; each run is one ``Tuner.fit`` of the function trainable with one
+    CPU per trial and ``reuse_actors=True``."""
+
+    def __init__(self, home: Path, fixed: dict[str, Any]) -> None:
+        self.home = home
+        self.fixed = fixed
+        self.runs = 0
+
+    def start(self) -> None:
+        import ray
+
+        # The actors import the trainable from this checkout (tests.bench.raytune_train).
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+        os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # the legacy reporter: silent at verbose=0
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.ERROR,
+            configure_logging=True,
+        )
+
+    def stop(self) -> None:
+        import ray
+
+        ray.shutdown()
+
+    def _ray_pids(self) -> list[int]:
+        import ray
+
+        node = ray._private.worker._global_node
+        pids: list[int] = []
+        if node is None:
+            return pids
+        for infos in node.all_processes.values():
+            for info in infos:
+                proc = getattr(info, "process", None)
+                if proc is not None and proc.pid:
+                    pids.append(int(proc.pid))
+        return pids
+
+    def run(self, workload: str, work: list[TrialWork]) -> RunFigures:
+        from ray import tune
+
+        from tests.bench.raytune_train import ray_trainable
+
+        self.runs += 1
+        params = [
+            {"trial": w.trial_id, "config": w.config_json(), "evals": list(w.evals), "fixed": self.fixed, "seed": SEED}
+            for w in work
+        ]
+        tuner = tune.Tuner(
+            tune.with_resources(ray_trainable, {"cpu": 1}),
+            param_space={"work": tune.grid_search(params)},
+            tune_config=tune.TuneConfig(reuse_actors=True, max_concurrent_trials=2),
+            run_config=tune.RunConfig(
+                name=f"{workload}-{self.runs}", storage_path=str(self.home / "ray_results"), verbose=0
+            ),
+        )
+        ray_pids = self._ray_pids()
+        ctrl0, self0, children0 = _tree_cpu(ray_pids), _self_cpu(), _children_cpu()
+        t0 = time.perf_counter()
+        grid = tuner.fit()
+        e2e = time.perf_counter() - t0
+        ctrl1, self1, children1 = _tree_cpu(ray_pids), _self_cpu(), _children_cpu()
+        finals: dict[int, dict[str, float]] = {}
+        spans: dict[int, tuple[float, float]] = {}
+        errors = []
+        for r in (grid[i] for i in range(len(grid))):
+            if r.error is not None:
+                errors.append(str(r.error))
+                continue
+            m = dict(r.metrics or {})
+            trial = int(m["trial"])
+            finals[trial] = {"accuracy": float(m["accuracy"]), "loss": float(m["loss"])}
+            pid, start, now = int(m["pid"]), float(m["cpu_start"]), float(m["cpu_now"])
+            lo, hi = spans.get(pid, (start, now))
+            spans[pid] = (min(lo, start), max(hi, now))
+        if errors:
+            raise RuntimeError(f"{len(errors)} Ray trials failed; first: {errors[0]}")
+        actors = sum(hi - lo for lo, hi in spans.values())
+        cpu = actors + (children1 - children0)
+        # The actors' processes are the raylet's children: their whole lives show in ctrl (when reaped).
+        ctrl_all = (ctrl1 - ctrl0) + (self1 - self0) + (children1 - children0)
+        return RunFigures(
+            "ray-tune",
+            workload,
+            e2e,
+            cpu,
+            max(ctrl_all, cpu + (self1 - self0)),
+            finals,
+            notes={"actors": len(spans)},
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Straight runs (the reference of the exactness check)
+
+
+def straight_finals(work: list[TrialWork], fixed: dict[str, Any]) -> dict[int, dict[str, float]]:
+    import torch
+
+    from tests.bench.raytune_train import train_straight
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = {}
+        for w in work:
+            out[w.trial_id] = train_straight(w.config_json(), w.evals, fixed=fixed, seed=SEED)[w.stop]
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check_exact(
+    name: str, straight: dict[int, dict[str, float]], runs: list[RunFigures], unique: int
+) -> tuple[bool, list[str]]:
+    ok, lines = True, []
+    for r in runs:
+        worst = max(max_abs_diff(straight[t], r.metrics.get(t, {})) for t in straight)
+        good = worst <= TOLERANCE and set(r.metrics) == set(straight)
+        steps_ok = r.executed is None or r.executed == unique
+        ok = ok and good and steps_ok
+        steps = "" if r.executed is None else f"; executed {r.executed} vs unique {unique} steps"
+        lines.append(f"  {name} {r.system:9s}: max |metric - straight| = {worst:.2e}{steps}")
+    return ok, lines
+
+
+# ---------------------------------------------------------------------------------------------
+# The bench
+
+
+def _median(runs: list[RunFigures], attr: str) -> float:
+    return float(statistics.median(float(getattr(r, attr)) for r in runs))
+
+
+def _ratio(ray: list[RunFigures], st: list[RunFigures], attr: str) -> float:
+    return _median(ray, attr) / _median(st, attr)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+async def bench(ns: argparse.Namespace, home: Path) -> int:
+    fixed = {"hidden": ns.hidden, "minibatches": ns.minibatches}
+    s1 = s1_work()
+    if ns.s1_trials:
+        s1 = s1[: ns.s1_trials]
+    m1 = merge_rate(s1)
+    print(f"vs_raytune: digits MLP (hidden {ns.hidden}, {ns.minibatches} minibatches per step), CPU only")
+    if ns.nm_bus_max_age is not None:
+        print(f"  stagetree node manager bus batch max age {ns.nm_bus_max_age} s (platform default 0.5 s)")
+    print(
+        f"  S1: {len(s1)} trials x 40 steps, lr branching 2/4/6: {trial_steps(s1)} trial steps, "
+        f"{unique_steps(s1)} unique, merge rate {m1:.2f}"
+    )
+    print(
+        "  both systems: 2 workers, torch.set_num_threads(1); Ray Tune with reuse_actors=True, "
+        "1 CPU per trial, ray.init(num_cpus=2)"
+    )
+    t_start = time.perf_counter()
+    ray_side = RaySide(home, fixed)
+    async with StagetreeSide(home / "stagetree", fixed) as st:
+        print(f"  stagetree embedded up ({time.perf_counter() - t_start:.1f} s)", flush=True)
+        with _quiet():
+            await asyncio.to_thread(ray_side.start)
+        print(f"  ray up ({time.perf_counter() - t_start:.1f} s)", flush=True)
+        try:
+            # S2's decisions: ASHA live on stagetree (also stagetree's warm-up).
+            s2, asha_wall, asha_executed = await st.asha_live()
+            stops = sorted({w.stop for w in s2})
+            per_stop = {s: sum(w.stop == s for w in s2) for s in stops}
+            print(
+                f"  S2: ASHA (eta 4, rungs 4/16/64) live on stagetree: {len(s2)} trials stopped at {per_stop} "
+                f"in {asha_wall:.1f} s, trained {asha_executed} steps for {unique_steps(s2)} unique",
+                flush=True,
+            )
+            if ns.s2_trials:
+                s2 = s2[: ns.s2_trials]
+            m2 = merge_rate(s2)
+            print(
+                f"  S2 replayed on both systems: {len(s2)} trials, {trial_steps(s2)} trial steps, "
+                f"{unique_steps(s2)} unique, merge rate {m2:.2f}",
+                flush=True,
+            )
+            # Ray's warm-up: a few short trials (actor start-up, imports, Tune's first-run costs).
+            warm = [TrialWork(w.trial_id, w.config, (3,)) for w in s1[:4]]
+            with _quiet():
+                wr = await asyncio.to_thread(ray_side.run, "warmup", warm)
+            print(f"  ray warm-up: {len(warm)} trials x 3 steps in {wr.e2e_s:.1f} s", flush=True)
+
+            runs: dict[tuple[str, str], list[RunFigures]] = {}
+            for i in range(ns.runs):
+                for workload, work in (("S1", s1), ("S2", s2)):
+                    order = ("stagetree", "ray") if (i % 2 == 0) else ("ray", "stagetree")
+                    for system in order:
+                        if system == "stagetree":
+                            fig = await st.run(workload, work)
+                        else:
+                            with _quiet():
+                                fig = await asyncio.to_thread(ray_side.run, workload, work)
+                        runs.setdefault((workload, fig.system), []).append(fig)
+                        print(f"{fig.line()}   (run {i + 1})", flush=True)
+        finally:
+            with _quiet():
+                await asyncio.to_thread(ray_side.stop)
+
+    print("straight runs (the reference) ...", flush=True)
+    t0 = time.perf_counter()
+    ref1 = straight_finals(s1, fixed)
+    ref2 = straight_finals(s2, fixed)
+    print(f"  {len(ref1) + len(ref2)} trials in {time.perf_counter() - t0:.1f} s")
+    ok1, lines1 = check_exact("S1", ref1, runs[("S1", "stagetree")] + runs[("S1", "ray-tune")], unique_steps(s1))
+    ok2, lines2 = check_exact("S2", ref2, runs[("S2", "stagetree")] + runs[("S2", "ray-tune")], unique_steps(s2))
+    for line in lines1 + lines2:
+        print(line)
+    exact = ok1 and ok2
+
+    print("medians (Ray Tune / stagetree):")
+    ratios = {}
+    for workload in ("S1", "S2"):
+        st_runs, ray_runs = runs[(workload, "stagetree")], runs[(workload, "ray-tune")]
+        for attr, label in (("e2e_s", "e2e"), ("cpu_s", "cpu_s"), ("cpu_all_s", "cpu_all")):
+            a, b = _median(ray_runs, attr), _median(st_runs, attr)
+            ratios[(workload, label)] = a / b
+            print(f"  {workload} {label:8s} ray {a:8.1f}   stagetree {b:8.1f}   ratio {a / b:5.2f}")
+    print(f"  total bench time {time.perf_counter() - t_start:.0f} s")
+    print(
+        f"merge_rate={m1:.2f} cpu_s_ratio_s1={ratios[('S1', 'cpu_s')]:.2f} e2e_ratio_s1={ratios[('S1', 'e2e')]:.2f} "
+        f"cpu_s_ratio_s2={ratios[('S2', 'cpu_s')]:.2f} e2e_ratio_s2={ratios[('S2', 'e2e')]:.2f} "
+        f"exact={'true' if exact else 'false'}"
+    )
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tests.bench.vs_raytune", description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=3, help="timed runs per system and workload (median)")
+    p.add_argument("--hidden", type=int, default=256, help="the MLP's hidden width")
+    p.add_argument("--minibatches", type=int, default=200, help="minibatches per training step")
+    p.add_argument("--s1-trials", type=int, default=0, help="only the first N S1 trials (a quick try)")
+    p.add_argument("--s2-trials", type=int, default=0, help="only the first N S2 trials (a quick try)")
+    p.add_argument("--home", type=Path, default=None, help="work directory (default: a temporary one)")
+    p.add_argument(
+        "--nm-bus-max-age",
+        type=float,
+        default=None,
+        help="stagetree node manager's STAGETREE_NM_BUS__BATCH_MAX_AGE_S (default: the platform's, 0.5 s): how "
+        "long its batcher may hold worker events before publishing them",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None, *, runner: Callable[..., Any] = asyncio.run) -> int:
+    ns = _parser().parse_args(argv)
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # Ray forks while gRPC runs here: one info line a fork
+    if ns.nm_bus_max_age is not None:
+        os.environ["STAGETREE_NM_BUS__BATCH_MAX_AGE_S"] = str(ns.nm_bus_max_age)
+    try:
+        import ray  # noqa: F401
+        from ray import tune  # noqa: F401
+    except ImportError as e:
+        print(f"vs_raytune needs Ray Tune ({e}); install it with:\n  {INSTALL}", file=sys.stderr)
+        return 2
+    if ns.runs < 1:
+        print("--runs must be at least 1", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+    home = ns.home or Path(tempfile.mkdtemp(prefix="vs-raytune-"))
+    if ns.home is not None and home.exists():
+        shutil.rmtree(home)
+    home.mkdir(parents=True, exist_ok=True)
+    try:
+        return int(runner(bench(ns, home.resolve())))
+    finally:
+        if ns.home is None:
+            shutil.rmtree(home, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
