@@ -26,11 +26,14 @@ import itertools
 import json
 import logging
 import multiprocessing
+import multiprocessing.context
 import os
 import signal
 import sys
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Mapping, Sequence
+from multiprocessing import popen_forkserver, spawn
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Literal
@@ -352,7 +355,7 @@ class ForkserverLauncher(WorkerLauncher):
             forkserver.ensure_running()
             # The server imports its preload (torch: seconds) after it starts: fork one no-op child and
             # wait for it, so that time is spent here and not by the first batch.
-            warm = self._ctx.Process(target=_noop, name="forkserver-warmup", daemon=True)
+            warm = _WorkerForkProcess(target=_noop, name="forkserver-warmup", daemon=True)
             warm.start()
             warm.join(timeout=120)
 
@@ -372,7 +375,7 @@ class ForkserverLauncher(WorkerLauncher):
         changes = {k: v for k, v in env.items() if os.environ.get(k) != v}
         removed = [k for k in os.environ if k not in env]
         argv = ["--spec", str(spec_path), *self.worker_args()]
-        proc = self._ctx.Process(
+        proc = _WorkerForkProcess(
             target=run_forked, args=(argv, changes, removed, write_end, str(log_path)), name=name, daemon=False
         )
         try:
@@ -386,6 +389,38 @@ class ForkserverLauncher(WorkerLauncher):
 
 def _noop() -> None:
     pass
+
+
+_PREPARATION_LOCK = threading.Lock()
+
+
+class _WorkerPopen(popen_forkserver.Popen):
+    """Forks a worker without the parent's ``__main__``: multiprocessing would import the node manager's
+    (or the user script's) main module again in every worker, which costs each batch its import time
+    and runs a script's top level in the worker unless it has an ``if __name__ == "__main__":`` guard.
+    The worker's target lives in this package, so it needs nothing from ``__main__``."""
+
+    def _launch(self, process_obj: Any) -> None:
+        with _PREPARATION_LOCK:
+            real = spawn.get_preparation_data
+
+            def without_main(name: str) -> dict[str, Any]:
+                data: dict[str, Any] = real(name)
+                data.pop("init_main_from_name", None)
+                data.pop("init_main_from_path", None)
+                return data
+
+            spawn.get_preparation_data = without_main
+            try:
+                super()._launch(process_obj)  # type: ignore[misc]
+            finally:
+                spawn.get_preparation_data = real
+
+
+class _WorkerForkProcess(multiprocessing.context.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        return _WorkerPopen(process_obj)
 
 
 async def _stream_reader(conn: Connection) -> asyncio.StreamReader:

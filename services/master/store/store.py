@@ -737,18 +737,30 @@ class SqlStore:
 
     def node_managers(self) -> list[NodeManagerRecord]:
         with self._tx("list node managers") as s:
+            # plain column rows, not ORM objects: every scheduling round reads these
             infos: dict[str, list[SlotInfo]] = {}
-            for r in s.scalars(select(m.Slot).order_by(m.Slot.slot_id)):
-                infos.setdefault(r.node_manager_id, []).append(
-                    SlotInfo(
-                        r.slot_id, r.gpu_type, r.memory_bytes, r.compute_capability, r.share, r.cpu_cores, r.gpu_index
-                    )
-                )
+            slot = m.Slot
+            for nm_id, sid, gpu, mem, cc, share, cores, index in s.execute(
+                select(
+                    slot.node_manager_id,
+                    slot.slot_id,
+                    slot.gpu_type,
+                    slot.memory_bytes,
+                    slot.compute_capability,
+                    slot.share,
+                    slot.cpu_cores,
+                    slot.gpu_index,
+                ).order_by(slot.slot_id)
+            ):
+                infos.setdefault(nm_id, []).append(SlotInfo(sid, gpu, mem, cc, share, cores, index))
             out = []
-            for nm in s.scalars(select(m.NodeManager).order_by(m.NodeManager.id)):
-                mine = tuple(infos.get(nm.id, ()))
+            nm = m.NodeManager
+            for nm_id, address, state, beat in s.execute(
+                select(nm.id, nm.address, nm.state, nm.last_heartbeat).order_by(nm.id)
+            ):
+                mine = tuple(infos.get(nm_id, ()))
                 slots = tuple((i.id, i.gpu_type) for i in mine)
-                out.append(NodeManagerRecord(nm.id, nm.address, nm.state, nm.last_heartbeat, slots, mine))
+                out.append(NodeManagerRecord(nm_id, address, state, beat, slots, mine))
             return out
 
     def mark_lost(self, nm_id: str) -> list[int]:
@@ -818,8 +830,16 @@ class SqlStore:
             return out
 
     def running_batches(self) -> list[BatchRecord]:
+        b = m.Batch
         with self._tx("load running batches") as s:
-            return [_batch_record(b) for b in s.scalars(select(m.Batch).where(m.Batch.state == RUNNING))]
+            return [
+                BatchRecord(int(i), int(p), st, a, spec, nm, slot)
+                for i, p, st, a, spec, nm, slot in s.execute(
+                    select(b.id, b.plan_id, b.state, b.attempt, b.spec_json, b.node_manager_id, b.slot_id).where(
+                        b.state == RUNNING
+                    )
+                )
+            ]
 
     def get_batch(self, batch_id: int) -> BatchRecord:
         with self._tx("get batch") as s:
