@@ -351,7 +351,7 @@ class ForkserverLauncher(WorkerLauncher):
 
         def ensure() -> None:
             # Only our modules: the default would import the node manager's __main__ in the server.
-            self._ctx.set_forkserver_preload([WORKER_MODULE, *self.preload])
+            self._ctx.set_forkserver_preload([WORKER_MODULE, *self.preload, FORKSERVER_FREEZE_MODULE])
             forkserver.ensure_running()
             # The server imports its preload (torch: seconds) after it starts: fork one no-op child and
             # wait for it, so that time is spent here and not by the first batch.
@@ -385,6 +385,9 @@ class ForkserverLauncher(WorkerLauncher):
         reader = await _stream_reader(read_end)
         log.debug("worker process forked", extra={"pid": proc.pid, "slot_id": slot.id, "batch_id": spec.batch_id})
         return _ForkedWorker(proc, slot, log_path, reader)
+
+
+FORKSERVER_FREEZE_MODULE = "stagetree.nodemanager.runtime.forkserver_freeze"
 
 
 def _noop() -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import statistics
 import sys
 import tempfile
 import time
@@ -50,14 +51,15 @@ import digits_sha  # the demo is a script, not a package
 HEAVY = {"hidden": 4096, "minibatches": 16}
 WORKERS = 2
 SEED = 0
+RUNS = 3
 BATCH_SIZES = (32, 64, 128)  # the demo's batch-size sequences take these values
 
 
 @dataclass(frozen=True)
 class EmbeddedFigures:
-    executed: int
+    executed: int  # the most any run trained
     unique: int
-    wall_s: float  # the study, creation to finish
+    wall_s: float  # the study, creation to finish (median of the runs)
     startup_s: float  # the embedded cluster coming up
     pure_s: float  # the simulated makespan with plain-loop step costs and no platform
     step_ms: dict[int, float]  # plain-loop cost of a step per batch size
@@ -133,28 +135,44 @@ class ReplayDriver:
         return self._asks(self.after.pop(tag, []))
 
 
-async def _run_study(home: Path) -> tuple[Any, dict[str, Any], int, float, float]:
+@dataclass(frozen=True)
+class StudyRun:
+    trace: Sequence[tuple[object, list[Action]]]
+    plan: dict[str, Any]
+    executed: int
+    wall_s: float
+
+
+async def _run_studies(home: Path, runs: int) -> tuple[list[StudyRun], float]:
+    """The study ``runs`` times on one embedded cluster (each on a plan of its own: the fixed value
+    ``bench_run`` differs, so no run is answered from an earlier one's results); and the start-up."""
     t0 = time.monotonic()
+    out = []
     async with Embedded(EmbeddedSettings(home=home, workers=WORKERS)) as cluster:
         startup = time.monotonic() - t0
         async with stagetree.connect(cluster.target, token=cluster.token) as client:
-            t1 = time.monotonic()
-            study = await stagetree.Study.create(
-                client,
-                "digits-sha-heavy",
-                trainer=digits_sha.TRAINER,
-                dataset="sklearn-digits",
-                model=f"mlp-{HEAVY['hidden']}",
-                seed=SEED,
-                values=dict(HEAVY),
-                tuned=["lr", "bs", "momentum"],
-            )
-            tuner = SHA(digits_sha.search_space(), metric="accuracy", mode="max", eta=3, min_step=10, max_step=90)
-            run = await drive(study, tuner)
-            wall = time.monotonic() - t1
-            plan = await study.plan()
-            executed = await asyncio.to_thread(cluster.app.store.executed_steps)
-    return run, plan, executed, wall, startup
+            for i in range(runs):
+                t1 = time.monotonic()
+                study = await stagetree.Study.create(
+                    client,
+                    f"digits-sha-heavy-{i}",
+                    trainer=digits_sha.TRAINER,
+                    dataset="sklearn-digits",
+                    model=f"mlp-{HEAVY['hidden']}",
+                    seed=SEED,
+                    values={**HEAVY, "bench_run": i},
+                    tuned=["lr", "bs", "momentum"],
+                )
+                tuner = SHA(digits_sha.search_space(), metric="accuracy", mode="max", eta=3, min_step=10, max_step=90)
+                run = await drive(study, tuner)
+                wall = time.monotonic() - t1
+                plan = await study.plan()
+                store = cluster.app.store
+                plan_id = (await asyncio.to_thread(store.get_requests, study.id))[0].plan_id
+                executed = await asyncio.to_thread(store.executed_steps, plan_id)
+                out.append(StudyRun(run.trace, plan, executed, wall))
+                print(f"  run {i + 1}: study wall {wall:.2f} s, executed {executed} steps", flush=True)
+    return out, startup
 
 
 def _plain_costs_child(barrier: Any, out: Any) -> None:
@@ -178,20 +196,24 @@ def parallel_plain_costs(workers: int = WORKERS) -> tuple[dict[int, float], floa
     return steps, sum(g[1] for g in got) / len(got)
 
 
-def embedded_figures(home: Path | None = None) -> EmbeddedFigures:
+def embedded_figures(home: Path | None = None, runs: int = RUNS) -> EmbeddedFigures:
+    """Medians over ``runs``: of the study's wall time, and of the plain-loop costs (measured ``runs``
+    times after the study runs); this two-core VM's timings vary by some 20% from run to run."""
     with tempfile.TemporaryDirectory(prefix="stagetree-bench-embedded-") as tmp:
-        run, plan, executed, wall, startup = asyncio.run(_run_study(home or Path(tmp)))
-    step_s, eval_s = parallel_plain_costs()
+        studies, startup = asyncio.run(_run_studies(home or Path(tmp), runs))
+    costs = [parallel_plain_costs() for _ in range(runs)]
+    step_s = {bs: statistics.median(c[0][bs] for c in costs) for bs in BATCH_SIZES}
+    eval_s = statistics.median(c[1] for c in costs)
 
     def step_time(config: Config, step: int) -> float:
         return step_s[int(config.values_at(step)["bs"])]
 
-    sim = Simulator(ReplayDriver(run.trace), WORKERS, step_time=step_time, eval_s=eval_s)
-    report = sim.run()
+    first = studies[0]
+    report = Simulator(ReplayDriver(first.trace), WORKERS, step_time=step_time, eval_s=eval_s).run()
     return EmbeddedFigures(
-        executed=executed,
-        unique=digits_sha.unique_steps(plan),
-        wall_s=wall,
+        executed=max(s.executed for s in studies),
+        unique=digits_sha.unique_steps(first.plan),
+        wall_s=statistics.median(s.wall_s for s in studies),
         startup_s=startup,
         pure_s=report.makespan,
         step_ms={bs: s * 1000 for bs, s in step_s.items()},
@@ -202,7 +224,7 @@ def embedded_figures(home: Path | None = None) -> EmbeddedFigures:
 def main() -> None:
     f = embedded_figures()
     print(
-        f"  executed {f.executed} steps, unique {f.unique}; study wall {f.wall_s:.2f} s (cluster start-up "
+        f"  executed {f.executed} steps, unique {f.unique}; study wall (median) {f.wall_s:.2f} s (cluster start-up "
         f"{f.startup_s:.2f} s apart), pure {f.pure_s:.2f} s (plain-loop step ms by batch size "
         f"{ {bs: round(ms, 1) for bs, ms in f.step_ms.items()} }, eval {f.eval_ms:.1f} ms)",
         flush=True,
