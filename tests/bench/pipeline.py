@@ -411,7 +411,7 @@ def main() -> None:
     child = subprocess.run(
         [sys.executable, "-m", "tests.bench.embedded"], capture_output=True, text=True, check=False, timeout=900
     )
-    lines = child.stdout.strip().splitlines()
+    lines = child.stdout.rstrip().splitlines()
     if child.returncode != 0 or not lines or not lines[-1].startswith("embedded_steps_vs_unique="):
         print(child.stdout + child.stderr[-4000:], file=sys.stderr)
         raise SystemExit(f"the embedded run failed (exit status {child.returncode})")
