@@ -68,16 +68,11 @@ class InProcessCoordination:
         self._lock = threading.Lock()
         self._beats: dict[str, float] = {}
         self._lease: tuple[str, float] | None = None
-        self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]] = {}
         self._subs: dict[str, set[_InProcessSubscription]] = {}
 
     def notify(self, channel: str) -> None:
         with self._lock:
-            waiters = self._waiters.pop(channel, [])
             subs = list(self._subs.get(channel, ()))
-        for loop, fut in waiters:
-            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting any more
-                loop.call_soon_threadsafe(_resolve, fut)
         for sub in subs:
             sub.wake()
 
@@ -96,21 +91,11 @@ class InProcessCoordination:
                     del self._subs[sub.channel]
 
     async def wait(self, channel: str, timeout: float) -> bool:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        entry = (loop, fut)
-        with self._lock:
-            self._waiters.setdefault(channel, []).append(entry)
+        sub = await self.subscribe(channel)
         try:
-            await asyncio.wait_for(fut, timeout)
-            return True
-        except TimeoutError:
-            return False
+            return await sub.wait(timeout)
         finally:
-            with self._lock:
-                lst = self._waiters.get(channel)
-                if lst and entry in lst:
-                    lst.remove(entry)
+            await sub.close()
 
     def heartbeat(self, node_manager_id: str, ttl_s: float) -> None:
         with self._lock:
@@ -136,11 +121,6 @@ class InProcessCoordination:
 
     def close(self) -> None:
         pass
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 class _InProcessSubscription:

@@ -52,6 +52,18 @@ def result_pb(r: RequestRecord) -> pb.RequestResult:
     )
 
 
+def slot_pb(s: SlotInfo) -> pb.Slot:
+    return pb.Slot(
+        id=s.id,
+        gpu_type=s.gpu_type,
+        memory_bytes=s.memory_bytes,
+        compute_capability=s.compute_capability,
+        share=s.share,
+        cpu_cores=s.cpu_cores,
+        gpu_index=s.gpu_index,
+    )
+
+
 class MasterGrpc(pb_grpc.MasterServiceServicer):
     def __init__(
         self, service: MasterService, auth: Authenticator, coordination: Coordination, heartbeat_interval_s: float
@@ -172,18 +184,7 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
                     address=n.address,
                     state=n.state,
                     last_heartbeat=n.last_heartbeat,
-                    slots=[
-                        pb.Slot(
-                            id=s.id,
-                            gpu_type=s.gpu_type,
-                            memory_bytes=s.memory_bytes,
-                            compute_capability=s.compute_capability,
-                            share=s.share,
-                            cpu_cores=s.cpu_cores,
-                            gpu_index=s.gpu_index,
-                        )
-                        for s in n.slot_infos
-                    ],
+                    slots=[slot_pb(s) for s in n.slot_infos],
                 )
                 for n in recs
             ]

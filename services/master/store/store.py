@@ -39,6 +39,7 @@ T = TypeVar("T")
 NOT_SCHED, SCHED, DONE, CANCELLED = "NOT_SCHED", "SCHED", "DONE", "CANCELLED"
 LIVE_STATES = (NOT_SCHED, SCHED)
 REQUEST_FAILED = "FAILED"  # a request whose work failed more than the retry limit
+FINISHED_STATES = (DONE, CANCELLED, REQUEST_FAILED)  # a request in one of these has its answer
 RUNNING, BATCH_DONE, FAILED, LOST, ABORTED = "RUNNING", "DONE", "FAILED", "LOST", "ABORTED"
 PREEMPTED = "PREEMPTED"
 ALIVE = "ALIVE"
@@ -854,11 +855,7 @@ class SqlStore:
         """Create a batch and its first attempt on a slot and mark its requests SCHED, in one transaction.
         ``spec_for(batch_id, attempt) -> str`` renders the spec. Returns None (and writes nothing) when
         none of the requests is still NOT_SCHED (another round or a cancel got there first)."""
-        now = time.time()
-        try:
-            return self._dispatch(plan_id, spec_for, request_ids, nm_id, slot_id, now)
-        except _NothingToDispatch:
-            return None
+        return self.dispatch_many([DispatchItem(plan_id, spec_for, request_ids, nm_id, slot_id)])[0]
 
     def dispatch_many(self, items: Sequence[DispatchItem]) -> list[BatchRecord | None]:
         """``dispatch`` for each item, all in one transaction (a round's dispatches commit together, not
@@ -909,41 +906,6 @@ class SqlStore:
             if rec is not None:
                 self._remember_batch_plan(rec.id, rec.plan_id)
         return out
-
-    def _dispatch(
-        self, plan_id: int, spec_for: Any, request_ids: Sequence[int], nm_id: str, slot_id: str, now: float
-    ) -> BatchRecord:
-        with self._tx("dispatch batch") as s:
-            b = m.Batch(
-                plan_id=plan_id,
-                state=RUNNING,
-                attempt=1,
-                spec_json="",
-                node_manager_id=nm_id,
-                slot_id=slot_id,
-                created_at=now,
-                updated_at=now,
-            )
-            s.add(b)
-            s.flush()
-            if request_ids:
-                res = s.execute(
-                    update(m.Request)
-                    .where(m.Request.id.in_(list(request_ids)), m.Request.state == NOT_SCHED)
-                    .values(state=SCHED, batch_id=b.id)
-                )
-                if res.rowcount == 0:  # type: ignore[attr-defined]
-                    raise _NothingToDispatch
-            b.spec_json = spec_for(b.id, 1)
-            s.add(
-                m.BatchAttempt(
-                    batch_id=b.id, attempt=1, node_manager_id=nm_id, slot_id=slot_id, state=RUNNING, dispatched_at=now
-                )
-            )
-            s.flush()
-            rec = _batch_record(b)
-        self._remember_batch_plan(rec.id, rec.plan_id)
-        return rec
 
     def take_assignments(self, nm_id: str) -> list[Assignment]:
         """Running attempts for this node manager not yet sent, then its queued control actions; each is
@@ -1148,7 +1110,7 @@ class SqlStore:
                     select(m.Request).where(
                         m.Request.study_id == study_id,
                         m.Request.id.in_(list(request_ids)),
-                        m.Request.state.in_((DONE, CANCELLED, REQUEST_FAILED)),
+                        m.Request.state.in_(FINISHED_STATES),
                     )
                 )
             ]
@@ -1238,10 +1200,6 @@ class SqlStore:
             return [
                 (int(n), int(st), float(t), {k: metric_value(v) for k, v in vals.items()}) for n, st, t, vals in rows
             ]
-
-
-class _NothingToDispatch(Exception):
-    """Rolls a dispatch back when its requests were taken meanwhile."""
 
 
 def _request_record(r: m.Request) -> RequestRecord:
