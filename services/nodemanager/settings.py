@@ -44,7 +44,7 @@ class NodeManagerSettings(BaseSettings):
     # How workers start (see nodemanager.workers): "exec" a fresh interpreter per batch, "forkserver" fork
     # from a server that imported torch once; "auto" forks only when no slot has a GPU.
     worker_start: Literal["auto", "exec", "forkserver"] = "auto"
-    prestart_workers: bool = True  # exec: keep one worker per slot started (imports done), waiting for a batch
+    prestart_workers: bool = True  # keep one worker per slot started (imports done), waiting for a batch
     worker_preload: str = "torch._dynamo"  # modules imported ahead of the spec (comma-separated; trainers too)
     reconnect_initial_s: float = Field(default=0.5, gt=0)
     reconnect_max_s: float = Field(default=10.0, gt=0)

@@ -7,15 +7,17 @@ does not reach it: the node manager decides how its workers stop), gets its slot
 stderr into a log file per attempt under ``<work_dir>/logs``, whose tail explains a crash.
 
 Starting Python with torch takes seconds (torch, then ``torch._dynamo``, which the first optimizer a
-trainer builds imports), so a batch should not wait for it. Two launchers:
+trainer builds imports), so a batch should not wait for it. Both launchers keep, with ``prestart``, one
+worker per slot started ahead (``runtime.worker --spec -``: imports done, waiting for its spec on its
+input); on CPU slots with ``prepare``, it is also told to build the trainer of the fixed part the slot
+ran last (``Trainer.prepare_ahead``). A batch then pays neither the start nor, most often, ``init``.
 
-* ``ExecLauncher`` starts ``python -m stagetree.nodemanager.runtime.worker --spec -`` afresh for each
-  attempt and, with ``prestart``, keeps one such worker per slot started ahead (imports done, waiting
-  for its spec on stdin). Nothing is shared with the node manager: the choice for GPU machines.
+* ``ExecLauncher`` starts ``python -m stagetree.nodemanager.runtime.worker --spec -`` per attempt (the
+  spec on stdin). Nothing is shared with the node manager: the choice for GPU machines.
 * ``ForkserverLauncher`` forks each worker from a ``multiprocessing`` fork server that imported torch
-  once: a worker starts in milliseconds. The fork server never touches CUDA, but forking a process
-  that imported CUDA libraries has not been validated on GPU machines yet, so ``auto`` uses it only
-  when every slot is CPU-only.
+  once (the spec on a pipe): a worker starts in milliseconds. The fork server never touches CUDA, but
+  forking a process that imported CUDA libraries has not been validated on GPU machines yet, so
+  ``auto`` uses it only when every slot is CPU-only.
 """
 
 from __future__ import annotations
@@ -56,11 +58,24 @@ StartMethod = Literal["auto", "exec", "forkserver"]
 class WorkerProcess(ABC):
     """One worker process: its events, signals and exit status."""
 
-    def __init__(self, slot: LocalSlot, log_path: Path, events: asyncio.StreamReader) -> None:
+    def __init__(
+        self, slot: LocalSlot, log_path: Path, events: asyncio.StreamReader, stdin: asyncio.StreamWriter | None
+    ) -> None:
         self.slot = slot
         self.log_path = log_path
         self.killed = False  # killed by the node manager (SIGKILL)
         self._events = events
+        self._stdin = stdin
+
+    async def send(self, data: bytes, *, close: bool) -> None:
+        """Write to the worker's spec input (a prepare line, then its spec and the end of input)."""
+        if self._stdin is None:
+            raise BrokenPipeError("the worker's input is closed")
+        self._stdin.write(data)
+        await self._stdin.drain()
+        if close:
+            self._stdin.close()
+            self._stdin = None
 
     @property
     @abstractmethod
@@ -136,6 +151,8 @@ class WorkerLauncher(ABC):
         preload: Sequence[str] = (),
         mps_env: Mapping[str, str] | None = None,
         extra_env: Mapping[str, str] | None = None,
+        prestart: bool = True,
+        prepare: bool = True,
     ) -> None:
         self.checkpoint_root = checkpoint_root
         self.log_dir = work_dir / "logs"
@@ -144,7 +161,12 @@ class WorkerLauncher(ABC):
         self.preload = [m for m in preload if m]
         self.mps_env = dict(mps_env or {})
         self.extra_env = dict(extra_env or {})
+        self.prestart = prestart
+        self.prepare = prepare
         self._seq = itertools.count()
+        self._warm: dict[str, WorkerProcess] = {}
+        self._starting: dict[str, asyncio.Task[None]] = {}
+        self._closed = False
 
     def worker_args(self) -> list[str]:
         """The worker's arguments (after ``python -m runtime.worker``), without ``--spec``."""
@@ -166,15 +188,86 @@ class WorkerLauncher(ABC):
         self.log_dir.mkdir(parents=True, exist_ok=True)
         return self.log_dir / name
 
-    async def start(self, slots: Sequence[LocalSlot]) -> None:  # noqa: B027  (an optional hook)
-        """Get ready to spawn quickly (prestart, fork server)."""
-
     @abstractmethod
-    async def spawn(self, spec: BatchSpec, slot: LocalSlot) -> WorkerProcess:
-        """A worker process running ``spec`` on ``slot`` (OSError when it cannot be started)."""
+    async def _start(self, slot: LocalSlot) -> WorkerProcess:
+        """A worker process for ``slot`` that has done its imports and reads its spec from ``stdin``
+        (``runtime.worker --spec -``); OSError when it cannot be started."""
 
-    async def close(self) -> None:  # noqa: B027  (an optional hook)
-        """Release what ``start`` prepared (running workers belong to their callers)."""
+    async def start(self, slots: Sequence[LocalSlot]) -> None:
+        """Get ready to spawn quickly: with ``prestart``, a worker started ahead for each slot."""
+        for slot in slots:
+            self._replenish(slot)
+
+    def _replenish(self, slot: LocalSlot, last: BatchSpec | None = None) -> None:
+        """Start a warm worker for ``slot`` in the background unless one exists or is starting. With
+        ``prepare`` (CPU slots only), it is told to build the trainer of ``last``'s fixed part ahead
+        (``runtime.worker``'s prepare line): the next batch on a slot is most often of the same study.
+        On a GPU slot that trainer would take GPU memory beside the batch running there, so not there."""
+        if self._closed or not self.prestart or slot.id in self._starting:
+            return
+        current = self._warm.get(slot.id)
+        if current is not None and current.returncode is None:
+            return
+        hint = prepare_line(last) if last is not None and self.prepare and not slot.is_gpu else b""
+
+        async def start() -> None:
+            try:
+                worker = await self._start(slot)
+            except OSError as e:
+                log.error("cannot prestart a worker: %s", e, extra={"slot_id": slot.id})
+                return
+            finally:
+                self._starting.pop(slot.id, None)
+            if self._closed:
+                worker.kill()
+                await worker.wait()
+                return
+            if hint:
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    await worker.send(hint, close=False)
+            self._warm[slot.id] = worker
+
+        self._starting[slot.id] = asyncio.get_running_loop().create_task(start())
+
+    async def spawn(self, spec: BatchSpec, slot: LocalSlot) -> WorkerProcess:
+        """A worker process running ``spec`` on ``slot`` (OSError when it cannot be started): the slot's
+        warm one when there is one, else one started now; then the next warm one is started."""
+        starting = self._starting.get(slot.id)
+        if starting is not None:
+            await asyncio.shield(starting)
+        worker = self._warm.pop(slot.id, None)
+        if worker is None or worker.returncode is not None:
+            worker = await self._start(slot)
+        final = self.log_path(f"batch-{spec.batch_id}-a{spec.attempt}.log")
+        with contextlib.suppress(OSError):
+            os.replace(worker.log_path, final)
+            worker.log_path = final
+        try:
+            await worker.send(json.dumps(spec.to_json(), separators=(",", ":")).encode(), close=True)
+        except (BrokenPipeError, ConnectionResetError) as e:
+            # The warm process died in between; its exit is what the caller will see and report.
+            log.warning("worker died before it got its batch: %s", e, extra={"batch_id": spec.batch_id})
+        self._replenish(slot, spec)
+        return worker
+
+    async def close(self) -> None:
+        """Stop the warm workers (running workers belong to their callers)."""
+        self._closed = True
+        if self._starting:
+            await asyncio.wait(list(self._starting.values()), timeout=30)
+        warm, self._warm = list(self._warm.values()), {}
+        for w in warm:
+            w.kill()
+        for w in warm:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(w.wait(), 10)
+            with contextlib.suppress(OSError):
+                w.log_path.unlink()
+
+
+def prepare_line(spec: BatchSpec) -> bytes:
+    """The line that asks a warm worker to build the trainer of ``spec``'s fixed part ahead."""
+    return json.dumps({"prepare": {"fixed": spec.fixed.to_json(), "gpus": spec.gpus}}).encode() + b"\n"
 
 
 # -- one exec per attempt --------------------------------------------------------------------------
@@ -183,7 +276,7 @@ class WorkerLauncher(ABC):
 class _ExecWorker(WorkerProcess):
     def __init__(self, proc: asyncio.subprocess.Process, slot: LocalSlot, log_path: Path) -> None:
         assert proc.stdout is not None
-        super().__init__(slot, log_path, proc.stdout)
+        super().__init__(slot, log_path, proc.stdout, proc.stdin)
         self.proc = proc
 
     @property
@@ -206,15 +299,9 @@ class ExecLauncher(WorkerLauncher):
     """``python -m stagetree.nodemanager.runtime.worker --spec -`` per attempt; with ``prestart``, one
     started ahead per slot (its imports and ``preload`` done, waiting for the spec on stdin)."""
 
-    def __init__(
-        self, checkpoint_root: str, work_dir: Path, *, prestart: bool = True, python: str = sys.executable, **kw: Any
-    ) -> None:
+    def __init__(self, checkpoint_root: str, work_dir: Path, *, python: str = sys.executable, **kw: Any) -> None:
         super().__init__(checkpoint_root, work_dir, **kw)
-        self.prestart = prestart
         self.python = python
-        self._warm: dict[str, _ExecWorker] = {}
-        self._starting: dict[str, asyncio.Task[None]] = {}
-        self._closed = False
 
     def command(self) -> list[str]:
         preload = ["--preload", ",".join(self.preload)] if self.preload else []
@@ -235,77 +322,15 @@ class ExecLauncher(WorkerLauncher):
         log.debug("worker process started", extra={"pid": proc.pid, "slot_id": slot.id})
         return _ExecWorker(proc, slot, path)
 
-    async def start(self, slots: Sequence[LocalSlot]) -> None:
-        for slot in slots:
-            self._replenish(slot)
-
-    def _replenish(self, slot: LocalSlot) -> None:
-        """Start a warm worker for ``slot`` in the background unless one exists or is starting."""
-        if self._closed or not self.prestart or slot.id in self._starting:
-            return
-        current = self._warm.get(slot.id)
-        if current is not None and current.returncode is None:
-            return
-
-        async def start() -> None:
-            try:
-                worker = await self._start(slot)
-            except OSError as e:
-                log.error("cannot prestart a worker: %s", e, extra={"slot_id": slot.id})
-                return
-            finally:
-                self._starting.pop(slot.id, None)
-            if self._closed:
-                worker.kill()
-                await worker.wait()
-                return
-            self._warm[slot.id] = worker
-
-        self._starting[slot.id] = asyncio.get_running_loop().create_task(start())
-
-    async def spawn(self, spec: BatchSpec, slot: LocalSlot) -> WorkerProcess:
-        starting = self._starting.get(slot.id)
-        if starting is not None:
-            await asyncio.shield(starting)
-        worker = self._warm.pop(slot.id, None)
-        if worker is None or worker.returncode is not None:
-            worker = await self._start(slot)
-        final = self.log_path(f"batch-{spec.batch_id}-a{spec.attempt}.log")
-        with contextlib.suppress(OSError):
-            os.replace(worker.log_path, final)
-            worker.log_path = final
-        stdin = worker.proc.stdin
-        assert stdin is not None
-        try:
-            stdin.write(json.dumps(spec.to_json()).encode())
-            await stdin.drain()
-            stdin.close()
-        except (BrokenPipeError, ConnectionResetError) as e:
-            # The warm process died in between; its exit is what the caller will see and report.
-            log.warning("worker died before it got its batch: %s", e, extra={"batch_id": spec.batch_id})
-        self._replenish(slot)
-        return worker
-
-    async def close(self) -> None:
-        self._closed = True
-        if self._starting:
-            await asyncio.wait(list(self._starting.values()), timeout=30)
-        warm, self._warm = list(self._warm.values()), {}
-        for w in warm:
-            w.kill()
-        for w in warm:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(w.wait(), 10)
-            with contextlib.suppress(OSError):
-                w.log_path.unlink()
-
 
 # -- forked from a fork server ---------------------------------------------------------------------
 
 
 class _ForkedWorker(WorkerProcess):
-    def __init__(self, proc: Any, slot: LocalSlot, log_path: Path, events: asyncio.StreamReader) -> None:
-        super().__init__(slot, log_path, events)
+    def __init__(
+        self, proc: Any, slot: LocalSlot, log_path: Path, events: asyncio.StreamReader, stdin: asyncio.StreamWriter
+    ) -> None:
+        super().__init__(slot, log_path, events, stdin)
         self.proc = proc  # multiprocessing.Process (forkserver context)
         self._pid: int = proc.pid
         self._exited: asyncio.Future[int] | None = None
@@ -339,11 +364,11 @@ class _ForkedWorker(WorkerProcess):
 
 class ForkserverLauncher(WorkerLauncher):
     """Forks each worker from a ``multiprocessing`` fork server that imported the worker runtime (and
-    ``preload``) once. The fork server is started by ``start`` (in a thread: it takes the import time)."""
+    ``preload``) once. The fork server is started by ``start`` (in a thread: it takes the import time);
+    with ``prestart``, a worker is forked ahead for each slot and waits for its spec on a pipe."""
 
     def __init__(self, checkpoint_root: str, work_dir: Path, **kw: Any) -> None:
         super().__init__(checkpoint_root, work_dir, **kw)
-        self.spec_dir = work_dir / "specs"
         self._ctx = multiprocessing.get_context("forkserver")
 
     async def start(self, slots: Sequence[LocalSlot]) -> None:
@@ -360,31 +385,39 @@ class ForkserverLauncher(WorkerLauncher):
             warm.join(timeout=120)
 
         await asyncio.to_thread(ensure)
+        await super().start(slots)
 
-    async def spawn(self, spec: BatchSpec, slot: LocalSlot) -> WorkerProcess:
+    async def _start(self, slot: LocalSlot) -> _ForkedWorker:
         from stagetree.nodemanager.runtime.worker import run_forked
 
-        name = f"batch-{spec.batch_id}-a{spec.attempt}"
-        self.spec_dir.mkdir(parents=True, exist_ok=True)
-        spec_path = self.spec_dir / f"{name}.json"
-        spec_path.write_text(json.dumps(spec.to_json()))
-        log_path = self.log_path(f"{name}.log")
-        read_end, write_end = self._ctx.Pipe(duplex=False)
+        log_path = self.log_path(f"worker-{slot.id}-{os.getpid()}-{next(self._seq)}.log")
+        log_path.touch()  # here, not by the child: spawn may rename it before the child runs
+        events_read, events_write = self._ctx.Pipe(duplex=False)
+        spec_read, spec_write = self._ctx.Pipe(duplex=False)
         # Only what differs from the fork server's environment (inherited from this process).
         env = self.env(slot)
         changes = {k: v for k, v in env.items() if os.environ.get(k) != v}
         removed = [k for k in os.environ if k not in env]
-        argv = ["--spec", str(spec_path), *self.worker_args()]
+        argv = ["--spec", "-", *self.worker_args()]
         proc = _WorkerForkProcess(
-            target=run_forked, args=(argv, changes, removed, write_end, str(log_path)), name=name, daemon=False
+            target=run_forked,
+            args=(argv, changes, removed, events_write, str(log_path), spec_read),
+            name=f"worker-{slot.id}",
+            daemon=False,
         )
         try:
             await asyncio.to_thread(proc.start)
+        except BaseException:
+            spec_write.close()
+            events_read.close()
+            raise
         finally:
-            write_end.close()
-        reader = await _stream_reader(read_end)
-        log.debug("worker process forked", extra={"pid": proc.pid, "slot_id": slot.id, "batch_id": spec.batch_id})
-        return _ForkedWorker(proc, slot, log_path, reader)
+            events_write.close()
+            spec_read.close()
+        reader = await _stream_reader(events_read)
+        writer = await _stream_writer(spec_write)
+        log.debug("worker process forked", extra={"pid": proc.pid, "slot_id": slot.id})
+        return _ForkedWorker(proc, slot, log_path, reader, writer)
 
 
 FORKSERVER_FREEZE_MODULE = "stagetree.nodemanager.runtime.forkserver_freeze"
@@ -426,6 +459,16 @@ class _WorkerForkProcess(multiprocessing.context.ForkServerProcess):
         return _WorkerPopen(process_obj)
 
 
+async def _stream_writer(conn: Connection) -> asyncio.StreamWriter:
+    """An asyncio writer over the write end of a pipe (taking the descriptor over from ``conn``)."""
+    loop = asyncio.get_running_loop()
+    fd = os.dup(conn.fileno())
+    conn.close()
+    pipe = os.fdopen(fd, "wb", buffering=0)
+    transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, pipe)
+    return asyncio.StreamWriter(transport, protocol, None, loop)
+
+
 async def _stream_reader(conn: Connection) -> asyncio.StreamReader:
     """An asyncio reader over the read end of a pipe (taking the descriptor over from ``conn``)."""
     loop = asyncio.get_running_loop()
@@ -452,5 +495,5 @@ def make_launcher(
     if method == "exec":
         return ExecLauncher(checkpoint_root, work_dir, prestart=prestart, **kw)
     if method == "forkserver":
-        return ForkserverLauncher(checkpoint_root, work_dir, **kw)
+        return ForkserverLauncher(checkpoint_root, work_dir, prestart=prestart, **kw)
     raise InvalidArgument(f"worker start method {method!r}; known: ['auto', 'exec', 'forkserver']")

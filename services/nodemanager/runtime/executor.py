@@ -32,7 +32,7 @@ from typing import Any, Literal
 import torch
 
 from stagetree.core.batch import BatchSpec, Point
-from stagetree.core.config import Config
+from stagetree.core.config import Config, FixedPart
 from stagetree.core.sequences import Value
 from stagetree.nodemanager.runtime.checkpoints import CheckpointStore, StoredCheckpoint
 from stagetree.nodemanager.runtime.events import Emit
@@ -102,6 +102,22 @@ def _done_future(value: StoredCheckpoint) -> Future[StoredCheckpoint]:
     return f
 
 
+def device_for(gpus: int) -> torch.device:
+    """The device of a batch that asks for ``gpus`` GPUs: CUDA when it asks for any and has one."""
+    return torch.device("cuda" if gpus > 0 and torch.cuda.is_available() else "cpu")
+
+
+def new_trainer(factory: Callable[[], Trainer], fixed: FixedPart, device: torch.device) -> Trainer:
+    """A trainer bound to its context, seeded and initialized: what every batch of ``fixed`` builds
+    before it loads its checkpoint. It depends on nothing else, so a warm worker can build it before
+    its batch arrives (``runtime.worker``'s prepare line)."""
+    trainer = factory()
+    trainer.bind(TrainerContext(fixed=fixed.values, seed=fixed.seed, device=device))
+    seed_everything(fixed.seed)
+    trainer.init()
+    return trainer
+
+
 class BatchRun:
     """One attempt of one batch. ``run()`` it on one thread; ``amend()`` may be called from any."""
 
@@ -118,16 +134,15 @@ class BatchRun:
         max_pending_saves: int = 2,
         progress_interval_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        prepared: Trainer | None = None,
     ) -> None:
         self.spec = spec
         self._factory = trainer_factory
         self._store = store
         self._emit = emit
         self._should_preempt = should_preempt
-        if device is None:
-            use_cuda = spec.gpus > 0 and torch.cuda.is_available()
-            device = torch.device("cuda" if use_cuda else "cpu")
-        self._device = device
+        self._device = device_for(spec.gpus) if device is None else device
+        self._prepared = prepared  # new_trainer(trainer_factory, spec.fixed, device), built ahead
         self._background = background_saves
         self._max_pending = max(1, max_pending_saves)
         self._progress_interval = progress_interval_s
@@ -220,10 +235,9 @@ class BatchRun:
 
     def _start(self) -> Trainer:
         spec = self.spec
-        trainer = self._factory()
-        trainer.bind(TrainerContext(fixed=spec.fixed.values, seed=spec.fixed.seed, device=self._device))
-        seed_everything(spec.fixed.seed)
-        trainer.init()
+        trainer, self._prepared = self._prepared, None
+        if trainer is None:
+            trainer = new_trainer(self._factory, spec.fixed, self._device)
         self._trainer = trainer
         if spec.source.uri is not None:
             at = restore(trainer, self._store, spec.source.uri)

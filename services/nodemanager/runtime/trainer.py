@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -56,6 +56,12 @@ class Trainer(ABC):
     seed: int
     device: torch.device
     step: int
+
+    # Whether ``init`` only builds (model, optimizer, data: no side effects outside the process, such as
+    # creating an experiment-tracker run) so that a warm worker may run it ahead, before its batch
+    # arrives, for the fixed part the slot ran last: a batch of that fixed part then starts from the
+    # trainer built ahead, and any other batch builds its own (the one built ahead is dropped).
+    prepare_ahead: ClassVar[bool] = False
 
     def bind(self, ctx: TrainerContext) -> None:
         """Called by the runtime, once, before ``init``."""

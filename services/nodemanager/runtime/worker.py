@@ -5,6 +5,9 @@
 
 * ``--spec -`` reads the spec from stdin (until EOF) once the imports are done: the node manager starts
   such a worker ahead of time and hands it a batch later. An empty stdin means "nothing to run" (exit 0).
+  The input may start with a prepare line, ``{"prepare": {"fixed": FixedPart JSON, "gpus": n}}``: the
+  worker then builds that trainer while it waits (``prepare``; only for a trainer class with
+  ``prepare_ahead``), and the batch starts from it when its fixed part is the same.
   ``--preload a,b`` imports those modules before the spec is read (``torch._dynamo``, which the first
   optimizer a trainer builds imports, costs about as much as torch itself).
 * The trainer is ``spec.fixed.trainer``, an entry point ``"package.module:ClassName"``.
@@ -39,6 +42,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
@@ -46,11 +50,12 @@ from typing import Any, TextIO
 import torch
 
 from stagetree.core.batch import BatchSpec, Point
+from stagetree.core.config import FixedPart
 from stagetree.core.errors import StagetreeError
 from stagetree.nodemanager.runtime.checkpoints import LocalCheckpointStore
 from stagetree.nodemanager.runtime.events import encode_event
-from stagetree.nodemanager.runtime.executor import BatchRun
-from stagetree.nodemanager.runtime.trainer import load_trainer_class
+from stagetree.nodemanager.runtime.executor import BatchRun, device_for, new_trainer
+from stagetree.nodemanager.runtime.trainer import Trainer, load_trainer_class
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +150,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, spec_input: TextIO | None = None) -> int:
     args = _parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("STAGETREE_LOG_LEVEL", "INFO"),
@@ -161,11 +166,20 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as e:
             log.warning("preload of %s failed: %s", name, e)
 
+    prepared: Prepared | None = None
     try:
-        text = sys.stdin.read() if args.spec == "-" else Path(args.spec).read_text()
-        if args.spec == "-" and not text.strip():
-            log.debug("no batch spec on stdin: nothing to run")
-            return 0
+        if args.spec == "-":
+            stream = spec_input if spec_input is not None else sys.stdin
+            text = stream.readline()
+            if text.startswith(PREPARE_PREFIX):
+                prepared = prepare(text)
+                text = ""
+            text += stream.read()
+            if not text.strip():
+                log.debug("no batch spec on stdin: nothing to run")
+                return 0
+        else:
+            text = Path(args.spec).read_text()
         spec = BatchSpec.from_json(json.loads(text))
         store = LocalCheckpointStore(args.checkpoint_root)
     except (OSError, ValueError, StagetreeError) as e:
@@ -181,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGUSR1, on_signal)
 
-    stream = _events_stream(args.events_fd)
-    emit = EventWriter(stream)
+    stream_out = _events_stream(args.events_fd)
+    emit = EventWriter(stream_out)
     ids = {"batch_id": spec.batch_id, "attempt": spec.attempt}
     try:
         trainer_cls = load_trainer_class(spec.fixed.trainer)
@@ -193,7 +207,17 @@ def main(argv: list[str] | None = None) -> int:
         )
         return EXIT_FAILED
 
-    run = BatchRun(spec, trainer_cls, store, emit, preempt.is_set, progress_interval_s=args.progress_interval)
+    trainer = None
+    if prepared is not None:
+        if prepared.fits(spec):
+            trainer = prepared.trainer
+            log.info("starting from the trainer built ahead", extra=ids)
+        else:
+            log.info("the trainer prepared ahead is for another fixed part; building the batch's own", extra=ids)
+        prepared = None
+    run = BatchRun(
+        spec, trainer_cls, store, emit, preempt.is_set, progress_interval_s=args.progress_interval, prepared=trainer
+    )
     if args.control_fd is not None:
         threading.Thread(target=_serve_control, args=(args.control_fd, run), name="control", daemon=True).start()
     outcome = run.run()
@@ -201,11 +225,49 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_FAILED if outcome.status == "failed" else 0
 
 
-def run_forked(argv: list[str], env: dict[str, str], unset: list[str], events: Any, log_path: str) -> None:
+PREPARE_PREFIX = '{"prepare"'
+
+
+@dataclass
+class Prepared:
+    """A trainer built ahead from a prepare line, and what it was built for."""
+
+    fixed: FixedPart
+    gpus: int
+    trainer: Trainer
+
+    def fits(self, spec: BatchSpec) -> bool:
+        return self.fixed == spec.fixed and (self.gpus > 0) == (spec.gpus > 0)
+
+
+def prepare(line: str) -> Prepared | None:
+    """Build the trainer that a prepare line ``{"prepare": {"fixed": ..., "gpus": n}}`` names, the way a
+    batch of that fixed part builds it before loading its checkpoint (``executor.new_trainer``), while
+    the worker waits for its spec; only when the trainer class says its ``init`` may run ahead
+    (``Trainer.prepare_ahead``), else the module is just imported. None, logged, when that fails: the
+    batch then builds its own and reports the error as its own."""
+    try:
+        hint = json.loads(line)["prepare"]
+        fixed = FixedPart.from_json(hint["fixed"])
+        gpus = int(hint.get("gpus", 0))
+        trainer_cls = load_trainer_class(fixed.trainer)  # imported ahead in any case
+        if not trainer_cls.prepare_ahead:
+            return None
+        trainer = new_trainer(trainer_cls, fixed, device_for(gpus))
+    except Exception as e:  # user code: anything may come out of it
+        log.warning("could not prepare the trainer ahead (the batch will build it): %s: %s", type(e).__name__, e)
+        return None
+    return Prepared(fixed, gpus, trainer)
+
+
+def run_forked(
+    argv: list[str], env: dict[str, str], unset: list[str], events: Any, log_path: str, spec_input: Any = None
+) -> None:
     """Entry of a worker forked from the node manager's fork server (``nodemanager.workers``): leave the
     server's session, send stdout and stderr to ``log_path``, take the slot's environment (before
     anything reads it: CUDA is not initialized yet), and run ``main`` with events on ``events`` (the
-    write end of a ``multiprocessing`` pipe)."""
+    write end of a ``multiprocessing`` pipe) and, with ``--spec -``, the spec read from ``spec_input``
+    (the read end of another)."""
     os.setsid()
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
@@ -216,7 +278,11 @@ def run_forked(argv: list[str], env: dict[str, str], unset: list[str], events: A
     os.environ.update(env)
     events_fd = os.dup(events.fileno())
     events.close()
-    sys.exit(main([*argv, "--events-fd", str(events_fd)]))
+    spec_stream = None
+    if spec_input is not None:
+        spec_stream = os.fdopen(os.dup(spec_input.fileno()), "r", encoding="utf-8")
+        spec_input.close()
+    sys.exit(main([*argv, "--events-fd", str(events_fd)], spec_stream))
 
 
 def exit_now(code: int) -> None:

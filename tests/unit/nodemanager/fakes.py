@@ -67,6 +67,8 @@ class FakeLink(MasterLink):
 class EnvRecorder(DigitsMLP):
     """Digits, writing the worker's device and thread environment to ``fixed["env_file"]`` at init."""
 
+    prepare_ahead = False  # its init writes a file: a warm worker must not run it ahead
+
     KEYS = ("CUDA_VISIBLE_DEVICES", "STAGETREE_WORKER_THREADS", "OMP_NUM_THREADS", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
 
     def init(self) -> None:
@@ -102,6 +104,8 @@ class FlakyBus(InProcessBus):
 class ForkingDigits(DigitsMLP):
     """Digits whose init forks a process that outlives the worker and holds its pipes (as a
     data-loader worker can); its pid goes to ``fixed["pid_file"]``."""
+
+    prepare_ahead = False  # its init starts a process: a warm worker must not run it ahead
 
     def init(self) -> None:
         import time

@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from stagetree.core.batch import BatchSpec
 from stagetree.core.errors import Unauthenticated, Unavailable
 from stagetree.nodemanager.agent import NodeManager
-from stagetree.nodemanager.examples.digits import digits_batch
+from stagetree.nodemanager.examples.digits import DigitsMLP, digits_batch
 from stagetree.nodemanager.examples.faults import ENTRY_POINT as FAULTY
 from stagetree.nodemanager.examples.faults import EXIT_CODE
 from stagetree.nodemanager.gpu import GpuInfo, GpuSample, StaticGpuProbe
@@ -26,6 +27,7 @@ from stagetree.nodemanager.link import ABORT, DELETE_CHECKPOINTS, PREEMPT, RUN, 
 from stagetree.nodemanager.mps import MpsDaemon
 from stagetree.nodemanager.reporting import GrpcReporter
 from stagetree.nodemanager.runtime.checkpoints import LocalCheckpointStore
+from stagetree.nodemanager.runtime.executor import BatchRun
 from stagetree.nodemanager.slots import LocalSlot
 from stagetree.nodemanager.workers import ExecLauncher, ForkserverLauncher, WorkerLauncher
 from tests.unit.nodemanager.fakes import ENV_RECORDER, FORKING, FakeLink
@@ -363,3 +365,38 @@ async def test_a_process_the_worker_leaves_behind_does_not_hold_up_the_report(h:
         return False
 
     await until(gone, 10)
+
+
+def _metrics_in_process(spec: BatchSpec, store: LocalCheckpointStore) -> list[dict[str, Any]]:
+    """The metrics events of ``spec`` run here, by a trainer built for it (one torch thread, as a worker)."""
+    events: list[dict[str, Any]] = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        BatchRun(spec, DigitsMLP, store, lambda kind, p: events.append(p) if kind == "metrics" else None).run()
+    finally:
+        torch.set_num_threads(threads)
+    return [e["metrics"] for e in events]
+
+
+@pytest.mark.parametrize("launcher", ["forkserver", "exec"])
+async def test_a_warm_worker_builds_the_trainer_ahead_and_the_batch_trains_the_same(
+    tmp_path: Path, launcher: str
+) -> None:
+    h = await _start(tmp_path, launcher=launcher)
+    specs = [_spec(1, steps=2, hidden=24), _spec(2, steps=4, hidden=24), _spec(3, steps=4, hidden=16)]
+    try:
+        reports = []
+        for spec in specs:  # one slot: after each spawn its next warm worker prepares that batch's fixed part
+            h.run(spec)
+            reports.append(await h.report(spec.batch_id))
+    finally:
+        h.stop.set()
+        await asyncio.wait_for(h.task, 30)
+    logs = {s.batch_id: (tmp_path / "work" / "logs" / f"batch-{s.batch_id}-a1.log").read_text() for s in specs}
+    assert "trainer built ahead" in logs[2]  # the same fixed part as batch 1's
+    assert "trainer built ahead" not in logs[3] and "for another fixed part" in logs[3]
+    direct = LocalCheckpointStore(tmp_path / "direct", fsync=False)
+    for spec, report in zip(specs[1:], reports[1:], strict=True):
+        assert report.ok
+        assert [dict(m.values) for m in report.metrics] == _metrics_in_process(spec, direct)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import torch
 
 from stagetree.core.sequences import Value
-from stagetree.nodemanager.examples.digits import DigitsMLP, digits_split, load_digits_arrays
+from stagetree.nodemanager.examples.digits import CACHE_ENV, DigitsMLP, digits_split, load_digits_arrays
 from stagetree.nodemanager.runtime.trainer import TrainerContext
 
 
@@ -39,3 +40,23 @@ def test_learns_and_steps_are_fast() -> None:
     assert after["accuracy"] > 0.9 > before["accuracy"]
     assert after["loss"] < before["loss"]
     assert per_step < 0.02  # a few ms at most, even on a loaded machine
+
+
+def test_parsed_data_is_cached_and_a_bad_cache_is_parsed_again(tmp_path: Any, monkeypatch: Any) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    x, y = load_digits_arrays()
+    (cached,) = tmp_path.glob("digits-*.npy")
+    cx, cy = load_digits_arrays()  # from the cache now
+    assert np.array_equal(x, cx) and np.array_equal(y, cy)
+    cached.write_bytes(b"not an array")  # a torn or foreign file: parsed again, and rewritten
+    bx, by = load_digits_arrays()
+    assert np.array_equal(x, bx) and np.array_equal(y, by)
+    assert np.array_equal(np.load(cached)[:, :-1], x)
+
+
+def test_an_unwritable_cache_directory_still_loads(tmp_path: Any, monkeypatch: Any) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv(CACHE_ENV, str(blocker / "sub"))  # a directory under a file: cannot be created
+    x, y = load_digits_arrays()
+    assert x.shape == (1797, 64) and y.shape == (1797,)

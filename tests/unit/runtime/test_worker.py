@@ -21,6 +21,7 @@ from stagetree.nodemanager.examples.faults import ENTRY_POINT as FAULTY
 from stagetree.nodemanager.examples.faults import EXIT_CODE
 from stagetree.nodemanager.runtime.events import decode_event
 from stagetree.nodemanager.runtime.worker import EventWriter
+from tests.unit.nodemanager.fakes import ENV_RECORDER
 
 HP = {"lr": 0.1, "momentum": 0.9, "bs": 32}
 SLOW = {"sleep_s": 0.005, "dropout": 0.1}  # >= 0.75 s of training: time for a signal to arrive
@@ -155,6 +156,41 @@ def test_spec_on_stdin_after_preload_and_empty_stdin_means_nothing_to_run(tmp_pa
     assert "preload of no_such_module_xyz failed" in out.stderr  # a bad preload is logged, not fatal
     idle = subprocess.run(cmd, input="", capture_output=True, text=True, env=env, check=False)
     assert idle.returncode == 0 and idle.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("trainer", "hint", "used"),
+    [
+        (None, None, True),  # the digits trainer may be built ahead: the batch starts from it
+        (ENV_RECORDER, None, False),  # a trainer that did not opt in (prepare_ahead): only imported ahead
+        (None, {"hidden": 8}, False),  # built for another fixed part: dropped, the batch builds its own
+        (None, "not json", False),  # a bad prepare line is logged; the batch still runs
+    ],
+)
+def test_a_prepare_line_builds_the_trainer_ahead_only_when_it_may_and_fits(
+    tmp_path: Path, trainer: str | None, hint: Any, used: bool
+) -> None:
+    kw: dict[str, Any] = {}
+    if trainer:
+        kw = {"trainer": trainer, "fixed_values": {"env_file": str(tmp_path / "env.json")}}
+    spec = digits_batch([(1, 0, 3, HP)], evals=[(1, 3)], **kw)
+    if hint == "not json":
+        line = '{"prepare": nope\n'
+    else:
+        fixed = spec.fixed.to_json() if hint is None else {**spec.fixed.to_json(), "values": hint}
+        line = json.dumps({"prepare": {"fixed": fixed, "gpus": spec.gpus}}) + "\n"
+    cmd = [sys.executable, "-m", "stagetree.nodemanager.runtime.worker", "--spec", "-"]
+    cmd += ["--checkpoint-root", str(tmp_path / "ckpt")]
+    env = {**os.environ, "STAGETREE_WORKER_THREADS": "1"}
+    text = line + json.dumps(spec.to_json())
+    out = subprocess.run(cmd, input=text, capture_output=True, text=True, env=env, check=False)
+    kinds = [decode_event(x)[0] for x in out.stdout.splitlines()]
+    assert kinds[0] == "batch_started" and kinds[-1] in ("batch_finished", "batch_failed"), out.stderr
+    assert ("starting from the trainer built ahead" in out.stderr) == used
+    if hint == "not json":
+        assert "could not prepare the trainer ahead" in out.stderr
+    if hint == {"hidden": 8}:
+        assert "for another fixed part" in out.stderr
 
 
 def test_event_writer_holds_fast_progress_and_writes_everything_else_at_once() -> None:
