@@ -169,8 +169,12 @@ def _study_info(s: pb.Study) -> StudyInfo:
     return StudyInfo(s.id, s.name, s.owner, FixedPart.from_json(obj), s.created_at, policies)
 
 
+_STATE_NAMES = {v.number: v.name for v in pb.RequestState.DESCRIPTOR.values}  # Name() is a slow lookup
+
+
 def _state_name(value: int) -> str:
-    return str(pb.RequestState.Name(value))
+    name = _STATE_NAMES.get(value)
+    return str(pb.RequestState.Name(value)) if name is None else name  # Name raises on an unknown value
 
 
 class Evaluation:

@@ -8,6 +8,12 @@ both present stay solvable), falling back to the mean when the features do not v
 start (1.0 s/step, 1 GPU) when there is no data. Profiles are per GPU type (HyperSack samples each
 architecture apart); a type never seen starts cold.
 
+Until a size-like feature (``proportional``: by default the batch size) has been seen at two values,
+a line through the data cannot say how the cost grows with it; the time per step is then taken as
+proportional to it (a step at batch size 128 does four times the work of one at 32), scaled from the
+value seen. The scheduler needs that to rank a branch that will train at a larger batch size than any
+batch so far (a batch-size schedule that grows late) above the others.
+
 A profiling run's first step is set-up (HyperSack discards it), so :meth:`CostModel.observe_run`
 drops it. An out-of-memory failure retries with twice the GPUs of the attempt before (TreeML §5.2),
 up to a cap; a plan that needed more GPUs once starts there next time.
@@ -145,6 +151,7 @@ class CostModel:
         self,
         feature_names: Iterable[str] = DEFAULT_FEATURES,
         *,
+        proportional: Iterable[str] = DEFAULT_FEATURES,
         ridge: float = DEFAULT_RIDGE,
         max_gpus: int = DEFAULT_MAX_GPUS,
         max_observations: int = DEFAULT_MAX_OBSERVATIONS,
@@ -159,11 +166,13 @@ class CostModel:
         if isinstance(max_observations, bool) or not isinstance(max_observations, int) or max_observations < 1:
             raise InvalidArgument(f"max_observations: must be an integer >= 1, got {max_observations!r}")
         self.feature_names = names
+        self.proportional = tuple(n for n in proportional if n in names)
         self.ridge = float(ridge)
         self.max_gpus = max_gpus
         self.max_observations = max_observations
         self._obs: dict[tuple[str, str], deque[Observation]] = {}
         self._fits: dict[tuple[str, str], tuple[LinearFit, LinearFit]] = {}
+        self._single: dict[tuple[str, str], dict[str, float]] = {}  # proportional features seen at one value
         self._min_gpus: dict[str, int] = {}
 
     # -- observations ---------------------------------------------------------------------------
@@ -216,14 +225,26 @@ class CostModel:
             time_fit = fit_linear(xs, [o.seconds_per_step for o in obs], self.feature_names, self.ridge)
             mem_fit = fit_linear(xs, [o.peak_memory_bytes for o in obs], self.feature_names, self.ridge)
             fit = self._fits[key] = (time_fit, mem_fit)
+            single: dict[str, float] = {}
+            for name in self.proportional:
+                seen = {o.features[name] for o in obs if name in o.features}
+                if len(seen) == 1 and (v := seen.pop()) > 0:
+                    single[name] = v
+            self._single[key] = single
         return fit
 
     def seconds_per_step(self, plan_key: str, gpu_type: str, features: Mapping[str, float]) -> float:
-        """Predicted seconds per step; 1.0 with no data. Extrapolating a fit below zero gives 0."""
+        """Predicted seconds per step; 1.0 with no data. Extrapolating a fit below zero gives 0. A
+        proportional feature seen at one value only scales the prediction by ``value / seen``."""
         fit = self._fit(plan_key, gpu_type)
         if fit is None:
             return COLD_SECONDS_PER_STEP
-        return max(0.0, fit[0].predict(_features(features)))
+        feats = _features(features)
+        y = max(0.0, fit[0].predict(feats))
+        for name, seen in self._single[(plan_key, gpu_type)].items():
+            if name in feats and feats[name] >= 0:
+                y *= feats[name] / seen
+        return y
 
     def peak_memory(self, plan_key: str, gpu_type: str, features: Mapping[str, float]) -> float | None:
         """Predicted peak memory in bytes; None with no data."""

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from stagetree.core.batch import Point
 from stagetree.core.config import Config
-from stagetree.core.scheduler import PlannedBatch, Slot, schedule_round
+from stagetree.core.scheduler import PlannedBatch, Slot, StageCost, schedule_round
 from stagetree.core.searchplan import Checkpoint, RequestState, SearchPlan
 from stagetree.core.stagetree import InflightBatch, InflightStage, Stage, build_stage_tree
 
@@ -211,6 +211,7 @@ class Simulator:
         load_s: float = 0.0,
         save_s: float = 0.0,
         eval_s: float = 0.0,
+        decision_cost: StageCost | None = None,
     ) -> None:
         self.driver = driver
         self.plan = SearchPlan("sim")
@@ -219,6 +220,9 @@ class Simulator:
         self.step_time = step_time
         self.curve = curve or synthetic_curve()
         self.load_s, self.save_s, self.eval_s = load_s, save_s, eval_s
+        # what the scheduler believes a stage costs: by default the true cost (an oracle); a platform
+        # that does not know each step's cost is simulated by passing its estimate (e.g. steps_cost())
+        self.decision_cost: StageCost = decision_cost or self._cost
         self.now = 0.0
         self.events: list[tuple[float, int, str, Any]] = []
         self._seq = itertools.count()
@@ -344,7 +348,7 @@ class Simulator:
             return
         inflight = self._inflight()
         forest = build_stage_tree(plan.nodes, plan.checkpoint_steps(), pending, inflight)
-        result = schedule_round(forest, self.free, self._cost, self.policy, self._boundaries, inflight)
+        result = schedule_round(forest, self.free, self.decision_cost, self.policy, self._boundaries, inflight)
         for amend in result.amendments:
             run = self.running.get(amend.batch)
             t = None if run is None else self._time_at(run, amend.point)

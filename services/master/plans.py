@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from stagetree.core.batch import Point
 from stagetree.core.config import Config
 from stagetree.core.errors import Conflict
-from stagetree.core.searchplan import Node, SearchPlan
+from stagetree.core.searchplan import Node, SearchPlan, check_step
 from stagetree.master.store.store import NewTreeNode, SqlStore
 
 log = logging.getLogger(__name__)
@@ -135,19 +135,14 @@ class PlanCache:
         with e.lock:
             # The plan is append-only, so a walk that finds every point in the cache is correct as it
             # is: a node written elsewhere since could only have been needed where this walk stopped.
-            found = [e.plan.locate(config, step, create=False)[0] for config, step in items]
+            found, _ = locate_all(e.plan, items, create=False)
             if all(p is not None for p in found):
                 return [p for p in found if p is not None]
             self._refresh(e, plan_id)
             previous: set[tuple[int | None, int, str]] = set()
             for attempt in range(self._max_passes):
-                points: list[Point] = []
-                created: list[tuple[Node, Config]] = []
-                for config, step in items:
-                    point, new = e.plan.locate(config, step)
-                    assert point is not None
-                    points.append(point)
-                    created.extend((n, config) for n in new)
+                located, created = locate_all(e.plan, items, create=True)
+                points = [p for p in located if p is not None]
                 if not created:
                     return points
                 for node, _ in reversed(created):
@@ -180,3 +175,38 @@ def _forget(plan: SearchPlan, node: Node) -> None:
         kids.remove(node.id)
         if not kids:
             del plan.nodes[node.parent].children[node.start]
+
+
+def locate_all(
+    plan: SearchPlan, items: Sequence[tuple[Config, int]], *, create: bool
+) -> tuple[list[Point | None], list[tuple[Node, Config]]]:
+    """``plan.locate`` of every item, walking the tree once per distinct configuration (at its largest
+    step) instead of once per item: a tuner asks for the same trial at many steps (a learning curve),
+    and each walk compares sequences node by node. The other steps' points lie on that walk's path:
+    each is on the deepest node of the path that starts before it. Also returns the nodes created
+    (with ``create``), each with the configuration it was created for."""
+    groups: dict[Config, list[int]] = {}
+    for i, (config, step) in enumerate(items):
+        check_step(step)
+        groups.setdefault(config, []).append(i)
+    out: list[Point | None] = [None] * len(items)
+    created: list[tuple[Node, Config]] = []
+    for config, idxs in groups.items():
+        top = max(items[i][1] for i in idxs)
+        point, new = plan.locate(config, top, create=create)
+        created.extend((n, config) for n in new)
+        if point is None:
+            continue  # the path is not all there: the caller walks again with create
+        path = [plan.nodes[point.node]]  # root first, once reversed
+        while path[-1].parent is not None:
+            path.append(plan.nodes[path[-1].parent])
+        path.reverse()
+        for i in idxs:
+            step = items[i][1]
+            node = path[0]
+            for n in path[1:]:
+                if n.start >= step:
+                    break
+                node = n
+            out[i] = plan.canonical(Point(node.id, step))
+    return out, created

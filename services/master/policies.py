@@ -152,10 +152,11 @@ class PolicyStep:
         self.epochs: dict[str, int] = {}
         self.killed: set[str] = set()
 
-    def active(self) -> dict[str, StudyPolicies]:
-        """The policies of every study with live requests that chose some (one small query)."""
+    def active(self, rows: Sequence[tuple[str, str]] | None = None) -> dict[str, StudyPolicies]:
+        """The policies of every study with live requests that chose some (``store.policy_studies``,
+        read now unless the round has just read them)."""
         out: dict[str, StudyPolicies] = {}
-        for sid, fixed_json in self.store.policy_studies():
+        for sid, fixed_json in self.store.policy_studies() if rows is None else rows:
             pol = self.parsed.get(sid)
             if pol is None:
                 try:

@@ -26,15 +26,16 @@ from stagetree.core.batch import BatchSpec, Point, Source, StageSpec
 from stagetree.core.cache import choose_evictions, pinned_points, prefix_cost
 from stagetree.core.config import FixedPart
 from stagetree.core.errors import StagetreeError, Unavailable
-from stagetree.core.scheduler import PlannedBatch, RoundResult, Slot, schedule_round, steps_cost
+from stagetree.core.scheduler import PlannedBatch, RoundResult, Slot, StageCost, schedule_round
 from stagetree.core.searchplan import Checkpoint, CheckpointKind, Node
 from stagetree.core.stagetree import InflightBatch, InflightStage, StageForest, build_stage_tree
 from stagetree.master.coordination import Coordination, Subscription
+from stagetree.master.costs import CostLearner
 from stagetree.master.plans import PlanCache
 from stagetree.master.policies import Kill, PolicyStep
 from stagetree.master.service import CH_ROUND, ch_node_manager
 from stagetree.master.settings import SchedulingSettings
-from stagetree.master.store.store import ALIVE, DispatchItem, NodeManagerRecord, SqlStore
+from stagetree.master.store.store import ALIVE, DispatchItem, NodeManagerRecord, RoundReads, SqlStore
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,8 @@ class SchedulingLoop:
         # when this instance started leading (construction, then each lease taken): see requeue_lost
         self.leader_since = time.time()
         self.policy_step = PolicyStep(store)
+        self.costs = CostLearner(settings.default_step_seconds)
+        self._costs_read_at = float("-inf")
         self._bad_specs: set[int] = set()
         self._bad_plans: set[int] = set()
 
@@ -114,16 +117,20 @@ class SchedulingLoop:
             log.warning("node manager lost; work requeued", extra={"node_manager_id": nm, "batches": batches})
         return lost
 
-    def free_slots(self, nms: Sequence[NodeManagerRecord] | None = None) -> list[Slot]:
+    def free_slots(
+        self, nms: Sequence[NodeManagerRecord] | None = None, busy: set[tuple[str, str]] | None = None
+    ) -> list[Slot]:
         nms = [n for n in (self.store.node_managers() if nms is None else nms) if n.state == ALIVE]
-        busy = self.store.busy_slots()
+        busy = self.store.busy_slots() if busy is None else busy
         return [Slot(sid, n.id, gpu) for n in nms for sid, gpu in n.slots if (n.id, sid) not in busy]
 
-    def snapshot(self) -> tuple[StageForest, dict[int, dict[Point, str]], int]:
-        """The stage forest of every plan with NOT_SCHED requests (stage ``plan`` = plan id)."""
-        pending = self.store.pending()
+    def snapshot(self, reads: RoundReads | None = None) -> tuple[StageForest, dict[int, dict[Point, str]], int]:
+        """The stage forest of every plan with NOT_SCHED requests (stage ``plan`` = plan id), from the
+        round's ``reads`` (read now when not given)."""
+        reads = self.store.round_reads() if reads is None else reads
+        pending = reads.pending
         inflight: dict[int, list[InflightBatch]] = {}
-        for b in self.store.running_batches():
+        for b in reads.running:
             if b.plan_id not in pending:
                 continue  # nothing waits in its plan: it cannot take new work
             try:
@@ -133,7 +140,7 @@ class SchedulingLoop:
                     self._bad_specs.add(b.id)
                     log.error("running batch with an unreadable spec ignored", extra={"batch_id": b.id})
         forest = StageForest()
-        uris = self.store.checkpoints_of(sorted(pending))
+        uris = dict(reads.checkpoints)  # plans without checkpoints get an empty entry below
         count = 0
         for plan_id, reqs in pending.items():
             if plan_id in self._bad_plans:
@@ -226,22 +233,23 @@ class SchedulingLoop:
         )
         return result.evict
 
-    def decide(self, nms: Sequence[NodeManagerRecord] | None = None) -> Decision:
-        """Snapshot the database and run the core round on the free slots (of ``nms``, when the caller
-        has just read the node managers). Writes nothing.
+    def decide(self, reads: RoundReads | None = None) -> Decision:
+        """Snapshot the database (``reads``, when the caller has just read it) and run the core round on
+        the free slots. Writes nothing.
 
         The cyclic garbage collector is paused meanwhile: a round allocates tens of thousands of
         short-lived, acyclic objects, and each collection they trigger would walk the whole plan
         cache (measured: 25-40% of a 10,000-request round). Reference counting still frees them."""
         with _gc_paused():
             t0 = time.perf_counter()
-            slots = self.free_slots(nms)
-            policies = self.policy_step.active()  # studies that chose policies (usually none)
+            reads = self.store.round_reads() if reads is None else reads
+            slots = self.free_slots(reads.node_managers, reads.busy)
+            policies = self.policy_step.active(reads.policy_studies)  # studies that chose policies (usually none)
             if not slots and not any(p.time_share or p.search for p in policies.values()):
                 return Decision(RoundResult([], [], [], {}, 0), {}, 0, (time.perf_counter() - t0) * 1000, 0.0, None)
-            forest, uris, count = self.snapshot()
+            forest, uris, count = self.snapshot(reads)
             t1 = time.perf_counter()
-            cost = steps_cost(self.settings.default_step_seconds)
+            cost = self.stage_cost(slots)
             preempts: list[int] = []
             kills: list[Kill] = []
             if policies:
@@ -251,12 +259,26 @@ class SchedulingLoop:
             t2 = time.perf_counter()
         return Decision(result, uris, count, (t1 - t0) * 1000, (t2 - t1) * 1000, forest, tuple(preempts), tuple(kills))
 
+    def stage_cost(self, slots: Sequence[Slot]) -> StageCost:
+        """The round's cost estimate (``master.costs``), learning from the batches that finished since
+        the last read (at most once per ``cost_refresh_s``)."""
+        now = time.monotonic()
+        if now - self._costs_read_at >= self.settings.cost_refresh_s:
+            self._costs_read_at = now
+            self.costs.refresh(self.store)
+        gpu_type = slots[0].gpu_type if slots else "cpu"
+        return self.costs.stage_cost(
+            lambda plan_id: self.store.plan_fixed(plan_id)[0],
+            lambda plan_id: self.plans.ensure(plan_id, ()).nodes,
+            gpu_type,
+        )
+
     def run_round(self) -> RoundReport:
-        nms = self.store.node_managers()  # one read serves the liveness check and the free slots
-        lost = self.requeue_lost(nms)
+        reads = self.store.round_reads()  # one read serves the liveness check, the free slots, the forest
+        lost = self.requeue_lost(reads.node_managers)
         if lost:
-            nms = self.store.node_managers()
-        dec = self.decide(nms)
+            reads = self.store.round_reads()
+        dec = self.decide(reads)
         result, uris = dec.result, dec.uris
         dispatched: list[int] = []
         items = [

@@ -177,6 +177,7 @@ class MasterService:
             )
         parsed: list[tuple[str, FixedPart, Config, int]] = []
         seen: set[str] = set()
+        configs: dict[str, tuple[FixedPart, Config]] = {}  # a trial asked at several steps is parsed once
         for i, it in enumerate(items):
             cid = it.client_request_id
             if not isinstance(cid, str) or not cid or len(cid) > 128:
@@ -185,7 +186,10 @@ class MasterService:
                 raise InvalidArgument(f"items[{i}].client_request_id: {cid!r} appears twice in one batch")
             seen.add(cid)
             step = check_step(it.step, f"items[{i}].step")
-            fixed, config = self._parse_config(study, it.config_json, f"items[{i}].config")
+            got = configs.get(it.config_json)
+            if got is None:
+                got = configs[it.config_json] = self._parse_config(study, it.config_json, f"items[{i}].config")
+            fixed, config = got
             parsed.append((cid, fixed, config, step))
         by_plan: dict[str, list[int]] = {}
         fixed_of: dict[str, FixedPart] = {}

@@ -25,7 +25,8 @@ class LimitSettings(BaseModel):
 
 class SchedulingSettings(BaseModel):
     policy: str = "critical_path"
-    default_step_seconds: float = Field(default=1.0, gt=0)
+    default_step_seconds: float = Field(default=1.0, gt=0)  # a step's cost before any batch of its plan ran
+    cost_refresh_s: float = Field(default=1.0, ge=0)  # how often the cost estimator reads finished batches
     heartbeat_ttl_s: float = Field(default=15.0, gt=0)
     round_interval_s: float = Field(default=5.0, gt=0)  # a round at least this often even without events
     lease_ttl_s: float = Field(default=10.0, gt=0)

@@ -100,7 +100,7 @@ class BatchAttempt(Base):
     state: Mapped[str] = mapped_column(String(16))
     dispatched_at: Mapped[float] = mapped_column(Float)
     sent_at: Mapped[float | None] = mapped_column(Float, nullable=True)  # set once: never sent twice
-    finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    finished_at: Mapped[float | None] = mapped_column(Float, nullable=True, index=True)
 
 
 class Request(Base):
@@ -116,7 +116,7 @@ class Request(Base):
     plan_id: Mapped[int] = mapped_column(ForeignKey("plans.id"))
     node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id"))
     step: Mapped[int] = mapped_column(Integer)
-    state: Mapped[str] = mapped_column(String(16))
+    state: Mapped[str] = mapped_column(String(16), index=True)  # each round reads the NOT_SCHED ones
     batch_id: Mapped[int | None] = mapped_column(ForeignKey("batches.id"), nullable=True, index=True)
     client_request_id: Mapped[str] = mapped_column(String(128))
     created_at: Mapped[float] = mapped_column(Float)

@@ -194,7 +194,7 @@ def test_old_schema_refuses_with_the_upgrade_command(tmp_path: object) -> None:
     upgrade(engine)
     check_schema(engine)
     SqlStore(engine)
-    assert head_revision() == "0002"
+    assert head_revision() == "0003"
     engine.dispose()
 
 
@@ -209,3 +209,50 @@ def test_migrations_match_the_models(db_url: str) -> None:
         diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
     engine.dispose()
     assert diff == []
+
+
+def test_finished_attempts_are_the_ones_that_ran_to_their_end_since_a_time(store: SqlStore) -> None:
+    pid, node = _plan_with_node(store)
+    study = store.create_study(unique("o"), "s", None)
+    a, b = store.add_requests(study.id, pid, [NewRequest("a", node, 3), NewRequest("b", node, 6)])
+    nm = unique("nm")
+    store.register_node_manager(nm, "x:1", [("gpu0", "a100"), ("gpu1", "a100")])
+    ok = store.dispatch(pid, lambda bid, att: f"ok-{bid}", [a.id], nm, "gpu0")
+    bad = store.dispatch(pid, lambda bid, att: f"bad-{bid}", [b.id], nm, "gpu1")
+    assert ok is not None and bad is not None
+    before = store.finished_attempts(0.0)
+    store.take_assignments(nm)
+    store.report_batch(ok.id, 1, True, [(node, 3, {"loss": 1.0})], [])
+    store.report_batch(bad.id, 1, False, [], [], error="boom")  # a failed attempt teaches nothing
+    got = [f for f in store.finished_attempts(0.0) if f not in before]
+    assert [(f.batch_id, f.attempt, f.spec_json, f.gpu_type) for f in got] == [(ok.id, 1, f"ok-{ok.id}", "a100")]
+    assert got[0].seconds >= 0 and got[0].finished_at > 0
+    assert ok.id not in {f.batch_id for f in store.finished_attempts(got[0].finished_at + 1)}
+
+
+def test_reports_of_several_batches_apply_in_one_call_each_with_its_own_outcome(store: SqlStore) -> None:
+    pid, node = _plan_with_node(store)
+    study = store.create_study(unique("o"), "s", None)
+    a, b, c = store.add_requests(
+        study.id, pid, [NewRequest("a", node, 3), NewRequest("b", node, 6), NewRequest("c", node, 9)]
+    )
+    nm = unique("nm")
+    store.register_node_manager(nm, "x:1", [("g0", "a100"), ("g1", "a100")])
+    ok = store.dispatch(pid, lambda bid, att: "ok", [a.id], nm, "g0")
+    bad = store.dispatch(pid, lambda bid, att: "bad", [b.id, c.id], nm, "g1")
+    assert ok is not None and bad is not None
+    got = store.report_batches(
+        [
+            st.BatchReportIn(ok.id, 1, True, [(node, 3, {"loss": 1.0})], []),
+            st.BatchReportIn(10**9, 1, True, [], []),  # no such batch: its own error, the rest applies
+            st.BatchReportIn(bad.id, 1, False, [(node, 6, {"loss": 2.0})], [], error="boom"),
+            st.BatchReportIn(ok.id, 1, True, [(node, 3, {"loss": 1.0})], []),  # the same report again: stale
+        ]
+    )
+    assert got[0] == ([a.id], [])
+    assert isinstance(got[1], NotFound)
+    assert got[2] == ([b.id], [c.id])  # b got its metrics; c goes back, its first failure counted
+    assert got[3] == ([a.id], [])  # the metrics were there; the batch had ended
+    states = {r.id: r.state for r in store.get_requests(study.id)}
+    assert states == {a.id: st.DONE, b.id: st.DONE, c.id: st.NOT_SCHED}
+    assert store.get_batch(ok.id).state == st.BATCH_DONE and store.get_batch(bad.id).state == st.FAILED

@@ -78,13 +78,27 @@ def test_any_line_is_recovered(a: float, b: float, sizes: list[int]) -> None:
 
 
 def test_falls_back_to_the_mean_when_features_do_not_vary() -> None:
+    m = CostModel(["seq_len"])  # not a size taken as proportional
+    for t in (1.0, 2.0, 3.0):
+        m.observe(PLAN, GPU, {"seq_len": 32}, t, 100.0)
+    assert m.seconds_per_step(PLAN, GPU, {"seq_len": 32}) == pytest.approx(2.0)
+    assert m.seconds_per_step(PLAN, GPU, {"seq_len": 4096}) == pytest.approx(2.0)
+    m.observe(PLAN, GPU, {}, 6.0, 100.0)  # a run without the feature: not every sample has it
+    assert m.seconds_per_step(PLAN, GPU, {"seq_len": 1}) == pytest.approx(3.0)
+
+
+def test_a_batch_size_seen_at_one_value_scales_the_time_proportionally_until_a_second_one() -> None:
     m = CostModel()
     for t in (1.0, 2.0, 3.0):
         m.observe(PLAN, GPU, {"bs": 32}, t, 100.0)
     assert m.seconds_per_step(PLAN, GPU, {"bs": 32}) == pytest.approx(2.0)
-    assert m.seconds_per_step(PLAN, GPU, {"bs": 4096}) == pytest.approx(2.0)
-    m.observe(PLAN, GPU, {}, 6.0, 100.0)  # a run without the feature: not every sample has it
-    assert m.seconds_per_step(PLAN, GPU, {"bs": 1}) == pytest.approx(3.0)
+    assert m.seconds_per_step(PLAN, GPU, {"bs": 128}) == pytest.approx(8.0)  # four times the samples
+    assert m.seconds_per_step(PLAN, GPU, {"bs": 16}) == pytest.approx(1.0)
+    assert m.seconds_per_step(PLAN, GPU, {}) == pytest.approx(2.0)  # no size given: the mean
+    m.observe(PLAN, GPU, {"bs": 64}, 2.0, 100.0)  # two sizes now: the fitted line decides
+    line = fit_linear([{"bs": 32}] * 3 + [{"bs": 64}], [1.0, 2.0, 3.0, 2.0], ["bs"], 1e-12)
+    assert m.seconds_per_step(PLAN, GPU, {"bs": 128}) == pytest.approx(line.predict({"bs": 128}))
+    assert CostModel(proportional=()).seconds_per_step(PLAN, GPU, {"bs": 128}) == COLD_SECONDS_PER_STEP
 
 
 def test_a_feature_missing_from_the_query_is_taken_at_its_mean() -> None:
@@ -220,7 +234,8 @@ def test_old_observations_age_out() -> None:
     m.observe(PLAN, GPU, {"bs": 1}, 100.0, 1.0)
     m.observe(PLAN, GPU, {"bs": 2}, 1.0, 1.0)
     m.observe(PLAN, GPU, {"bs": 2}, 3.0, 1.0)
-    assert m.seconds_per_step(PLAN, GPU, {"bs": 1}) == pytest.approx(2.0)
+    # only the two at bs=2 are left (with the first, the line through them would fall below 0 at bs=4)
+    assert m.seconds_per_step(PLAN, GPU, {"bs": 4}) == pytest.approx(4.0)
 
 
 def test_fit_linear_rejects_mismatched_samples() -> None:

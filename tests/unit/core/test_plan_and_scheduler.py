@@ -14,7 +14,7 @@ from stagetree.core.errors import InvalidArgument, NotFound
 from stagetree.core.scheduler import ORDER_POLICIES, Slot, order_policy, schedule_round, steps_cost
 from stagetree.core.searchplan import Checkpoint, SearchPlan
 from stagetree.core.sequences import Constant, MultiStep, Piecewise, Warmup
-from stagetree.core.simulator import ASHADriver, GridDriver, simulate, synthetic_curve
+from stagetree.core.simulator import ASHADriver, Ask, GridDriver, Simulator, simulate, synthetic_curve
 from stagetree.core.stagetree import InflightBatch, InflightStage, build_stage_tree
 
 
@@ -127,6 +127,27 @@ def test_critical_path_serves_longest_path_first() -> None:
         build_stage_tree(plan.nodes, {}, [(r.id, r.point) for r in plan.pending()]), [Slot("only")], steps_cost(), "bfs"
     )
     assert res.dispatches[0].batch.stages[-1].end_point in (short, long)
+
+
+def test_the_simulator_decides_with_the_cost_it_is_given_and_times_with_the_true_one() -> None:
+    # one worker, two independent trials: 12 steps at bs=32, and 10 steps at bs=128 that really cost 4x
+    cheap, dear = Config.of({"lr": 0.1, "bs": 32}), Config.of({"lr": 0.2, "bs": 128})
+
+    def step_time(c: Config, step: int) -> float:
+        return 4.0 if c.values_at(step)["bs"] == 128 else 1.0
+
+    def first_trained(sim: Simulator) -> Config:
+        sim.run()
+        return sim.plan.nodes[sim.executed[0][0]].config
+
+    oracle = Simulator(GridDriver([cheap, dear], 10, evals=[10]), 1, step_time=step_time)
+    assert first_trained(oracle) == dear  # it knows the bs=128 trial is the longer path
+    believer = Simulator(GridDriver([cheap, dear], 10), 1, step_time=step_time, decision_cost=steps_cost())
+    believer.run()
+    assert believer.now == oracle.now == 50.0  # whatever it decides, time comes from the true costs
+    longer = Simulator(GridDriver([cheap], 12), 1, step_time=step_time, decision_cost=steps_cost())
+    longer._submit([Ask("dear", dear, 10)])
+    assert first_trained(longer) == cheap  # 12 steps > 10 steps: what it believes, not what is true
 
 
 # -- properties ---------------------------------------------------------------------------------

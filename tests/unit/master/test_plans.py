@@ -6,8 +6,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as hst
 
+from stagetree.core.batch import Point
 from stagetree.core.config import Config, divergence
-from stagetree.master.plans import branch_digest
+from stagetree.core.searchplan import SearchPlan
+from stagetree.master.plans import branch_digest, locate_all
 
 lrs = hst.sampled_from([0.1, 0.05, 0.2])
 milestones = hst.lists(hst.integers(1, 60), min_size=1, max_size=3, unique=True).map(sorted)
@@ -28,3 +30,26 @@ def test_digest_equal_iff_configs_agree_at_the_step(a: Config, b: Config, step: 
         return
     agree_at_step = divergence(a, b, step, step + 1) > step
     assert (branch_digest(a, step) == branch_digest(b, step)) == agree_at_step
+
+
+@settings(max_examples=150, deadline=None)
+@given(hst.lists(hst.tuples(configs, hst.integers(0, 80)), min_size=1, max_size=30))
+def test_locating_all_at_once_gives_each_items_own_walk(items: list[tuple[Config, int]]) -> None:
+    together, one_by_one = SearchPlan(), SearchPlan()
+    points, created = locate_all(together, items, create=True)
+    alone = [one_by_one.locate(c, s)[0] for c, s in items]
+    # the same nodes (possibly created in another order, so other ids) and the same point for every item
+    assert len(created) == len(one_by_one.nodes) == len(together.nodes)
+    assert [_described(together, p) for p in points if p] == [_described(one_by_one, p) for p in alone if p]
+    assert [together.locate(c, s, create=False)[0] for c, s in items] == points  # nothing left to create
+    again, more = locate_all(together, items, create=False)
+    assert again == points and more == []
+
+
+def _described(plan: SearchPlan, p: Point) -> tuple[int, tuple[tuple[int, int, str], ...]]:
+    """A point by its path: each segment's steps and the values trained there (a node's config beyond
+    its segment may be any trial's that agrees on it, so it is not compared), the same in two plans
+    whatever their ids."""
+    return p.step, tuple(
+        (a, b, repr([plan.nodes[n].config.values_at(x) for x in range(a, b)])) for n, a, b in plan.path(p)
+    )

@@ -1,0 +1,127 @@
+"""The scheduler's cost estimates, learned from the batches that ran (TreeML §5.2, live).
+
+The critical-path scheduler orders work by each stage's estimated time. With no data every step costs
+``default_step_seconds``; that ranks two 50-step branches alike even when one trains at batch size 128
+and costs four times the other, and the scheduler then starts the long one last. ``CostLearner`` feeds
+the core's ``CostModel`` (a linear fit of seconds per step on the cost-relevant hyper-parameters, ``bs``
+by default) with every batch attempt that ran to its end: its seconds (from the node manager taking it
+to its end) over its steps, at the mean of its steps' feature values. A plan and GPU type it has data
+for gets the fitted cost; others keep the default.
+
+The measure includes a batch's fixed costs (start, checkpoint load, evaluations, end), so short
+batches read a little dear per step; the fit only has to rank stages, and more data (longer batches)
+dominates it. Everything comes from the database (``store.finished_attempts``): a master that takes the
+lead learns the same, and the aggregators need not know about it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping, Sequence
+
+from stagetree.core.batch import BatchSpec
+from stagetree.core.errors import StagetreeError
+from stagetree.core.estimator import CostModel, features_of
+from stagetree.core.scheduler import StageCost
+from stagetree.core.searchplan import Node
+from stagetree.core.stagetree import Stage
+from stagetree.master.store.store import FinishedAttempt, SqlStore
+
+log = logging.getLogger(__name__)
+
+# Attempts finish out of order and their time stamps come from several processes' clocks: each read
+# goes back this far before the latest one seen, and skips the ones already counted.
+OVERLAP_S = 30.0
+
+
+class CostLearner:
+    def __init__(self, default_step_seconds: float, model: CostModel | None = None) -> None:
+        self.default_step_seconds = default_step_seconds
+        self.model = model or CostModel()
+        self._since = 0.0
+        self._seen: dict[tuple[int, int], float] = {}  # (batch, attempt) -> finished at, within the overlap
+        self._warm: set[tuple[str, str]] = set()  # (plan key, GPU type) with data
+        # stage costs per (plan key, GPU type), (node, start, end): dropped when that key learns more
+        self._costs: dict[tuple[str, str], dict[tuple[int, int, int], float]] = {}
+
+    def refresh(self, store: SqlStore) -> int:
+        """Learn from the attempts that finished since the last refresh; how many were new."""
+        return self.observe(store.finished_attempts(self._since))
+
+    def observe(self, attempts: Sequence[FinishedAttempt]) -> int:
+        new = 0
+        for at in attempts:
+            key = (at.batch_id, at.attempt)
+            if key in self._seen:
+                continue
+            self._seen[key] = at.finished_at
+            new += self._learn(at)
+            self._since = max(self._since, at.finished_at - OVERLAP_S)
+        for key, when in list(self._seen.items()):
+            if when < self._since:
+                del self._seen[key]
+        return new
+
+    def _learn(self, at: FinishedAttempt) -> int:
+        try:
+            spec = BatchSpec.from_json(json.loads(at.spec_json))
+        except (StagetreeError, ValueError, KeyError, TypeError):
+            return 0  # the scheduler logs unreadable specs; nothing to learn here
+        steps = sum(st.end - st.start for st in spec.stages)
+        if steps <= 0 or at.seconds <= 0:
+            return 0
+        totals: dict[str, float] = {}
+        for st in spec.stages:
+            feats = features_of(st.config, (st.start + st.end) // 2, self.model.feature_names)
+            for name, v in feats.items():
+                totals[name] = totals.get(name, 0.0) + v * (st.end - st.start)
+        features = {name: total / steps for name, total in totals.items()}
+        gpu = at.gpu_type or "cpu"
+        self.model.observe(spec.plan_key, gpu, features, at.seconds / steps, 0.0)
+        self._warm.add((spec.plan_key, gpu))
+        self._costs.pop((spec.plan_key, gpu), None)
+        return 1
+
+    def knows(self, plan_key: str, gpu_type: str) -> bool:
+        return (plan_key, gpu_type) in self._warm
+
+    def stage_cost(
+        self, plan_key_of: Callable[[int], str], nodes_of: Callable[[int], Mapping[int, Node]], gpu_type: str
+    ) -> StageCost:
+        """The scheduler's cost callable for one round: a stage of a plan (``stage.plan`` is its id) with
+        data costs its steps times the fitted seconds per step at its midpoint; others cost
+        ``default_step_seconds`` per step. A stage's cost is kept until its plan learns more: a round
+        asks for every stage of the forest, most of them the same as the round before."""
+        default = self.default_step_seconds
+        model, names = self.model, self.model.feature_names
+        # per plan of the round: (its key, its kept stage costs), or None when it has no data
+        per_plan: dict[str, tuple[str, dict[tuple[int, int, int], float]] | None] = {}
+
+        def known(plan: str) -> tuple[str, dict[tuple[int, int, int], float]] | None:
+            plan_key = plan_key_of(int(plan)) if plan.isdigit() else None
+            if plan_key is None or (plan_key, gpu_type) not in self._warm:
+                return None
+            return plan_key, self._costs.setdefault((plan_key, gpu_type), {})
+
+        def cost(stage: Stage) -> float:
+            try:
+                entry = per_plan[stage.plan]
+            except KeyError:
+                entry = per_plan[stage.plan] = known(stage.plan)
+            if entry is None:
+                return stage.steps * default
+            plan_key, costs = entry
+            k = (stage.node, stage.start, stage.end)
+            got = costs.get(k)
+            if got is None:
+                if stage.steps <= 0:
+                    got = 0.0
+                else:
+                    config = nodes_of(int(stage.plan))[stage.node].config
+                    feats = features_of(config, (stage.start + stage.end) // 2, names)
+                    got = stage.steps * model.seconds_per_step(plan_key, gpu_type, feats)
+                costs[k] = got
+            return got
+
+        return cost
