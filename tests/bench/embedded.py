@@ -11,10 +11,18 @@ the platform's overhead on a real workload.
 * ``embedded_overhead`` = the study's wall time in embedded mode (from creating the study to the
   tuner's finish; the cluster's start-up is reported apart) / the *pure* time: the makespan of the same
   work on the same number of workers with no platform at all. The pure time comes from the core's
-  discrete-event simulator replaying the run's exact tuner decisions (each result triggers the same
-  submits it did for real) with every step costing what a plain PyTorch loop of the same model measured
-  (per batch size; in as many processes at once as there are workers), evaluations likewise, and
-  checkpoints free.
+  discrete-event simulator replaying the run's exact tuner decisions (``ReplayDriver``: each group of
+  submits once every result the tuner had seen before it is in) with every step costing what a plain
+  PyTorch loop of the same model measured (per batch size; in as many processes at once as there are
+  workers), evaluations likewise, and checkpoints free. The simulated scheduler knows each step's true
+  cost, which the master does not (its cost model gives every step the same cost): the figure charges
+  the platform for that too. The ratio against a simulated scheduler with the master's cost model is
+  printed beside it; with equal costs per step, ties are broken by the order of plan nodes, which the
+  simulator numbers differently, so that ratio moves both ways (below 1 when the simulator's tie-break
+  happened to be the worse one). The plain loop is measured right after each study run (the cluster
+  idle), and the figure is the median over the runs of each run's ratio: this two-core VM's speed
+  drifts by 20-40% over minutes, and a wall time divided by costs measured minutes apart measured that
+  drift.
 
 Run by ``tests.bench.pipeline`` in a child process of its own (``python -m tests.bench.embedded``): the
 ingest cases before it leave threads and processes that would otherwise share its two cores.
@@ -41,8 +49,10 @@ from stagetree.client.driver import drive
 from stagetree.client.tuners import SHA
 from stagetree.client.tuners.base import Action, Result, Start, Submit
 from stagetree.core.config import Config
+from stagetree.core.scheduler import steps_cost
 from stagetree.core.simulator import Ask, Simulator
 from stagetree.embedded import Embedded, EmbeddedSettings
+from stagetree.master.settings import SchedulingSettings
 from stagetree.nodemanager.examples.digits import build_mlp, digits_split
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -59,10 +69,11 @@ BATCH_SIZES = (32, 64, 128)  # the demo's batch-size sequences take these values
 class EmbeddedFigures:
     executed: int  # the most any run trained
     unique: int
-    wall_s: float  # the study, creation to finish (median of the runs)
+    walls_s: list[float]  # each study run, creation to finish
+    oracle_pures_s: list[float]  # each run's simulated makespan at the plain-loop costs measured after it
+    pures_s: list[float]  # the same, scheduled with the master's cost model
     startup_s: float  # the embedded cluster coming up
-    pure_s: float  # the simulated makespan with plain-loop step costs and no platform
-    step_ms: dict[int, float]  # plain-loop cost of a step per batch size
+    step_ms: dict[int, float]  # plain-loop cost of a step per batch size (median over the runs)
     eval_ms: float
 
     @property
@@ -71,7 +82,13 @@ class EmbeddedFigures:
 
     @property
     def overhead(self) -> float:
-        return self.wall_s / self.pure_s
+        """The median over the runs of wall / pure, pure scheduled knowing each step's true cost."""
+        return statistics.median(w / p for w, p in zip(self.walls_s, self.oracle_pures_s, strict=True))
+
+    @property
+    def overhead_same_cost_model(self) -> float:
+        """The same with the master's cost model in the simulated scheduler."""
+        return statistics.median(w / p for w, p in zip(self.walls_s, self.pures_s, strict=True))
 
 
 def plain_costs(batch_sizes: Sequence[int], steps: int = 40) -> tuple[dict[int, float], float]:
@@ -111,18 +128,29 @@ def plain_costs(batch_sizes: Sequence[int], steps: int = 40) -> tuple[dict[int, 
 
 
 class ReplayDriver:
-    """Plays a real run's tuner decisions in the simulator: the submits that followed ``Start`` first,
-    then, on each result, the submits the tuner made on that result in the real run."""
+    """Plays a real run's tuner decisions in the simulator. Each group of submits the tuner made in the
+    real run is released once the simulator has delivered every result the tuner had seen by then (in
+    any order): a synchronous tuner's rung waits for all of the rung before it, in the simulator too.
+    Releasing a group on the one result that preceded it in the real run would let the ideal platform
+    start a rung while the one before it still trains, whenever the results come in another order."""
 
     def __init__(self, trace: Sequence[tuple[object, list[Action]]]) -> None:
         self.first: list[Submit] = []
-        self.after: dict[tuple[int, int], list[Submit]] = {}
+        self.seen_order: list[tuple[int, int]] = []  # the results in the order the real tuner saw them
+        self.groups: list[tuple[int, list[Submit]]] = []  # (results seen before it, submits), in order
         for event, actions in trace:
+            if isinstance(event, Result):
+                self.seen_order.append((event.trial_id, event.step))
             subs = [a for a in actions if isinstance(a, Submit)]
+            if not subs:
+                continue
             if isinstance(event, Start):
                 self.first.extend(subs)
-            elif isinstance(event, Result):
-                self.after.setdefault((event.trial_id, event.step), []).extend(subs)
+            else:
+                self.groups.append((len(self.seen_order), subs))
+        self.delivered: set[tuple[int, int]] = set()
+        self.prefix = 0  # seen_order[:prefix] have all been delivered
+        self.released = 0  # groups[:released] have been submitted
 
     @staticmethod
     def _asks(subs: Sequence[Submit]) -> list[Ask]:
@@ -132,7 +160,17 @@ class ReplayDriver:
         return self._asks(self.first)
 
     def on_result(self, tag: Any, step: int, metrics: dict[str, float]) -> list[Ask]:
-        return self._asks(self.after.pop(tag, []))
+        self.delivered.add(tag)
+        while self.prefix < len(self.seen_order) and self.seen_order[self.prefix] in self.delivered:
+            self.prefix += 1
+        out: list[Submit] = []
+        while self.released < len(self.groups) and self.groups[self.released][0] <= self.prefix:
+            out.extend(self.groups[self.released][1])
+            self.released += 1
+        return self._asks(out)
+
+
+PlainCosts = tuple[dict[int, float], float]  # seconds per step by batch size, seconds per evaluation
 
 
 @dataclass(frozen=True)
@@ -141,11 +179,13 @@ class StudyRun:
     plan: dict[str, Any]
     executed: int
     wall_s: float
+    costs: PlainCosts  # the plain loop, measured right after this run
 
 
 async def _run_studies(home: Path, runs: int) -> tuple[list[StudyRun], float]:
     """The study ``runs`` times on one embedded cluster (each on a plan of its own: the fixed value
-    ``bench_run`` differs, so no run is answered from an earlier one's results); and the start-up."""
+    ``bench_run`` differs, so no run is answered from an earlier one's results), each followed by the
+    plain-loop costs; and the start-up."""
     t0 = time.monotonic()
     out = []
     async with Embedded(EmbeddedSettings(home=home, workers=WORKERS)) as cluster:
@@ -170,8 +210,13 @@ async def _run_studies(home: Path, runs: int) -> tuple[list[StudyRun], float]:
                 store = cluster.app.store
                 plan_id = (await asyncio.to_thread(store.get_requests, study.id))[0].plan_id
                 executed = await asyncio.to_thread(store.executed_steps, plan_id)
-                out.append(StudyRun(run.trace, plan, executed, wall))
-                print(f"  run {i + 1}: study wall {wall:.2f} s, executed {executed} steps", flush=True)
+                costs = await asyncio.to_thread(parallel_plain_costs)
+                out.append(StudyRun(run.trace, plan, executed, wall, costs))
+                print(
+                    f"  run {i + 1}: study wall {wall:.2f} s, executed {executed} steps, then plain-loop step ms "
+                    f"{ {bs: round(c * 1000, 1) for bs, c in costs[0].items()} }",
+                    flush=True,
+                )
     return out, startup
 
 
@@ -180,7 +225,7 @@ def _plain_costs_child(barrier: Any, out: Any) -> None:
     out.put(plain_costs(BATCH_SIZES))
 
 
-def parallel_plain_costs(workers: int = WORKERS) -> tuple[dict[int, float], float]:
+def parallel_plain_costs(workers: int = WORKERS) -> PlainCosts:
     """``plain_costs`` measured in ``workers`` processes at once, as the embedded workers run: two
     trainings side by side on two cores are each slower than one alone (shared caches and memory
     bandwidth), and that is the machine's cost, not the platform's. The mean over the processes."""
@@ -196,37 +241,47 @@ def parallel_plain_costs(workers: int = WORKERS) -> tuple[dict[int, float], floa
     return steps, sum(g[1] for g in got) / len(got)
 
 
-def embedded_figures(home: Path | None = None, runs: int = RUNS) -> EmbeddedFigures:
-    """Medians over ``runs``: of the study's wall time, and of the plain-loop costs (measured ``runs``
-    times after the study runs); this two-core VM's timings vary by some 20% from run to run."""
-    with tempfile.TemporaryDirectory(prefix="stagetree-bench-embedded-") as tmp:
-        studies, startup = asyncio.run(_run_studies(home or Path(tmp), runs))
-    costs = [parallel_plain_costs() for _ in range(runs)]
-    step_s = {bs: statistics.median(c[0][bs] for c in costs) for bs in BATCH_SIZES}
-    eval_s = statistics.median(c[1] for c in costs)
+def pure_makespan(run: StudyRun, *, oracle: bool = False) -> float:
+    """The run's ideal makespan: its tuner decisions replayed in the simulator at its plain-loop costs.
+    ``oracle``: its scheduler knows each step's true cost (a bs=128 step costs four bs=32 ones); else it
+    decides with the master's cost model, every step the same cost (``steps_cost``)."""
+    step_s, eval_s = run.costs
 
     def step_time(config: Config, step: int) -> float:
         return step_s[int(config.values_at(step)["bs"])]
 
-    first = studies[0]
-    report = Simulator(ReplayDriver(first.trace), WORKERS, step_time=step_time, eval_s=eval_s).run()
+    decision_cost = None if oracle else steps_cost(SchedulingSettings().default_step_seconds)
+    sim = Simulator(ReplayDriver(run.trace), WORKERS, step_time=step_time, eval_s=eval_s, decision_cost=decision_cost)
+    return sim.run().makespan
+
+
+def embedded_figures(home: Path | None = None, runs: int = RUNS) -> EmbeddedFigures:
+    with tempfile.TemporaryDirectory(prefix="stagetree-bench-embedded-") as tmp:
+        studies, startup = asyncio.run(_run_studies(home or Path(tmp), runs))
     return EmbeddedFigures(
         executed=max(s.executed for s in studies),
-        unique=digits_sha.unique_steps(first.plan),
-        wall_s=statistics.median(s.wall_s for s in studies),
+        unique=digits_sha.unique_steps(studies[0].plan),
+        walls_s=[s.wall_s for s in studies],
+        pures_s=[pure_makespan(s) for s in studies],
+        oracle_pures_s=[pure_makespan(s, oracle=True) for s in studies],
         startup_s=startup,
-        pure_s=report.makespan,
-        step_ms={bs: s * 1000 for bs, s in step_s.items()},
-        eval_ms=eval_s * 1000,
+        step_ms={bs: statistics.median(s.costs[0][bs] for s in studies) * 1000 for bs in BATCH_SIZES},
+        eval_ms=statistics.median(s.costs[1] for s in studies) * 1000,
     )
 
 
 def main() -> None:
     f = embedded_figures()
+    pairs = ", ".join(f"{w:.2f}/{p:.2f}" for w, p in zip(f.walls_s, f.oracle_pures_s, strict=True))
     print(
-        f"  executed {f.executed} steps, unique {f.unique}; study wall (median) {f.wall_s:.2f} s (cluster start-up "
-        f"{f.startup_s:.2f} s apart), pure {f.pure_s:.2f} s (plain-loop step ms by batch size "
+        f"  executed {f.executed} steps, unique {f.unique}; study wall / pure per run (s): {pairs} (cluster "
+        f"start-up {f.startup_s:.2f} s apart; plain-loop step ms by batch size, median "
         f"{ {bs: round(ms, 1) for bs, ms in f.step_ms.items()} }, eval {f.eval_ms:.1f} ms)",
+        flush=True,
+    )
+    print(
+        f"  against the simulated scheduler with the master's cost model (equal step costs) instead: "
+        f"{f.overhead_same_cost_model:.2f}",
         flush=True,
     )
     print(f"embedded_steps_vs_unique={f.steps_vs_unique:.2f} embedded_overhead={f.overhead:.2f}")

@@ -93,6 +93,9 @@ log = logging.getLogger(__name__)
 # CPU accounting from /proc
 
 
+STAGETREE_WORKERS = 2
+
+
 def _stat(pid: int) -> tuple[int, float, float] | None:
     """``(ppid, own cpu s, reaped children's cpu s)`` of a live process, None if gone."""
     try:
@@ -198,7 +201,7 @@ class StagetreeSide:
         from stagetree.client.sdk import connect
         from stagetree.embedded import Embedded, EmbeddedSettings
 
-        self._embedded = Embedded(EmbeddedSettings(home=self.home, workers=2, threads_per_worker=1))
+        self._embedded = Embedded(EmbeddedSettings(home=self.home, workers=STAGETREE_WORKERS, threads_per_worker=1))
         self.cluster = await self._embedded.__aenter__()
         self._connect = connect(self.cluster.target, token=self.cluster.token)
         self.client = await self._connect.__aenter__()
@@ -226,13 +229,14 @@ class StagetreeSide:
         )
 
     async def _idle(self) -> None:
-        """Until every batch has finished and its worker process has exited (its CPU is then counted)."""
+        """Until every batch has finished and its worker process has exited (its CPU is then counted);
+        what is left are the slots' warm workers, waiting for a batch (their CPU is counted live)."""
         store = self.cluster.app.store
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             busy = await asyncio.to_thread(store.busy_slots)
             fs = _forkserver_pid()
-            if not busy and (fs is None or _live_children(fs) == 0):
+            if not busy and (fs is None or _live_children(fs) <= STAGETREE_WORKERS):
                 return
             await asyncio.sleep(0.05)
         log.warning("stagetree workers still busy after 60 s; CPU figures may be short")
