@@ -24,6 +24,7 @@ from stagetree.master.policies import fixed_without_policies, split_policies
 from stagetree.master.settings import LimitSettings
 from stagetree.master.store.store import (
     Assignment,
+    BatchReportIn,
     NewRequest,
     NodeManagerRecord,
     RequestRecord,
@@ -90,6 +91,20 @@ class CheckpointReport:
     uri: str
     bytes: int
     kind: str = "central"
+
+
+@dataclass(frozen=True)
+class BatchReport:
+    """What a node manager reports of one batch attempt (``MasterService.report_batch``'s arguments)."""
+
+    batch_id: int
+    attempt: int
+    ok: bool
+    metrics: Sequence[MetricReport] = ()
+    checkpoints: Sequence[CheckpointReport] = ()
+    error: str = ""
+    oom: bool = False
+    preempted: bool = False
 
 
 def _json_object(text: str, what: str, limit: int) -> Any:
@@ -355,25 +370,60 @@ class MasterService:
         """A node manager reports what a batch attempt produced and whether it ended well. Returns the
         requests it completed. A failed attempt's requests are retried up to ``max_attempts`` times, then
         fail with the error; a preempted one's are rescheduled from its checkpoint without counting."""
+        report = BatchReport(batch_id, attempt, ok, metrics, checkpoints, error=error, oom=oom, preempted=preempted)
+        got = self.report_batches(who, [report])[0]
+        if isinstance(got, StagetreeError):
+            raise got
+        return got
+
+    def report_batches(self, who: Principal, reports: Sequence[BatchReport]) -> list[list[int] | StagetreeError]:
+        """``report_batch`` of several attempts in one transaction (reports that arrive together: see
+        ``api.grouping``). Each gets the requests it completed, or the error that rejected it alone (an
+        unknown batch, a bad step); the others are applied all the same."""
         who.require_admin()
-        plan_id = self.store.plan_of_batch(batch_id)
+        out: dict[int, list[int] | StagetreeError] = {}
+        valid: list[tuple[int, BatchReportIn]] = []
+        for i, r in enumerate(reports):
+            try:
+                valid.append((i, self._report_in(r)))
+            except StagetreeError as e:
+                out[i] = e
+        got = self.store.report_batches([r for _, r in valid]) if valid else []
+        for (i, rin), res in zip(valid, got, strict=True):
+            if isinstance(res, StagetreeError):
+                out[i] = res
+                continue
+            done, requeued = res
+            out[i] = done
+            log.info(
+                "batch reported",
+                extra={
+                    "batch_id": rin.batch_id,
+                    "attempt": rin.attempt,
+                    "ok": rin.ok,
+                    "done": len(done),
+                    "requeued": len(requeued),
+                },
+            )
+        if valid:
+            self.wakeups.notify(CH_RESULTS)
+            self.wakeups.notify(CH_ROUND)
+        return [out[i] for i in range(len(reports))]
+
+    def _report_in(self, r: BatchReport) -> BatchReportIn:
+        """A report at canonical points, as the store takes it (NotFound for an unknown batch)."""
+        plan_id = self.store.plan_of_batch(r.batch_id)
         ckpts = []
-        for c in checkpoints:
+        for c in r.checkpoints:
             p = self.plans.canonical(plan_id, Point(c.node, check_step(c.step)))
             ckpts.append((p.node, p.step, c.uri, c.bytes, c.kind))
         points = []
-        for mr in metrics:
+        for mr in r.metrics:
             p = self.plans.canonical(plan_id, Point(mr.node, check_step(mr.step)))
             points.append((p.node, p.step, dict(mr.values)))
-        if oom and not ok:
+        error = r.error
+        if r.oom and not r.ok:
             error = f"out of memory: {error}" if error else "out of memory"
-        done, requeued = self.store.report_batch(
-            batch_id, attempt, ok, points, ckpts, error=error, preempted=preempted, max_failures=self.max_attempts
+        return BatchReportIn(
+            r.batch_id, r.attempt, r.ok, points, ckpts, error, r.preempted, max_failures=self.max_attempts
         )
-        log.info(
-            "batch reported",
-            extra={"batch_id": batch_id, "attempt": attempt, "ok": ok, "done": len(done), "requeued": len(requeued)},
-        )
-        self.wakeups.notify(CH_RESULTS)
-        self.wakeups.notify(CH_ROUND)
-        return done

@@ -15,11 +15,13 @@ from typing import Any, TypeVar
 import grpc
 
 from stagetree.core.errors import InvalidArgument, StagetreeError
+from stagetree.master.api.grouping import Grouper
 from stagetree.master.auth import Authenticator, Principal, bearer
 from stagetree.master.coordination import Coordination, Subscription
 from stagetree.master.errors import status_of
 from stagetree.master.service import (
     CH_RESULTS,
+    BatchReport,
     CheckpointReport,
     MasterService,
     MetricReport,
@@ -72,6 +74,7 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
         self.auth = auth
         self.coord = coordination
         self.heartbeat_interval_s = heartbeat_interval_s
+        self._reports: Grouper[tuple[Principal, BatchReport], list[int]] = Grouper(self._report_group)
 
     def _who(self, context: grpc.aio.ServicerContext) -> Principal:
         md = dict(context.invocation_metadata() or ())
@@ -258,23 +261,35 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
             await wakeups.wait(POLL_S)
 
     async def ReportBatch(self, request: pb.ReportBatchRequest, context: Any) -> pb.ReportBatchResponse:
-        metrics = [MetricReport(m.node, m.step, dict(m.values)) for m in request.metrics]
-        ckpts = [CheckpointReport(c.node, c.step, c.uri, c.bytes, c.kind or "central") for c in request.checkpoints]
-        done = await self._call(
-            context,
-            lambda who: self.svc.report_batch(
-                who,
-                request.batch_id,
-                request.attempt,
-                request.ok,
-                metrics,
-                ckpts,
-                error=request.error,
-                oom=request.oom,
-                preempted=request.preempted,
-            ),
+        report = BatchReport(
+            request.batch_id,
+            request.attempt,
+            request.ok,
+            [MetricReport(m.node, m.step, dict(m.values)) for m in request.metrics],
+            [CheckpointReport(c.node, c.step, c.uri, c.bytes, c.kind or "central") for c in request.checkpoints],
+            error=request.error,
+            oom=request.oom,
+            preempted=request.preempted,
         )
+        try:
+            who = self._who(context)
+            who.require_admin()
+            done = await self._reports.submit((who, report))
+        except Exception as exc:
+            await self._abort(context, exc)
+            raise  # unreachable: abort raises
         return pb.ReportBatchResponse(completed_request_ids=done)
+
+    def _report_group(self, items: list[tuple[Principal, BatchReport]]) -> list[list[int] | Exception]:
+        """Reports that arrived together, one transaction per principal (``Grouper``)."""
+        out: dict[int, list[int] | Exception] = {}
+        by_who: dict[Principal, list[int]] = {}
+        for i, (who, _) in enumerate(items):
+            by_who.setdefault(who, []).append(i)
+        for who, idx in by_who.items():
+            for i, res in zip(idx, self.svc.report_batches(who, [items[i][1] for i in idx]), strict=True):
+                out[i] = res
+        return [out[i] for i in range(len(items))]
 
 
 async def start_grpc_server(servicer: MasterGrpc, host: str, port: int) -> tuple[grpc.aio.Server, int]:

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from stagetree.core.batch import BatchSpec, Point
+from stagetree.core.errors import InvalidArgument, NotFound, PermissionDenied
 from stagetree.master.app import MasterApp
-from stagetree.master.service import CheckpointReport, MetricReport, SubmitItem
+from stagetree.master.service import BatchReport, CheckpointReport, MetricReport, SubmitItem
 from tests.integration.master.test_scheduling import ADMIN, ALICE, _node_manager, _submit
 
 
@@ -105,3 +108,29 @@ def app_item(spec: BatchSpec, step: int) -> SubmitItem:
     """The config of the batch's last stage, asked at another step (as the plan view gives it)."""
     cfg = {"fixed": spec.fixed.to_json(), "tuned": spec.stages[-1].config.to_json()}
     return SubmitItem(f"more-{step}", json.dumps(cfg), step)
+
+
+def test_reports_of_several_batches_in_one_call_reject_only_the_bad_one(app: MasterApp) -> None:
+    study, rids = _submit(app, 3)
+    nm = _node_manager(app, 3)
+    assert len(app.scheduler.run_round().dispatched) == 3
+    specs = [BatchSpec.from_json(json.loads(a.spec_json)) for a in app.service.take_assignments(ADMIN, nm)]
+    good, bad_step, other = specs
+    reports = [
+        BatchReport(good.batch_id, 1, True, [MetricReport(good.end.node, 10, {"loss": 0.1})]),
+        BatchReport(bad_step.batch_id, 1, True, [MetricReport(bad_step.end.node, -1, {"loss": 0.2})]),
+        BatchReport(987_654_321, 1, True, []),
+        BatchReport(other.batch_id, 1, True, [MetricReport(other.end.node, 10, {"loss": 0.3})]),
+    ]
+    with pytest.raises(PermissionDenied):
+        app.service.report_batches(ALICE, reports)
+    assert {r.state for r in app.service.get_requests(ALICE, study, rids)} == {"SCHED"}  # nothing applied
+
+    got = app.service.report_batches(ADMIN, reports)
+    assert isinstance(got[1], InvalidArgument) and "step" in str(got[1])
+    assert isinstance(got[2], NotFound) and "987654321" in str(got[2])
+    assert got[0] == [r.id for r in app.service.get_requests(ALICE, study, rids) if r.batch_id == good.batch_id]
+    state_of = {r.batch_id: (r.state, r.metrics) for r in app.service.get_requests(ALICE, study, rids)}
+    assert state_of[good.batch_id] == ("DONE", {"loss": 0.1}) and state_of[other.batch_id] == ("DONE", {"loss": 0.3})
+    assert state_of[bad_step.batch_id] == ("SCHED", None)
+    assert app.store.get_batch(bad_step.batch_id).state == "RUNNING"  # its report can come again, corrected
