@@ -20,10 +20,10 @@ the platform's overhead on a real workload.
   against a simulated scheduler that never learns (every step the same cost) is printed beside it;
   with equal costs per step, ties are broken by the order of plan nodes, which the simulator numbers
   differently, so that ratio moves both ways (below 1 when the simulator's tie-break happened to be
-  the worse one). The plain loop is measured right after each study run (the cluster
-  idle), and the figure is the median over the runs of each run's ratio: this two-core VM's speed
-  drifts by 20-40% over minutes, and a wall time divided by costs measured minutes apart measured that
-  drift.
+  the worse one). The plain loop is measured before the cluster starts and after each study run (the
+  cluster idle); a run's costs are the mean of the measurements either side of it, and the figure is
+  the median over the runs of each run's ratio: this two-core VM's speed drifts by 20-40% over
+  minutes, and a wall time divided by costs measured minutes apart measured that drift.
 
 Run by ``tests.bench.pipeline`` in a child process of its own (``python -m tests.bench.embedded``): the
 ingest cases before it leave threads and processes that would otherwise share its two cores.
@@ -180,13 +180,16 @@ class StudyRun:
     plan: dict[str, Any]
     executed: int
     wall_s: float
-    costs: PlainCosts  # the plain loop, measured right after this run
+    costs: PlainCosts  # the plain loop, the mean of its measurements just before and just after this run
 
 
 async def _run_studies(home: Path, runs: int) -> tuple[list[StudyRun], float]:
     """The study ``runs`` times on one embedded cluster (each on a plan of its own: the fixed value
-    ``bench_run`` differs, so no run is answered from an earlier one's results), each followed by the
-    plain-loop costs; and the start-up."""
+    ``bench_run`` differs, so no run is answered from an earlier one's results), with the plain-loop
+    costs measured before the cluster starts and after each run; and the start-up. A run's costs are the
+    mean of the measurements either side of it, so that a drift of the VM's speed during the run is
+    split instead of charged to the platform or to the baseline."""
+    before = await asyncio.to_thread(parallel_plain_costs)
     t0 = time.monotonic()
     out = []
     async with Embedded(EmbeddedSettings(home=home, workers=WORKERS)) as cluster:
@@ -211,14 +214,21 @@ async def _run_studies(home: Path, runs: int) -> tuple[list[StudyRun], float]:
                 store = cluster.app.store
                 plan_id = (await asyncio.to_thread(store.get_requests, study.id))[0].plan_id
                 executed = await asyncio.to_thread(store.executed_steps, plan_id)
-                costs = await asyncio.to_thread(parallel_plain_costs)
-                out.append(StudyRun(run.trace, plan, executed, wall, costs))
+                after = await asyncio.to_thread(parallel_plain_costs)
+                out.append(StudyRun(run.trace, plan, executed, wall, mean_costs(before, after)))
                 print(
-                    f"  run {i + 1}: study wall {wall:.2f} s, executed {executed} steps, then plain-loop step ms "
-                    f"{ {bs: round(c * 1000, 1) for bs, c in costs[0].items()} }",
+                    f"  run {i + 1}: study wall {wall:.2f} s, executed {executed} steps; plain-loop step ms before "
+                    f"{ {bs: round(c * 1000, 1) for bs, c in before[0].items()} }, after "
+                    f"{ {bs: round(c * 1000, 1) for bs, c in after[0].items()} }",
                     flush=True,
                 )
+                before = after
     return out, startup
+
+
+def mean_costs(a: PlainCosts, b: PlainCosts) -> PlainCosts:
+    """The mean of two plain-loop measurements, per batch size and for the evaluation."""
+    return {bs: (a[0][bs] + b[0][bs]) / 2 for bs in a[0]}, (a[1] + b[1]) / 2
 
 
 def _plain_costs_child(barrier: Any, out: Any) -> None:
