@@ -11,12 +11,14 @@ not exist (it is created just before the fault), so a retried batch succeeds. Fa
 ``runtime_oom``    ``RuntimeError("... out of memory ...")`` (older torch, CPU allocators)
 ``memory_error``   ``MemoryError``
 ``exit``           ``os._exit(17)``: the process dies with no chance to report anything
+``say_and_exit``   a line on stderr, then ``exit`` (the line must reach the failure's report)
 =================  =====================================================================
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -50,12 +52,19 @@ def _exit() -> None:
     os._exit(EXIT_CODE)
 
 
+def _say_and_exit() -> None:
+    sys.stderr.write("dying on purpose (fault say_and_exit)\n")
+    sys.stderr.flush()
+    os._exit(EXIT_CODE)
+
+
 FAULTS: dict[str, Callable[[], None]] = {
     "raise": _raise_value_error,
     "cuda_oom": _raise_cuda_oom,
     "runtime_oom": _raise_runtime_oom,
     "memory_error": _raise_memory_error,
     "exit": _exit,
+    "say_and_exit": _say_and_exit,
 }
 
 

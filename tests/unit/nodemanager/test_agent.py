@@ -400,3 +400,30 @@ async def test_a_warm_worker_builds_the_trainer_ahead_and_the_batch_trains_the_s
     for spec, report in zip(specs[1:], reports[1:], strict=True):
         assert report.ok
         assert [dict(m.values) for m in report.metrics] == _metrics_in_process(spec, direct)
+
+
+async def test_a_cpu_slots_next_worker_starts_when_its_batch_exits_and_logs_keep_the_batch_name(
+    tmp_path: Path,
+) -> None:
+    h = await _start(tmp_path)
+    launcher = h.nm.launcher
+    logs = tmp_path / "work" / "logs"
+    try:
+        await h.nm.workers_ready()
+        await until(lambda: "cpu0" in launcher._warm)  # the one prestarted at start-up
+        h.run(_spec(1, steps=30, trainer=FAULTY, sleep_s=0.02))
+        h.run(_spec(2, trainer=FAULTY, fault="say_and_exit", fault_step=1))  # queued behind it (one slot)
+        await until(lambda: h.nm._attempts.get((1, 1)) and h.nm._attempts[(1, 1)].started)
+        await asyncio.sleep(0.3)  # while batch 1 trains, nothing else starts on its cores
+        assert "cpu0" not in launcher._warm and "cpu0" not in launcher._starting
+        assert (await h.report(1)).ok
+        # batch 2 runs on a worker started at batch 1's exit, given its spec at once: what it wrote
+        # before dying reaches the report, from the log under the batch's name
+        failed = await h.report(2)
+        assert not failed.ok and "dying on purpose" in failed.error
+        assert "dying on purpose" in (logs / "batch-2-a1.log").read_text()
+        await until(lambda: "cpu0" in launcher._warm)  # and the next one started at batch 2's exit
+        await until(lambda: len(list(logs.glob("worker-*.log"))) == 1)  # only that one's first name is left
+    finally:
+        h.stop.set()
+        await asyncio.wait_for(h.task, 30)
