@@ -269,12 +269,15 @@ class WorkerLauncher(ABC):
             # (measured: a first step of 60-95 ms instead of 25-45). Started when this one exits, it
             # overlaps the report and the next round's dispatch instead, on the core this one left.
             self._next[slot.id] = spec
-        self._after_exit(
-            worker,
-            lambda: None if worker.log_path == first_name else first_name.unlink(missing_ok=True),
-            lambda: self._replenish_next(slot),
-        )
+        linked = worker.log_path != first_name
+        self._after_exit(worker, lambda: self._drop_first_name(first_name, linked), lambda: self._replenish_next(slot))
         return worker
+
+    @staticmethod
+    def _drop_first_name(first_name: Path, linked: bool) -> None:
+        """The warm name of an exited worker's log, once the batch's name links the same file."""
+        if linked:
+            first_name.unlink(missing_ok=True)
 
     def _replenish_next(self, slot: LocalSlot) -> None:
         """Start the warm worker a CPU slot's last batch left to start at its exit (once: the exit or

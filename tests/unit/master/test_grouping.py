@@ -41,15 +41,21 @@ async def _held_first(g: Grouper[int, int], rec: Recorder, first: int) -> asynci
     return task
 
 
+async def _behind_one(g: Grouper[int, int], rec: Recorder, first: int, rest: Sequence[int]) -> list[object]:
+    """Submit ``first``; while fn holds it, submit ``rest``; then let fn go. Every call's result or
+    exception, in submission order."""
+    held = await _held_first(g, rec, first)
+    queued = [asyncio.ensure_future(g.submit(i)) for i in rest]
+    await asyncio.sleep(0.01)
+    rec.release.set()
+    return list(await asyncio.gather(held, *queued, return_exceptions=True))
+
+
 async def test_a_lone_call_goes_at_once_and_those_behind_it_share_one_call() -> None:
     rec = Recorder()
     g: Grouper[int, int] = Grouper(rec)
     assert await g.submit(1) == 2
-    first = await _held_first(g, rec, 2)
-    rest = [asyncio.ensure_future(g.submit(i)) for i in (3, 4, 5)]
-    await asyncio.sleep(0.01)
-    rec.release.set()
-    assert await asyncio.gather(first, *rest) == [4, 6, 8, 10]
+    assert await _behind_one(g, rec, 2, (3, 4, 5)) == [4, 6, 8, 10]
     assert rec.groups == [[1], [2], [3, 4, 5]]
     assert g.calls == 3
 
@@ -57,11 +63,7 @@ async def test_a_lone_call_goes_at_once_and_those_behind_it_share_one_call() -> 
 async def test_an_item_rejected_alone_fails_only_its_own_call() -> None:
     rec = Recorder()
     g: Grouper[int, int] = Grouper(rec)
-    first = await _held_first(g, rec, 1)
-    rest = [asyncio.ensure_future(g.submit(i)) for i in (2, -3, 4)]
-    await asyncio.sleep(0.01)
-    rec.release.set()
-    got = await asyncio.gather(first, *rest, return_exceptions=True)
+    got = await _behind_one(g, rec, 1, (2, -3, 4))
     assert got[:2] == [2, 4] and got[3] == 8
     assert isinstance(got[2], InvalidArgument) and "-3 is negative" in str(got[2])
     assert rec.groups == [[1], [2, -3, 4]]
@@ -70,11 +72,7 @@ async def test_an_item_rejected_alone_fails_only_its_own_call() -> None:
 async def test_a_group_whose_call_raises_is_run_again_item_by_item() -> None:
     rec = Recorder(raise_on_negative=True)
     g: Grouper[int, int] = Grouper(rec)
-    first = await _held_first(g, rec, 1)
-    rest = [asyncio.ensure_future(g.submit(i)) for i in (2, -3, 4)]
-    await asyncio.sleep(0.01)
-    rec.release.set()
-    got = await asyncio.gather(first, *rest, return_exceptions=True)
+    got = await _behind_one(g, rec, 1, (2, -3, 4))
     assert got[0] == 2 and got[1] == 4 and got[3] == 8 and isinstance(got[2], InvalidArgument)
     assert rec.groups == [[1], [2, -3, 4], [2], [-3], [4]]
 
@@ -82,11 +80,7 @@ async def test_a_group_whose_call_raises_is_run_again_item_by_item() -> None:
 async def test_groups_are_capped_at_max_items() -> None:
     rec = Recorder()
     g: Grouper[int, int] = Grouper(rec, max_items=2)
-    first = await _held_first(g, rec, 0)
-    rest = [asyncio.ensure_future(g.submit(i)) for i in range(1, 6)]
-    await asyncio.sleep(0.01)
-    rec.release.set()
-    assert await asyncio.gather(first, *rest) == [0, 2, 4, 6, 8, 10]
+    assert await _behind_one(g, rec, 0, range(1, 6)) == [0, 2, 4, 6, 8, 10]
     assert rec.groups == [[0], [1, 2], [3, 4], [5]]
 
 
