@@ -170,14 +170,16 @@ class Embedded:
 
     async def _wait_registered(self, timeout_s: float = 60.0) -> None:
         """Until the node manager has registered its slots (so the first study gets work at once)."""
+        from stagetree.core.lifecycle import NodeManagerState
+
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while loop.time() < deadline:
             for t in self._tasks:
                 if t.done() and t.exception() is not None:
                     raise t.exception()  # type: ignore[misc]
-            nms = await asyncio.to_thread(self.app.store.node_managers)
-            if any(n.id == self.settings.node_manager_id and n.state == "ALIVE" for n in nms):
+            nms = await asyncio.to_thread(self.app.store.nodes.node_managers)
+            if any(n.id == self.settings.node_manager_id and n.state is NodeManagerState.ALIVE for n in nms):
                 return
             await asyncio.sleep(0.05)
         raise TimeoutError(f"the embedded node manager did not register within {timeout_s:.0f} s")

@@ -45,7 +45,7 @@ def run(settings: AggregatorSettings) -> int:
     from stagetree.bus.kafka import KafkaBusConfig, KafkaMetricBus, ensure_topics
     from stagetree.master.service import NoWakeups, Wakeups
     from stagetree.master.store.ingest import Ingestor
-    from stagetree.master.store.store import SqlStore, make_engine
+    from stagetree.master.store.store import Store, make_engine
 
     k = settings.kafka
     config = KafkaBusConfig(
@@ -60,7 +60,7 @@ def run(settings: AggregatorSettings) -> int:
     )
     if k.create_topics:
         ensure_topics(config, settings.topics, partitions=k.topic_partitions)
-    store = SqlStore(make_engine(settings.database_url, pool_size=settings.db_pool_size))  # refuses an old schema
+    store = Store.open(make_engine(settings.database_url, pool_size=settings.db_pool_size))  # refuses an old schema
     wakeups: Wakeups
     if settings.redis_url:
         from stagetree.master.coordination import RedisCoordination

@@ -24,15 +24,9 @@ from typing import Any
 from stagetree.core.batch import Point
 from stagetree.core.config import Config, divergence
 from stagetree.core.errors import InvalidArgument, NotFound
+from stagetree.core.lifecycle import RequestState
 
 MAX_STEP = 10_000_000
-
-
-class RequestState(StrEnum):
-    NOT_SCHED = "NOT_SCHED"
-    SCHED = "SCHED"
-    DONE = "DONE"
-    CANCELLED = "CANCELLED"
 
 
 class CheckpointKind(StrEnum):

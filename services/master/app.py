@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from stagetree.core.lifecycle import RetryPolicy
 from stagetree.master.api.grpc_api import MasterGrpc, start_grpc_server
 from stagetree.master.auth import Authenticator
 from stagetree.master.coordination import Coordination, InProcessCoordination, RedisCoordination
@@ -21,7 +22,7 @@ from stagetree.master.plans import PlanCache
 from stagetree.master.scheduling import SchedulingLoop
 from stagetree.master.service import MasterService
 from stagetree.master.settings import MasterSettings
-from stagetree.master.store.store import SqlStore, make_engine
+from stagetree.master.store.store import Store, make_engine
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class MasterApp:
     settings: MasterSettings
-    store: SqlStore
+    store: Store
     coordination: Coordination
     auth: Authenticator
     service: MasterService
@@ -37,12 +38,12 @@ class MasterApp:
 
     @classmethod
     def build(cls, settings: MasterSettings, coordination: Coordination | None = None) -> MasterApp:
-        store = SqlStore(make_engine(settings.database_url))  # raises FailedPrecondition on an old schema
+        store = Store.open(make_engine(settings.database_url))  # raises FailedPrecondition on an old schema
         if coordination is None:
             coordination = RedisCoordination(settings.redis_url) if settings.redis_url else InProcessCoordination()
-        plans = PlanCache(store)
+        plans = PlanCache(store.plans)
         service = MasterService(store, settings.limits, coordination, plans)
-        service.max_attempts = settings.scheduling.max_attempts
+        service.retry = RetryPolicy(settings.scheduling.max_attempts)
         instance = settings.instance_id or f"{socket.gethostname()}:{os.getpid()}"
         scheduler = SchedulingLoop(store, plans, coordination, settings.scheduling, instance)
         return cls(settings, store, coordination, Authenticator(settings.auth), service, scheduler)

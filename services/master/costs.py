@@ -26,7 +26,8 @@ from stagetree.core.estimator import CostModel, features_of
 from stagetree.core.scheduler import StageCost
 from stagetree.core.searchplan import Node
 from stagetree.core.stagetree import Stage
-from stagetree.master.store.store import FinishedAttempt, SqlStore
+from stagetree.master.store.ledger import BatchLedger
+from stagetree.master.store.records import FinishedAttempt
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +46,9 @@ class CostLearner:
         # stage costs per (plan key, GPU type), (node, start, end): dropped when that key learns more
         self._costs: dict[tuple[str, str], dict[tuple[int, int, int], float]] = {}
 
-    def refresh(self, store: SqlStore) -> int:
+    def refresh(self, ledger: BatchLedger) -> int:
         """Learn from the attempts that finished since the last refresh; how many were new."""
-        return self.observe(store.finished_attempts(self._since))
+        return self.observe(ledger.finished_attempts(self._since))
 
     def observe(self, attempts: Sequence[FinishedAttempt]) -> int:
         new = 0

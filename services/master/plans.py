@@ -22,7 +22,8 @@ from stagetree.core.batch import Point
 from stagetree.core.config import Config
 from stagetree.core.errors import Conflict
 from stagetree.core.searchplan import Node, SearchPlan, check_step
-from stagetree.master.store.store import NewTreeNode, SqlStore
+from stagetree.master.store.plans import PlanStore
+from stagetree.master.store.records import NewTreeNode
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class _Entry:
 class PlanCache:
     """Node structure of every plan this master touched, kept in step with the store."""
 
-    def __init__(self, store: SqlStore, max_passes: int = 64) -> None:
+    def __init__(self, store: PlanStore, max_passes: int = 64) -> None:
         self._store = store
         self._entries: dict[int, _Entry] = {}
         self._lock = threading.Lock()

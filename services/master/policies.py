@@ -93,7 +93,9 @@ from stagetree.core.scheduler import (
     schedule_round,
 )
 from stagetree.core.stagetree import StageForest
-from stagetree.master.store.store import ALIVE, SlotInfo, SqlStore
+from stagetree.master.store.nodes import ALIVE
+from stagetree.master.store.records import SlotInfo
+from stagetree.master.store.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +138,7 @@ class PolicyStep:
     the policies need across rounds (Hermes' per-job quanta, POP's per-study policy objects and what was
     fed to them, the preemptions in flight) and carries out preemptions and kills."""
 
-    def __init__(self, store: SqlStore) -> None:
+    def __init__(self, store: Store) -> None:
         self.store = store
         self.parsed: dict[str, StudyPolicies] = {}  # study id -> policies (a study's never change)
         self.jobs: dict[str, hermes.TimeShareJob] = {}
@@ -156,7 +158,7 @@ class PolicyStep:
         """The policies of every study with live requests that chose some (``store.policy_studies``,
         read now unless the round has just read them)."""
         out: dict[str, StudyPolicies] = {}
-        for sid, fixed_json in self.store.policy_studies() if rows is None else rows:
+        for sid, fixed_json in self.store.rounds.policy_studies() if rows is None else rows:
             pol = self.parsed.get(sid)
             if pol is None:
                 try:
@@ -185,7 +187,7 @@ class PolicyStep:
         base = schedule_round(forest, [], cost, order)  # amendments and attachments, no placement
         batches = plan_batches(forest, order_policy(order), cost)
         ready = [b for b in batches if b.ready]
-        info = self.store.request_studies([r for b in ready for r in b.requests])
+        info = self.store.requests.request_studies([r for b in ready for r in b.requests])
         work = []
         for i, b in enumerate(ready):
             reqs = [info[r] for r in b.requests if r in info]
@@ -251,7 +253,7 @@ class PolicyStep:
             if sp is None or r.job in self.killed:
                 continue
             stages = self.paths.get(r.batch, [])
-            rows = self.store.metrics_since(sorted({n for n, _, _ in stages}), self.fed_at.get(r.job, 0.0))
+            rows = self.store.requests.metrics_since(sorted({n for n, _, _ in stages}), self.fed_at.get(r.job, 0.0))
             reports = sorted(
                 (st, t, v[sp.metric])
                 for n, st, t, v in rows
@@ -300,20 +302,20 @@ class PolicyStep:
         from stagetree.master.service import CH_RESULTS, CH_ROUND, ch_node_manager  # service imports this module
 
         for bid in preempts:
-            if self.store.preempt_batch(bid):
-                nm = self.store.get_batch(bid).node_manager_id
+            if self.store.ledger.preempt_batch(bid):
+                nm = self.store.ledger.get_batch(bid).node_manager_id
                 log.info("batch preempted by its study's policy", extra={"batch_id": bid})
                 if nm:
                     notify(ch_node_manager(nm))
         for k in kills:
-            ids = self.store.live_requests_at(k.study, k.node, k.step)
+            ids = self.store.requests.live_requests_at(k.study, k.node, k.step)
             for rid in ids:
-                _, abort = self.store.cancel_request(k.study, rid)
+                _, abort = self.store.requests.cancel_request(k.study, rid)
                 if abort is not None:
-                    nm = self.store.abort_batch(abort)
+                    nm = self.store.ledger.abort_batch(abort)
                     if nm is not None:
                         notify(ch_node_manager(nm))
-            self.store.set_request_error(ids, k.reason)
+            self.store.requests.set_request_error(ids, k.reason)
         if kills:
             notify(CH_RESULTS)
             notify(CH_ROUND)
@@ -322,7 +324,7 @@ class PolicyStep:
         free_ids = {(s.node_manager, s.id) for s in free}
         views: list[SlotView] = []
         busy: dict[str, SlotView] = {}
-        for nm in self.store.node_managers():
+        for nm in self.store.nodes.node_managers():
             if nm.state != ALIVE:
                 continue
             infos = nm.slot_infos or tuple(SlotInfo(sid, gpu) for sid, gpu in nm.slots)
@@ -342,7 +344,7 @@ class PolicyStep:
         out = []
         alive = set()
         self.running_jobs = set()
-        for rec, dispatched_at, studies in self.store.running_batch_info():
+        for rec, dispatched_at, studies in self.store.ledger.running_batch_info():
             alive.add(rec.id)
             spec = json.loads(rec.spec_json)
             stages = [(int(s["node"]), int(s["start"]), int(s["end"])) for s in spec["stages"]]
@@ -377,7 +379,7 @@ class PolicyStep:
         since: float,
         now: float,
     ) -> None:
-        rows = self.store.metrics_since(sorted({n for n, _, _ in stages}), since)
+        rows = self.store.requests.metrics_since(sorted({n for n, _, _ in stages}), since)
         on_path = [(t, v) for n, st, t, v in rows if any(n == sn and a < st <= b for sn, a, b in stages)]
         losses = losses_of(on_path, metric)
         if losses:

@@ -35,7 +35,9 @@ from stagetree.master.plans import PlanCache
 from stagetree.master.policies import Kill, PolicyStep
 from stagetree.master.service import CH_ROUND, ch_node_manager
 from stagetree.master.settings import SchedulingSettings
-from stagetree.master.store.store import ALIVE, DispatchItem, NodeManagerRecord, RoundReads, SqlStore
+from stagetree.master.store.nodes import ALIVE
+from stagetree.master.store.records import DispatchItem, NodeManagerRecord, RoundReads
+from stagetree.master.store.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +83,7 @@ def inflight_of(spec_json: str) -> InflightBatch:
 class SchedulingLoop:
     def __init__(
         self,
-        store: SqlStore,
+        store: Store,
         plans: PlanCache,
         coordination: Coordination,
         settings: SchedulingSettings,
@@ -107,27 +109,27 @@ class SchedulingLoop:
         """Requeue the work of node managers whose heartbeat key lapsed. A master that just started
         leading (restarted, or a standby taking over) gives the node managers it has not heard from yet
         one heartbeat TTL to reconnect: while no master ran, their keys lapsed with nobody to renew them."""
-        nms = [n for n in (self.store.node_managers() if nms is None else nms) if n.state == ALIVE]
+        nms = [n for n in (self.store.nodes.node_managers() if nms is None else nms) if n.state == ALIVE]
         alive = self.coord.alive(n.id for n in nms)
         since = self.leader_since
         grace = time.time() < since + self.settings.heartbeat_ttl_s
         lost = [n.id for n in nms if n.id not in alive and not (grace and n.last_heartbeat <= since)]
         for nm in lost:
-            batches = self.store.mark_lost(nm)
+            batches = self.store.ledger.mark_lost(nm)
             log.warning("node manager lost; work requeued", extra={"node_manager_id": nm, "batches": batches})
         return lost
 
     def free_slots(
         self, nms: Sequence[NodeManagerRecord] | None = None, busy: set[tuple[str, str]] | None = None
     ) -> list[Slot]:
-        nms = [n for n in (self.store.node_managers() if nms is None else nms) if n.state == ALIVE]
-        busy = self.store.busy_slots() if busy is None else busy
+        nms = [n for n in (self.store.nodes.node_managers() if nms is None else nms) if n.state == ALIVE]
+        busy = self.store.rounds.busy_slots() if busy is None else busy
         return [Slot(sid, n.id, gpu) for n in nms for sid, gpu in n.slots if (n.id, sid) not in busy]
 
     def snapshot(self, reads: RoundReads | None = None) -> tuple[StageForest, dict[int, dict[Point, str]], int]:
         """The stage forest of every plan with NOT_SCHED requests (stage ``plan`` = plan id), from the
         round's ``reads`` (read now when not given)."""
-        reads = self.store.round_reads() if reads is None else reads
+        reads = self.store.rounds.round_reads() if reads is None else reads
         pending = reads.pending
         inflight: dict[int, list[InflightBatch]] = {}
         for b in reads.running:
@@ -169,7 +171,7 @@ class SchedulingLoop:
         take no lock, or a submission holding the plan cache's lock while it waits for the database
         write lock deadlocks with the round (seen on SQLite)."""
         plan_id = int(batch.plan)
-        key, fixed_json = self.store.plan_fixed(plan_id)
+        key, fixed_json = self.store.plans.plan_fixed(plan_id)
         plan = self.plans.ensure(plan_id, {s.node for s in batch.stages})
         fixed = FixedPart.from_json(json.loads(fixed_json))
         stages = tuple(StageSpec(s.node, s.start, s.end, plan.nodes[s.node].config) for s in batch.stages)
@@ -198,9 +200,9 @@ class SchedulingLoop:
         that pending work (``forest``'s sources) or a running batch starts from. The rows go at once;
         every live node manager is told to delete the files (the checkpoint store may be shared)."""
         budget = self.settings.checkpoint_budget_bytes
-        if budget is None or self.store.checkpoint_bytes() <= budget:
+        if budget is None or self.store.checkpoints.checkpoint_bytes() <= budget:
             return []
-        records = self.store.checkpoint_records()
+        records = self.store.checkpoints.checkpoint_records()
         ckpts: dict[Point, Checkpoint] = {}
         nodes: dict[int, Node] = {}
         for plan_id, rows in records.items():
@@ -208,7 +210,7 @@ class SchedulingLoop:
             nodes.update(plan.nodes)
             for p, uri, nbytes, kind, used in rows:
                 ckpts[p] = Checkpoint(p, uri, nbytes, CheckpointKind(kind), used)
-        batches = self.store.running_batches()
+        batches = self.store.ledger.running_batches()
         running = [inflight_of(b.spec_json) for b in batches]
         sources = {src for b in batches if (src := source_of(b.spec_json)) is not None}
         pinned = pinned_points(forest, sources) if forest is not None else set(sources)
@@ -224,7 +226,7 @@ class SchedulingLoop:
         )
         if not result.evict:
             return []
-        told = self.store.delete_checkpoints(result.evict)
+        told = self.store.checkpoints.delete_checkpoints(result.evict)
         for nm in told:
             self.coord.notify(ch_node_manager(nm))
         log.info(
@@ -242,7 +244,7 @@ class SchedulingLoop:
         cache (measured: 25-40% of a 10,000-request round). Reference counting still frees them."""
         with _gc_paused():
             t0 = time.perf_counter()
-            reads = self.store.round_reads() if reads is None else reads
+            reads = self.store.rounds.round_reads() if reads is None else reads
             slots = self.free_slots(reads.node_managers, reads.busy)
             policies = self.policy_step.active(reads.policy_studies)  # studies that chose policies (usually none)
             if not slots and not any(p.time_share or p.search for p in policies.values()):
@@ -265,19 +267,19 @@ class SchedulingLoop:
         now = time.monotonic()
         if now - self._costs_read_at >= self.settings.cost_refresh_s:
             self._costs_read_at = now
-            self.costs.refresh(self.store)
+            self.costs.refresh(self.store.ledger)
         gpu_type = slots[0].gpu_type if slots else "cpu"
         return self.costs.stage_cost(
-            lambda plan_id: self.store.plan_fixed(plan_id)[0],
+            lambda plan_id: self.store.plans.plan_fixed(plan_id)[0],
             lambda plan_id: self.plans.ensure(plan_id, ()).nodes,
             gpu_type,
         )
 
     def run_round(self) -> RoundReport:
-        reads = self.store.round_reads()  # one read serves the liveness check, the free slots, the forest
+        reads = self.store.rounds.round_reads()  # one read serves the liveness check, the free slots, the forest
         lost = self.requeue_lost(reads.node_managers)
         if lost:
-            reads = self.store.round_reads()
+            reads = self.store.rounds.round_reads()
         dec = self.decide(reads)
         result, uris = dec.result, dec.uris
         dispatched: list[int] = []
@@ -292,7 +294,7 @@ class SchedulingLoop:
             for d in result.dispatches
         ]
         woken: set[str] = set()
-        for d, rec in zip(result.dispatches, self.store.dispatch_many(items), strict=True):
+        for d, rec in zip(result.dispatches, self.store.ledger.dispatch_many(items), strict=True):
             if rec is None:
                 continue
             dispatched.append(rec.id)

@@ -11,27 +11,27 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from stagetree.core.batch import Point
 from stagetree.core.config import Config, FixedPart
 from stagetree.core.errors import InvalidArgument, NotFound, ResourceExhausted, StagetreeError
+from stagetree.core.lifecycle import AttemptReport, CheckpointPoint, MetricPoint, RetryPolicy
 from stagetree.core.searchplan import check_step
 from stagetree.master.auth import Principal
 from stagetree.master.plans import PlanCache, config_text
 from stagetree.master.policies import fixed_without_policies, split_policies
 from stagetree.master.settings import LimitSettings
-from stagetree.master.store.store import (
+from stagetree.master.store.records import (
     Assignment,
-    BatchReportIn,
     NewRequest,
     NodeManagerRecord,
     RequestRecord,
     SlotInfo,
-    SqlStore,
     StudyRecord,
 )
+from stagetree.master.store.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -77,36 +77,6 @@ class PlanView:
     nodes: list[NodeView] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class MetricReport:
-    node: int
-    step: int
-    values: dict[str, float]
-
-
-@dataclass(frozen=True)
-class CheckpointReport:
-    node: int
-    step: int
-    uri: str
-    bytes: int
-    kind: str = "central"
-
-
-@dataclass(frozen=True)
-class BatchReport:
-    """What a node manager reports of one batch attempt (``MasterService.report_batch``'s arguments)."""
-
-    batch_id: int
-    attempt: int
-    ok: bool
-    metrics: Sequence[MetricReport] = ()
-    checkpoints: Sequence[CheckpointReport] = ()
-    error: str = ""
-    oom: bool = False
-    preempted: bool = False
-
-
 def _json_object(text: str, what: str, limit: int) -> Any:
     if not isinstance(text, str) or not text:
         raise InvalidArgument(f"{what}: must be a non-empty JSON string")
@@ -122,13 +92,13 @@ class MasterService:
     """Studies, requests, metrics, plans and node managers, for an authenticated principal."""
 
     def __init__(
-        self, store: SqlStore, limits: LimitSettings, wakeups: Wakeups | None = None, plans: PlanCache | None = None
+        self, store: Store, limits: LimitSettings, wakeups: Wakeups | None = None, plans: PlanCache | None = None
     ) -> None:
         self.store = store
         self.limits = limits
         self.wakeups: Wakeups = wakeups or NoWakeups()
-        self.plans = plans or PlanCache(store)
-        self.max_attempts = 3  # failed attempts of a request's work before the request fails
+        self.plans = plans or PlanCache(store.plans)
+        self.retry = RetryPolicy()  # how often a request's work may fail before the request fails
 
     # -- studies --------------------------------------------------------------------------------
 
@@ -142,7 +112,8 @@ class MasterService:
             stored = FixedPart.from_json(fixed_obj).to_json()
             if policies is not None:
                 stored["policies"] = policies.to_json()
-        rec = self.store.create_study(who.name, name, None if stored is None else json.dumps(stored, sort_keys=True))
+        fixed = None if stored is None else json.dumps(stored, sort_keys=True)
+        rec = self.store.studies.create_study(who.name, name, fixed)
         log.info("study created", extra={"study_id": rec.id, "owner": who.name})
         return rec
 
@@ -150,7 +121,7 @@ class MasterService:
         if not isinstance(study_id, str) or not study_id:
             raise InvalidArgument("study_id: required")
         try:
-            rec = self.store.get_study(study_id)
+            rec = self.store.studies.get_study(study_id)
         except NotFound:
             rec = None
         if rec is None or (rec.owner != who.name and not who.admin):
@@ -159,7 +130,7 @@ class MasterService:
         return rec
 
     def list_studies(self, who: Principal) -> list[StudyRecord]:
-        return self.store.list_studies(who.name)
+        return self.store.studies.list_studies(who.name)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -214,9 +185,9 @@ class MasterService:
             fixed_of[key] = fixed
         out: list[RequestRecord | None] = [None] * len(parsed)
         for key, idxs in by_plan.items():
-            plan_id = self.store.ensure_plan(key, json.dumps(fixed_of[key].to_json(), sort_keys=True))
+            plan_id = self.store.plans.ensure_plan(key, json.dumps(fixed_of[key].to_json(), sort_keys=True))
             points = self.plans.locate_many(plan_id, [(parsed[i][2], parsed[i][3]) for i in idxs])
-            recs = self.store.add_requests(
+            recs = self.store.requests.add_requests(
                 study.id, plan_id, [NewRequest(parsed[i][0], p.node, p.step) for i, p in zip(idxs, points, strict=True)]
             )
             for i, r in zip(idxs, recs, strict=True):
@@ -227,9 +198,9 @@ class MasterService:
 
     def cancel(self, who: Principal, study_id: str, request_id: int) -> RequestRecord:
         study = self.get_study(who, study_id)
-        rec, abort = self.store.cancel_request(study.id, request_id)
+        rec, abort = self.store.requests.cancel_request(study.id, request_id)
         if abort is not None:
-            nm = self.store.abort_batch(abort)
+            nm = self.store.ledger.abort_batch(abort)
             if nm is not None:
                 self.wakeups.notify(ch_node_manager(nm))
             log.info("batch aborted: no live request needs it", extra={"batch_id": abort, "request_id": request_id})
@@ -239,11 +210,11 @@ class MasterService:
 
     def get_requests(self, who: Principal, study_id: str, request_ids: Sequence[int] | None) -> list[RequestRecord]:
         study = self.get_study(who, study_id)
-        return self.store.get_requests(study.id, request_ids)
+        return self.store.requests.get_requests(study.id, request_ids)
 
     def finished(self, who: Principal, study_id: str, request_ids: Sequence[int]) -> list[RequestRecord]:
         study = self.get_study(who, study_id)
-        return self.store.done_since(study.id, request_ids)
+        return self.store.requests.done_since(study.id, request_ids)
 
     def get_metrics(
         self, who: Principal, study_id: str, config_json: str, step: int
@@ -252,21 +223,21 @@ class MasterService:
         study = self.get_study(who, study_id)
         step = check_step(step)
         fixed, config = self._parse_config(study, config_json, "config")
-        plan_id = self.store.plan_ids_by_key([fixed.key()]).get(fixed.key())
+        plan_id = self.store.plans.plan_ids_by_key([fixed.key()]).get(fixed.key())
         if plan_id is None:
             return None, None
         point = self.plans.find(plan_id, config, step)
         if point is None:
             return None, None
-        return point, self.store.metrics_at(point.node, point.step)
+        return point, self.store.requests.metrics_at(point.node, point.step)
 
     def get_plan(self, who: Principal, study_id: str, plan_key: str = "") -> PlanView:
         study = self.get_study(who, study_id)
-        plan_ids = self.store.study_plan_ids(study.id)
-        keys = {self.store.plan_fixed(pid)[0]: pid for pid in plan_ids}
+        plan_ids = self.store.plans.study_plan_ids(study.id)
+        keys = {self.store.plans.plan_fixed(pid)[0]: pid for pid in plan_ids}
         if study.fixed_json is not None:
             key = FixedPart.from_json(fixed_without_policies(study.fixed_json)).key()
-            keys.update(self.store.plan_ids_by_key([key]))
+            keys.update(self.store.plans.plan_ids_by_key([key]))
         if not plan_key:
             if len(keys) != 1:
                 raise InvalidArgument(f"plan_key: the study uses {len(keys)} plans; name one of {sorted(keys)}")
@@ -275,7 +246,7 @@ class MasterService:
         if pid is None:
             raise NotFound(f"plan {plan_key!r} is not used by study {study.id!r}")
         plan = self.plans.refresh(pid)
-        counts, ckpts, mets = self.store.plan_state(pid)
+        counts, ckpts, mets = self.store.plans.plan_state(pid)
         nodes = [
             NodeView(
                 n.id,
@@ -288,7 +259,7 @@ class MasterService:
             )
             for n in sorted(plan.nodes.values(), key=lambda n: n.id)
         ]
-        return PlanView(plan_key, self.store.plan_fixed(pid)[1], nodes)
+        return PlanView(plan_key, self.store.plans.plan_fixed(pid)[1], nodes)
 
     # -- node managers --------------------------------------------------------------------------
 
@@ -303,7 +274,7 @@ class MasterService:
     ) -> None:
         """Register (or re-register) a node manager. ``known``: every attempt the registering process
         runs or recently ended; its other sent, running attempts are requeued (see
-        ``SqlStore.requeue_unknown``). None (a node manager that does not say) requeues nothing."""
+        ``BatchLedger.requeue_unknown``). None (a node manager that does not say) requeues nothing."""
         who.require_admin()
         if not nm_id or len(nm_id) > 128:
             raise InvalidArgument("node_manager_id: must be a non-empty string of at most 128 characters")
@@ -319,10 +290,10 @@ class MasterService:
         ids = [s.id for s in infos]
         if len(set(ids)) != len(ids) or any(not s for s in ids):
             raise InvalidArgument("slots: slot ids must be non-empty and distinct")
-        self.store.register_node_manager(nm_id, address, slots)
+        self.store.nodes.register_node_manager(nm_id, address, slots)
         log.info("node manager registered", extra={"node_manager_id": nm_id, "slots": len(slots)})
         if known is not None:
-            lost = self.store.requeue_unknown(nm_id, known)
+            lost = self.store.ledger.requeue_unknown(nm_id, known)
             if lost:
                 log.warning(
                     "node manager registered without some of its running work; requeued",
@@ -333,62 +304,49 @@ class MasterService:
     def list_node_managers(self, who: Principal) -> list[NodeManagerRecord]:
         """Every registered node manager with its slots and liveness (admin only)."""
         who.require_admin()
-        return self.store.node_managers()
+        return self.store.nodes.node_managers()
 
     def heartbeat(self, who: Principal, nm_id: str) -> None:
         who.require_admin()
-        self.store.heartbeat(nm_id)
+        self.store.nodes.heartbeat(nm_id)
 
     def take_assignments(self, who: Principal, nm_id: str) -> list[Assignment]:
         """What the node manager should do next: batch attempts to run, then control actions."""
         who.require_admin()
-        return self.store.take_assignments(nm_id)
+        return self.store.nodes.take_assignments(nm_id)
 
     def preempt(self, who: Principal, batch_id: int) -> bool:
         """Ask a running batch to yield (finish the step, save, exit); its rest is rescheduled."""
         who.require_admin()
-        asked = self.store.preempt_batch(batch_id)
+        asked = self.store.ledger.preempt_batch(batch_id)
         if asked:
-            batch = self.store.get_batch(batch_id)
+            batch = self.store.ledger.get_batch(batch_id)
             if batch.node_manager_id:
                 self.wakeups.notify(ch_node_manager(batch.node_manager_id))
         return asked
 
-    def report_batch(
-        self,
-        who: Principal,
-        batch_id: int,
-        attempt: int,
-        ok: bool,
-        metrics: Sequence[MetricReport] = (),
-        checkpoints: Sequence[CheckpointReport] = (),
-        *,
-        error: str = "",
-        oom: bool = False,
-        preempted: bool = False,
-    ) -> list[int]:
-        """A node manager reports what a batch attempt produced and whether it ended well. Returns the
-        requests it completed. A failed attempt's requests are retried up to ``max_attempts`` times, then
-        fail with the error; a preempted one's are rescheduled from its checkpoint without counting."""
-        report = BatchReport(batch_id, attempt, ok, metrics, checkpoints, error=error, oom=oom, preempted=preempted)
+    def report_batch(self, who: Principal, report: AttemptReport) -> list[int]:
+        """A node manager reports what a batch attempt produced and how it ended. Returns the requests
+        it completed. What becomes of the rest is ``core.lifecycle.end_attempt``'s decision (bounded
+        retries of failures; a preempted attempt's work is rescheduled from its checkpoint)."""
         got = self.report_batches(who, [report])[0]
         if isinstance(got, StagetreeError):
             raise got
         return got
 
-    def report_batches(self, who: Principal, reports: Sequence[BatchReport]) -> list[list[int] | StagetreeError]:
+    def report_batches(self, who: Principal, reports: Sequence[AttemptReport]) -> list[list[int] | StagetreeError]:
         """``report_batch`` of several attempts in one transaction (reports that arrive together: see
         ``api.grouping``). Each gets the requests it completed, or the error that rejected it alone (an
         unknown batch, a bad step); the others are applied all the same."""
         who.require_admin()
         out: dict[int, list[int] | StagetreeError] = {}
-        valid: list[tuple[int, BatchReportIn]] = []
+        valid: list[tuple[int, AttemptReport]] = []
         for i, r in enumerate(reports):
             try:
-                valid.append((i, self._report_in(r)))
+                valid.append((i, self._canonical(r)))
             except StagetreeError as e:
                 out[i] = e
-        got = self.store.report_batches([r for _, r in valid]) if valid else []
+        got = self.store.ledger.report_batches([r for _, r in valid], self.retry) if valid else []
         for (i, rin), res in zip(valid, got, strict=True):
             if isinstance(res, StagetreeError):
                 out[i] = res
@@ -400,7 +358,7 @@ class MasterService:
                 extra={
                     "batch_id": rin.batch_id,
                     "attempt": rin.attempt,
-                    "ok": rin.ok,
+                    "outcome": str(rin.outcome),
                     "done": len(done),
                     "requeued": len(requeued),
                 },
@@ -410,20 +368,15 @@ class MasterService:
             self.wakeups.notify(CH_ROUND)
         return [out[i] for i in range(len(reports))]
 
-    def _report_in(self, r: BatchReport) -> BatchReportIn:
-        """A report at canonical points, as the store takes it (NotFound for an unknown batch)."""
-        plan_id = self.store.plan_of_batch(r.batch_id)
+    def _canonical(self, r: AttemptReport) -> AttemptReport:
+        """``r`` with its points canonical (NotFound for an unknown batch, InvalidArgument for a bad step)."""
+        plan_id = self.store.ledger.plan_of_batch(r.batch_id)
         ckpts = []
         for c in r.checkpoints:
             p = self.plans.canonical(plan_id, Point(c.node, check_step(c.step)))
-            ckpts.append((p.node, p.step, c.uri, c.bytes, c.kind))
+            ckpts.append(CheckpointPoint(p.node, p.step, c.uri, c.bytes, c.kind))
         points = []
         for mr in r.metrics:
             p = self.plans.canonical(plan_id, Point(mr.node, check_step(mr.step)))
-            points.append((p.node, p.step, dict(mr.values)))
-        error = r.error
-        if r.oom and not r.ok:
-            error = f"out of memory: {error}" if error else "out of memory"
-        return BatchReportIn(
-            r.batch_id, r.attempt, r.ok, points, ckpts, error, r.preempted, max_failures=self.max_attempts
-        )
+            points.append(MetricPoint(p.node, p.step, dict(mr.values)))
+        return replace(r, metrics=points, checkpoints=ckpts)

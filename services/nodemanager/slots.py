@@ -8,38 +8,15 @@ A worker sees only its slot's GPU (``CUDA_VISIBLE_DEVICES``) and, under MPS, run
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from stagetree.core.errors import InvalidArgument
+from stagetree.core.slots import SlotInfo
 from stagetree.nodemanager.gpu import GpuInfo
 
-CPU = "cpu"
-
-
-@dataclass(frozen=True)
-class LocalSlot:
-    """One slot as registered with the master (``Slot`` in master.proto)."""
-
-    id: str
-    gpu_type: str = CPU
-    memory_bytes: int = 0
-    compute_capability: str = ""
-    share: float = 0.0  # fraction of the GPU; 0 = the whole GPU (and always 0 for a CPU slot)
-    cpu_cores: int = 1
-    gpu_index: int = -1  # -1 for a CPU slot
-
-    @property
-    def is_gpu(self) -> bool:
-        return self.gpu_index >= 0
-
-    def mps_thread_percentage(self) -> int | None:
-        """The MPS active-thread percentage for this slot's share (None: the whole GPU or CPU)."""
-        if not self.is_gpu or self.share <= 0 or self.share >= 1:
-            return None
-        return max(1, min(100, math.ceil(self.share * 100)))
+# The node manager's slots are the registered-slot type itself (one type per concept).
+LocalSlot = SlotInfo
 
 
 def build_slots(

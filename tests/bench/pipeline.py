@@ -48,8 +48,9 @@ from stagetree.bus.messages import ALL_TOPICS, BatchFinished, BatchStarted, Metr
 from stagetree.bus.tansu import TansuBroker, start_tansu
 from stagetree.core.config import Config
 from stagetree.master.plans import config_text
+from stagetree.master.store.records import NewNode, NewRequest
 from stagetree.master.store.schema import upgrade
-from stagetree.master.store.store import NewNode, NewRequest, SqlStore, make_engine
+from stagetree.master.store.store import Store, make_engine
 
 ADMIN_URL = os.environ.get("STAGETREE_BENCH_PG_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
 GROUP = "bench-aggregators"
@@ -108,21 +109,21 @@ def fresh_database() -> Iterator[str]:
         admin.dispose()
 
 
-def seed(store: SqlStore, tag: str, workers: int, steps: int) -> list[Job]:
+def seed(store: Store, tag: str, workers: int, steps: int) -> list[Job]:
     """A plan with one root node per worker, requests waiting along each path, one running batch each."""
-    plan_id = store.ensure_plan(f"bench-{tag}", "{}")
+    plan_id = store.plans.ensure_plan(f"bench-{tag}", "{}")
     configs = [config_text(Config.of({"lr": 0.001 * (i + 1), "tag": tag})) for i in range(workers)]
-    store.insert_nodes(plan_id, [NewNode(None, 0, f"{tag}-{i}", c) for i, c in enumerate(configs)])
-    nodes = [n.id for n in store.load_nodes(plan_id)]
-    study = store.create_study(f"bench-{tag}", "pipeline", None)
+    store.plans.insert_nodes(plan_id, [NewNode(None, 0, f"{tag}-{i}", c) for i, c in enumerate(configs)])
+    nodes = [n.id for n in store.plans.load_nodes(plan_id)]
+    study = store.studies.create_study(f"bench-{tag}", "pipeline", None)
     jobs = []
     for i, node in enumerate(nodes):
         nm = f"bench-{tag}-nm{i % 2}"
-        store.register_node_manager(nm, "127.0.0.1:0", [(f"gpu{j}", "cpu") for j in range(workers)])
-        reqs = store.add_requests(
+        store.nodes.register_node_manager(nm, "127.0.0.1:0", [(f"gpu{j}", "cpu") for j in range(workers)])
+        reqs = store.requests.add_requests(
             study.id, plan_id, [NewRequest(f"{i}-{s}", node, s) for s in range(REQUEST_EVERY, steps + 1, REQUEST_EVERY)]
         )
-        batch = store.dispatch(plan_id, lambda b, a: "{}", [r.id for r in reqs], nm, f"gpu{i}")
+        batch = store.ledger.dispatch(plan_id, lambda b, a: "{}", [r.id for r in reqs], nm, f"gpu{i}")
         assert batch is not None
         jobs.append(Job(nm, batch.id, node, steps))
     return jobs
@@ -282,8 +283,8 @@ def wait_applied(
 
 
 def run_case(name: str, url: str, broker: TansuBroker, args: argparse.Namespace, crash: bool) -> CaseResult:
-    store = SqlStore(make_engine(url, pool_size=2))
-    engine = store.engine
+    store = Store.open(make_engine(url, pool_size=2))
+    engine = store.db.engine
     try:
         per_worker = args.points // args.workers
         jobs = seed(store, f"{name}-{uuid.uuid4().hex[:6]}", args.workers, per_worker)

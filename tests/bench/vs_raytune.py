@@ -234,7 +234,7 @@ class StagetreeSide:
         store = self.cluster.app.store
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            busy = await asyncio.to_thread(store.busy_slots)
+            busy = await asyncio.to_thread(store.rounds.busy_slots)
             fs = _forkserver_pid()
             if not busy and (fs is None or _live_children(fs) <= STAGETREE_WORKERS):
                 return
@@ -249,7 +249,7 @@ class StagetreeSide:
     async def run(self, workload: str, work: list[TrialWork]) -> RunFigures:
         await self._idle()
         store = self.cluster.app.store
-        executed0 = await asyncio.to_thread(store.executed_steps)
+        executed0 = await asyncio.to_thread(store.ledger.executed_steps)
         workers0, self0 = self._cpu()
         t0 = time.perf_counter()
         study = await self._study(workload)
@@ -263,7 +263,7 @@ class StagetreeSide:
         finals = [m for (w, s, _), m in zip(handles, results, strict=True) if s == w.stop]
         await self._idle()
         workers1, self1 = self._cpu()
-        executed = await asyncio.to_thread(store.executed_steps) - executed0
+        executed = await asyncio.to_thread(store.ledger.executed_steps) - executed0
         cpu = workers1 - workers0
         return RunFigures(
             "stagetree",
@@ -283,13 +283,13 @@ class StagetreeSide:
         from stagetree.client.tuners import ASHA
 
         store = self.cluster.app.store
-        executed0 = await asyncio.to_thread(store.executed_steps)
+        executed0 = await asyncio.to_thread(store.ledger.executed_steps)
         t0 = time.perf_counter()
         study = await self._study("s2-asha-live")
         run = await asyncio.wait_for(drive(study, ASHA(s2_space(), **s2_asha_params())), TIMEOUT_S)
         wall = time.perf_counter() - t0
         await self._idle()
-        executed = await asyncio.to_thread(store.executed_steps) - executed0
+        executed = await asyncio.to_thread(store.ledger.executed_steps) - executed0
         return replay_work(run.submits()), wall, executed
 
 

@@ -18,7 +18,7 @@ from stagetree.master.app import MasterApp
 from stagetree.master.coordination import InProcessCoordination
 from stagetree.master.settings import AuthSettings, LimitSettings, MasterSettings
 from stagetree.master.store.schema import upgrade
-from stagetree.master.store.store import SqlStore, make_engine
+from stagetree.master.store.store import Store, make_engine
 from tests.integration.bus.conftest import tansu_broker  # noqa: F401  (a fixture shared by every suite)
 
 PG_ADMIN_URL = os.environ.get("STAGETREE_TEST_PG_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
@@ -85,15 +85,15 @@ def db_url(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def store(db_url: str) -> Iterator[SqlStore]:
-    s = SqlStore(make_engine(db_url))
+def store(db_url: str) -> Iterator[Store]:
+    s = Store.open(make_engine(db_url))
     yield s
     s.dispose()
 
 
 @pytest.fixture
-def pg_store(pg_url: str) -> Iterator[SqlStore]:
-    s = SqlStore(make_engine(pg_url))
+def pg_store(pg_url: str) -> Iterator[Store]:
+    s = Store.open(make_engine(pg_url))
     yield s
     s.dispose()
 

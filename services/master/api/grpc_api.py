@@ -15,20 +15,18 @@ from typing import Any, TypeVar
 import grpc
 
 from stagetree.core.errors import InvalidArgument, StagetreeError
+from stagetree.core.lifecycle import AttemptReport, CheckpointPoint, MetricPoint, Outcome
 from stagetree.master.api.grouping import Grouper
 from stagetree.master.auth import Authenticator, Principal, bearer
 from stagetree.master.coordination import Coordination, Subscription
 from stagetree.master.errors import status_of
 from stagetree.master.service import (
     CH_RESULTS,
-    BatchReport,
-    CheckpointReport,
     MasterService,
-    MetricReport,
     SubmitItem,
     ch_node_manager,
 )
-from stagetree.master.store.store import RequestRecord, SlotInfo, StudyRecord
+from stagetree.master.store.records import RequestRecord, SlotInfo, StudyRecord
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
 from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
 
@@ -74,7 +72,7 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
         self.auth = auth
         self.coord = coordination
         self.heartbeat_interval_s = heartbeat_interval_s
-        self._reports: Grouper[tuple[Principal, BatchReport], list[int]] = Grouper(self._report_group)
+        self._reports: Grouper[tuple[Principal, AttemptReport], list[int]] = Grouper(self._report_group)
 
     def _who(self, context: grpc.aio.ServicerContext) -> Principal:
         md = dict(context.invocation_metadata() or ())
@@ -261,15 +259,13 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
             await wakeups.wait(POLL_S)
 
     async def ReportBatch(self, request: pb.ReportBatchRequest, context: Any) -> pb.ReportBatchResponse:
-        report = BatchReport(
+        report = AttemptReport(
             request.batch_id,
             request.attempt,
-            request.ok,
-            [MetricReport(m.node, m.step, dict(m.values)) for m in request.metrics],
-            [CheckpointReport(c.node, c.step, c.uri, c.bytes, c.kind or "central") for c in request.checkpoints],
+            Outcome.of_report(request.ok, preempted=request.preempted, oom=request.oom),
+            [MetricPoint(m.node, m.step, dict(m.values)) for m in request.metrics],
+            [CheckpointPoint(c.node, c.step, c.uri, c.bytes, c.kind or "central") for c in request.checkpoints],
             error=request.error,
-            oom=request.oom,
-            preempted=request.preempted,
         )
         try:
             who = self._who(context)
@@ -280,7 +276,7 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
             raise  # unreachable: abort raises
         return pb.ReportBatchResponse(completed_request_ids=done)
 
-    def _report_group(self, items: list[tuple[Principal, BatchReport]]) -> list[list[int] | Exception]:
+    def _report_group(self, items: list[tuple[Principal, AttemptReport]]) -> list[list[int] | Exception]:
         """Reports that arrived together, one transaction per principal (``Grouper``)."""
         out: dict[int, list[int] | Exception] = {}
         by_who: dict[Principal, list[int]] = {}

@@ -23,7 +23,7 @@ from stagetree.core.errors import StagetreeError
 from stagetree.master.auth import Principal, bearer
 from stagetree.master.errors import status_of
 from stagetree.master.service import CH_RESULTS, SubmitItem
-from stagetree.master.store.store import FINISHED_STATES, RequestRecord, SlotInfo, StudyRecord
+from stagetree.master.store.records import RequestRecord, SlotInfo, StudyRecord
 
 if TYPE_CHECKING:
     from stagetree.master.app import MasterApp
@@ -145,7 +145,7 @@ def create_rest_app(master: MasterApp) -> FastAPI:
 
     @api.get(f"{PREFIX}/health")
     def health() -> dict[str, str]:
-        master.store.list_studies("")  # a round trip: the database answers
+        master.store.studies.list_studies("")  # a round trip: the database answers
         return {"status": "ok"}
 
     @api.post(f"{PREFIX}/studies", status_code=201)
@@ -184,7 +184,7 @@ def create_rest_app(master: MasterApp) -> FastAPI:
             while True:
                 recs = await asyncio.to_thread(svc.get_requests, who, study_id, ids)
                 left = deadline - time.monotonic()
-                if wakeups is None or left <= 0 or all(r.state in FINISHED_STATES for r in recs):
+                if wakeups is None or left <= 0 or all(r.state.is_finished() for r in recs):
                     return [_request(r) for r in recs]
                 await wakeups.wait(min(left, 1.0))
         finally:

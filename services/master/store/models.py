@@ -1,6 +1,6 @@
 """SQLAlchemy 2 models of the master's database: the search plans and everything hung on them.
 
-Owns the table layout only; the queries live in ``store.py`` and the schema history in ``migrations/``
+Owns the table layout only; the queries live in the store's role modules and the schema history in ``migrations/``
 (a test checks that the migrations produce exactly these models). The same models serve Postgres
 (cluster mode) and SQLite (embedded mode), so only portable types are used.
 
@@ -167,17 +167,6 @@ class Slot(Base):
     share: Mapped[float] = mapped_column(Float, default=0.0)
     cpu_cores: Mapped[int] = mapped_column(Integer, default=0)
     gpu_index: Mapped[int] = mapped_column(Integer, default=-1)
-
-
-class CostProfile(Base):
-    __tablename__ = "cost_profiles"
-
-    plan_id: Mapped[int] = mapped_column(ForeignKey("plans.id"), primary_key=True)
-    gpu_type: Mapped[str] = mapped_column(String(64), primary_key=True)
-    step_seconds: Mapped[float] = mapped_column(Float)
-    peak_memory_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
-    samples: Mapped[int] = mapped_column(Integer, default=0)
-    updated_at: Mapped[float] = mapped_column(Float)
 
 
 class NodeManagerAction(Base):

@@ -18,10 +18,10 @@ from stagetree.bus.batcher import LocalBatcher
 from stagetree.bus.kafka import KafkaBusConfig, KafkaMetricBus, ensure_topics
 from stagetree.bus.messages import ALL_TOPICS, Message, encode, route
 from stagetree.bus.tansu import TansuBroker
+from stagetree.core.lifecycle import BatchState, RequestState
 from stagetree.master.service import CH_RESULTS, CH_ROUND
-from stagetree.master.store import store as st
 from stagetree.master.store.ingest import Ingestor
-from stagetree.master.store.store import SqlStore
+from stagetree.master.store.store import Store
 from tests.unit.aggregator.fakes import Crash, CrashingBus, RecordingWakeups, wait_for
 from tests.unit.aggregator.helpers import World, applied_count, make_world
 
@@ -62,7 +62,7 @@ def bus(config: KafkaBusConfig) -> Iterator[KafkaMetricBus]:
 
 
 @pytest.fixture
-def world(pg_store: SqlStore) -> World:
+def world(pg_store: Store) -> World:
     return make_world(pg_store)
 
 
@@ -113,12 +113,12 @@ def test_published_messages_become_rows_and_done_requests(bus: KafkaMetricBus, t
                 world.finished(batch.id, 70),
             ],
         )
-        wait_for(lambda: world.store.get_batch(batch.id).state == st.BATCH_DONE, what="the batch to end")
+        wait_for(lambda: world.store.ledger.get_batch(batch.id).state == BatchState.DONE, what="the batch to end")
     finally:
         stop()
-    assert world.request_states([r.id for r in reqs]) == [st.DONE] * 4
-    assert world.store.metrics_at(world.child, 70) == {"loss": 1.0 / 71}
-    assert world.store.checkpoints(world.plan_id) == {(world.root, 50): f"file:///ckpt/{world.child}/50"}
+    assert world.request_states([r.id for r in reqs]) == [RequestState.DONE] * 4
+    assert world.store.requests.metrics_at(world.child, 70) == {"loss": 1.0 / 71}
+    assert world.store.checkpoints.checkpoints(world.plan_id) == {(world.root, 50): f"file:///ckpt/{world.child}/50"}
     assert {CH_RESULTS, CH_ROUND} <= set(wakeups.channels)
     assert (agg.stats.applied, agg.stats.points, agg.stats.duplicates) == (72, 70, 0)
 
@@ -137,7 +137,7 @@ def test_a_message_delivered_twice_is_applied_once(bus: KafkaMetricBus, topics: 
         stop()
     assert (agg.stats.applied, agg.stats.duplicates) == (len(msgs), len(msgs))
     assert applied_count(world.store, world.nm) == len(msgs)
-    assert world.request_states([r.id for r in reqs]) == [st.DONE, st.DONE]
+    assert world.request_states([r.id for r in reqs]) == [RequestState.DONE, RequestState.DONE]
 
 
 def test_malformed_and_unknown_version_records_are_skipped_and_counted_while_the_rest_is_applied(
@@ -167,7 +167,7 @@ def test_malformed_and_unknown_version_records_are_skipped_and_counted_while_the
     finally:
         stop()
     assert (agg.stats.malformed, agg.stats.applied) == (3, 3)
-    assert world.request_states([r.id]) == [st.DONE]
+    assert world.request_states([r.id]) == [RequestState.DONE]
 
 
 def test_killed_between_database_commit_and_offset_commit_the_redelivered_messages_change_nothing(
@@ -184,7 +184,7 @@ def test_killed_between_database_commit_and_offset_commit_the_redelivered_messag
         first.run()
     assert first.stats.applied == len(msgs)
     after_crash = world.state()
-    assert world.request_states([r.id for r in reqs]) == [st.DONE, st.DONE]
+    assert world.request_states([r.id for r in reqs]) == [RequestState.DONE, RequestState.DONE]
 
     second = _aggregator(bus, world, topics, group)
     stop = _running(second)
@@ -214,11 +214,14 @@ def test_two_aggregators_in_one_group_share_the_partitions_and_apply_each_messag
             msgs += [world.metrics(batch.id, world.root, 100 * b + s) for s in range(15, 21)]
             msgs.append(world.finished(batch.id, 100 * b + 20))
         _publish(bus, topics, msgs)
-        wait_for(lambda: all(world.store.get_batch(b.id).state != st.RUNNING for b, _ in work), what="all batches")
+        wait_for(
+            lambda: all(world.store.ledger.get_batch(b.id).state != BatchState.RUNNING for b, _ in work),
+            what="all batches",
+        )
     finally:
         stop()
     assert all(a.stats.applied > 0 for a in aggs), [vars(a.stats) for a in aggs]
     assert sum(a.stats.applied for a in aggs) == applied_count(world.store, world.nm) == len(msgs)
     # the finish shares a partition with its batch's metrics: no batch's work went back to the queue
-    assert all(world.request_states([r.id for r in reqs]) == [st.DONE] for _, reqs in work)
-    assert all(world.store.get_batch(b.id).state == st.BATCH_DONE for b, _ in work)
+    assert all(world.request_states([r.id for r in reqs]) == [RequestState.DONE] for _, reqs in work)
+    assert all(world.store.ledger.get_batch(b.id).state == BatchState.DONE for b, _ in work)

@@ -15,14 +15,14 @@ from stagetree.bus.batcher import LocalBatcher
 from stagetree.bus.kafka import KafkaBusConfig, KafkaMetricBus, ensure_topics
 from stagetree.bus.messages import ALL_TOPICS, Message
 from stagetree.bus.tansu import TansuBroker
-from stagetree.master.store import store as st
-from stagetree.master.store.store import SqlStore
+from stagetree.core.lifecycle import BatchState, RequestState
+from stagetree.master.store.store import Store
 from tests.unit.aggregator.fakes import wait_for
 from tests.unit.aggregator.helpers import make_world
 
 
 def test_the_command_applies_the_bus_and_stops_gracefully_on_sigterm(
-    tansu_broker: TansuBroker, pg_url: str, pg_store: SqlStore
+    tansu_broker: TansuBroker, pg_url: str, pg_store: Store
 ) -> None:
     config = KafkaBusConfig.fast_rebalance(tansu_broker.bootstrap)
     ensure_topics(config, ALL_TOPICS, partitions=4)
@@ -61,14 +61,16 @@ def test_the_command_applies_the_bus_and_stops_gracefully_on_sigterm(
         with KafkaMetricBus(config) as bus, LocalBatcher(bus, max_messages=4, max_age_s=0.02) as batcher:
             for m in msgs:
                 batcher.add(m)
-        wait_for(lambda: world.store.get_batch(batch.id).state == st.BATCH_DONE, timeout_s=30, what="the batch")
+        wait_for(
+            lambda: world.store.ledger.get_batch(batch.id).state == BatchState.DONE, timeout_s=30, what="the batch"
+        )
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert world.request_states([r.id for r in reqs]) == [st.DONE, st.DONE]
+    assert world.request_states([r.id for r in reqs]) == [RequestState.DONE, RequestState.DONE]
     with KafkaMetricBus(config) as bus, bus.subscribe(ALL_TOPICS, group) as successor:
         # it left the group with everything committed: a successor finds nothing of this batch
         left = []

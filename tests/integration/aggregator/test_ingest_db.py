@@ -7,13 +7,14 @@ import math
 import threading
 
 from stagetree.bus.messages import CheckpointSaved, Message, Metrics
-from stagetree.master.store import store as st
+from stagetree.core.lifecycle import RequestState
 from stagetree.master.store.ingest import Ingestor, IngestResult
-from stagetree.master.store.store import SqlStore, metric_value
+from stagetree.master.store.records import metric_value
+from stagetree.master.store.store import Store
 from tests.unit.aggregator.helpers import applied_count, make_world
 
 
-def test_a_redelivery_mixed_with_new_messages_applies_only_the_new(store: SqlStore) -> None:
+def test_a_redelivery_mixed_with_new_messages_applies_only_the_new(store: Store) -> None:
     world = make_world(store)
     batch, reqs = world.dispatch([(world.root, s) for s in (1, 2, 3, 4)])
     msgs = [world.metrics(batch.id, world.root, s) for s in (1, 2, 3, 4)]
@@ -24,18 +25,18 @@ def test_a_redelivery_mixed_with_new_messages_applies_only_the_new(store: SqlSto
     assert applied_count(store, world.nm) == 4
 
 
-def test_a_point_reported_again_by_a_new_message_keeps_the_first_value(store: SqlStore) -> None:
+def test_a_point_reported_again_by_a_new_message_keeps_the_first_value(store: Store) -> None:
     world = make_world(store)
     batch, _ = world.dispatch([(world.root, 7)])
     ing = Ingestor(store)
     ing.apply([world.metrics(batch.id, world.root, 7, {"loss": 1.0})])
     res = ing.apply([world.metrics(batch.id, world.root, 7, {"loss": 2.0}), world.metrics(batch.id, world.root, 8)])
     assert res.applied == 2 and res.points == 2
-    assert store.metrics_at(world.root, 7) == {"loss": 1.0}
-    assert store.metrics_at(world.root, 8) is not None
+    assert store.requests.metrics_at(world.root, 7) == {"loss": 1.0}
+    assert store.requests.metrics_at(world.root, 8) is not None
 
 
-def test_odd_text_and_non_finite_values_survive_the_round_trip(store: SqlStore) -> None:
+def test_odd_text_and_non_finite_values_survive_the_round_trip(store: Store) -> None:
     world = make_world(store)
     batch, _ = world.dispatch([(world.root, 9)])
     odd = 'tab\there, newline\nhere, back\\slash, "quote", é, \u2603'
@@ -64,15 +65,15 @@ def test_odd_text_and_non_finite_values_survive_the_round_trip(store: SqlStore) 
     ing = Ingestor(store)
     assert ing.apply(msgs).applied == 2
     assert ing.apply(msgs).duplicates == 2
-    stored = store.metrics_at(world.root, 9)
+    stored = store.requests.metrics_at(world.root, 9)
     assert stored is not None
     assert math.isnan(metric_value(stored["loss"]))
     assert metric_value(stored["grad\tnorm\\"]) == math.inf and metric_value(stored[odd]) == -math.inf
     assert stored["ok"] == 0.25
-    assert store.checkpoints(world.plan_id) == {(world.root, 9): f"s3://bucket/{odd}"}
+    assert store.checkpoints.checkpoints(world.plan_id) == {(world.root, 9): f"s3://bucket/{odd}"}
 
 
-def test_two_writers_racing_on_the_same_messages_apply_each_once(store: SqlStore) -> None:
+def test_two_writers_racing_on_the_same_messages_apply_each_once(store: Store) -> None:
     world = make_world(store)
     batch, reqs = world.dispatch([(world.root, s) for s in range(10, 210, 10)])
     msgs: list[Message] = [world.metrics(batch.id, world.root, s) for s in range(1, 201)]
@@ -102,7 +103,7 @@ def test_two_writers_racing_on_the_same_messages_apply_each_once(store: SqlStore
     assert sum(r.applied for r in results) == len(msgs)
     assert applied_count(store, world.nm) == len(msgs)
     assert len(_finished_once(results)) == 1
-    assert world.request_states([r.id for r in reqs]) == [st.DONE] * len(reqs)
+    assert world.request_states([r.id for r in reqs]) == [RequestState.DONE] * len(reqs)
 
 
 def _finished_once(results: list[IngestResult]) -> list[int]:

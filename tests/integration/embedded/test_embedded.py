@@ -45,7 +45,7 @@ async def test_embedded_study_shares_prefixes_and_matches_straight_runs(tmp_path
         )
         results = await asyncio.wait_for(asyncio.gather(*(study.eval(c, END) for c in configs)), 120)
         again = await study.eval(configs[0], END)  # answered from the stored metrics
-        executed = await asyncio.to_thread(cluster.app.store.executed_steps)
+        executed = await asyncio.to_thread(cluster.app.store.ledger.executed_steps)
         assert client.rpc_count < 10
     assert executed == BRANCH + len(configs) * (END - BRANCH)  # the shared prefix trained once
     assert again == results[0]

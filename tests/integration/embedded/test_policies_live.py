@@ -42,8 +42,8 @@ async def cluster_and_client(home: Path, workers: int, http: bool = False) -> As
 def batches_of(cluster: Embedded, study_id: str) -> list[tuple[int, str, float, float, int, str | None]]:
     """(batch id, state, created, updated, end step, slot) of the batches of the study's plans."""
     store = cluster.app.store
-    plans = store.study_plan_ids(study_id)
-    with Session(store.engine) as s:
+    plans = store.plans.study_plan_ids(study_id)
+    with Session(store.db.engine) as s:
         rows = s.scalars(select(m.Batch).where(m.Batch.plan_id.in_(plans))).all()
         return sorted(
             (b.id, b.state, b.created_at, b.updated_at, int(json.loads(b.spec_json)["stages"][-1]["end"]), b.slot_id)
@@ -70,7 +70,7 @@ def straight_run(hps: dict[str, Any], step: int, tmp: Path, seed: int) -> dict[s
 
 async def wait_running(cluster: Embedded, n: int = 1, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while len(await asyncio.to_thread(cluster.app.store.running_batches)) < n:
+    while len(await asyncio.to_thread(cluster.app.store.ledger.running_batches)) < n:
         assert time.monotonic() < deadline, "no batch started"
         await asyncio.sleep(0.05)
 
@@ -173,7 +173,7 @@ async def test_pop_kills_poor_trials_early_and_lets_promising_ones_finish(tmp_pa
         )
         evals = [study.submit(poor, 1200), *(study.submit(c, 600) for c in good)]
         got = await asyncio.wait_for(asyncio.gather(*evals, return_exceptions=True), 60)
-        requests = await asyncio.to_thread(cluster.app.store.get_requests, study.id)
+        requests = await asyncio.to_thread(cluster.app.store.requests.get_requests, study.id)
         batches = await asyncio.to_thread(batches_of, cluster, study.id)
     assert isinstance(got[0], stagetree.EvalCancelled) and "poor trial" in str(got[0]), got[0]  # the client sees why
     killed = next(r for r in requests if r.step == 1200)

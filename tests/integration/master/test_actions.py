@@ -11,9 +11,11 @@ import pytest
 
 from stagetree.core.batch import BatchSpec, Point
 from stagetree.core.errors import InvalidArgument, NotFound, PermissionDenied
+from stagetree.core.lifecycle import CheckpointPoint, MetricPoint
 from stagetree.master.app import MasterApp
-from stagetree.master.service import BatchReport, CheckpointReport, MetricReport, SubmitItem
+from stagetree.master.service import SubmitItem
 from tests.integration.master.test_scheduling import ADMIN, ALICE, _node_manager, _submit
+from tests.reports import attempt_report
 
 
 def _dispatch_one(app: MasterApp, nm: str) -> BatchSpec:
@@ -30,10 +32,10 @@ def test_cancel_of_the_last_request_aborts_the_batch_on_its_node_manager(app: Ma
     app.service.cancel(ALICE, study, rid)
     (abort,) = app.service.take_assignments(ADMIN, nm)
     assert (abort.kind, abort.batch_id, abort.attempt) == ("ABORT", spec.batch_id, 1)
-    assert app.store.get_batch(spec.batch_id).state == "ABORTED"
+    assert app.store.ledger.get_batch(spec.batch_id).state == "ABORTED"
     assert app.service.take_assignments(ADMIN, nm) == []  # sent once
     # the aborted attempt's late report changes nothing
-    assert app.service.report_batch(ADMIN, spec.batch_id, 1, ok=True, metrics=[]) == []
+    assert app.service.report_batch(ADMIN, attempt_report(spec.batch_id, 1, ok=True, metrics=[])) == []
 
 
 def test_preempted_batch_resumes_from_its_checkpoint_without_counting_a_failure(app: MasterApp) -> None:
@@ -46,16 +48,20 @@ def test_preempted_batch_resumes_from_its_checkpoint_without_counting_a_failure(
     node = spec.stages[-1].node
     app.service.report_batch(
         ADMIN,
-        spec.batch_id,
-        1,
-        ok=False,
-        checkpoints=[CheckpointReport(node, 7, "file:///p7", 10, "peripheral")],
-        preempted=True,
+        attempt_report(
+            spec.batch_id,
+            1,
+            ok=False,
+            checkpoints=[CheckpointPoint(node, 7, "file:///p7", 10, "peripheral")],
+            preempted=True,
+        ),
     )
-    assert app.store.get_batch(spec.batch_id).state == "PREEMPTED"
+    assert app.store.ledger.get_batch(spec.batch_id).state == "PREEMPTED"
     again = _dispatch_one(app, nm)
     assert again.source.point == Point(node, 7) and again.steps == 13
-    app.service.report_batch(ADMIN, again.batch_id, 1, ok=True, metrics=[MetricReport(node, 20, {"loss": 0.5})])
+    app.service.report_batch(
+        ADMIN, attempt_report(again.batch_id, 1, ok=True, metrics=[MetricPoint(node, 20, {"loss": 0.5})])
+    )
     (req,) = app.service.get_requests(ALICE, study, [rid])
     assert req.state == "DONE" and req.metrics == {"loss": 0.5} and req.error is None
 
@@ -63,11 +69,13 @@ def test_preempted_batch_resumes_from_its_checkpoint_without_counting_a_failure(
 def test_request_fails_with_the_error_after_max_attempts(app: MasterApp) -> None:
     study, (rid,) = _submit(app, 1)
     nm = _node_manager(app, 1)
-    for attempt in range(app.service.max_attempts):
+    for attempt in range(app.service.retry.max_failures):
         spec = _dispatch_one(app, nm)
         (req,) = app.service.get_requests(ALICE, study, [rid])
         assert req.state == "SCHED", attempt
-        app.service.report_batch(ADMIN, spec.batch_id, 1, ok=False, error="ValueError: bad lr", oom=attempt == 0)
+        app.service.report_batch(
+            ADMIN, attempt_report(spec.batch_id, 1, ok=False, error="ValueError: bad lr", oom=attempt == 0)
+        )
     (req,) = app.service.get_requests(ALICE, study, [rid])
     assert req.state == "FAILED" and req.error == "ValueError: bad lr"
     assert app.scheduler.run_round().dispatched == []  # not retried forever
@@ -83,11 +91,14 @@ def test_checkpoints_over_budget_are_evicted_and_deleted_but_never_a_pinned_one(
     specs = [BatchSpec.from_json(json.loads(a.spec_json)) for a in app.service.take_assignments(ADMIN, nm)]
     for spec in specs:
         node = spec.stages[-1].node
-        ckpts = [CheckpointReport(node, s, f"file:///{node}-{s}", 1000, "peripheral") for s in (10, 20, 30)]
+        ckpts = [CheckpointPoint(node, s, f"file:///{node}-{s}", 1000, "peripheral") for s in (10, 20, 30)]
         app.service.report_batch(
-            ADMIN, spec.batch_id, 1, ok=True, metrics=[MetricReport(node, 30, {"loss": 0.1})], checkpoints=ckpts
+            ADMIN,
+            attempt_report(
+                spec.batch_id, 1, ok=True, metrics=[MetricPoint(node, 30, {"loss": 0.1})], checkpoints=ckpts
+            ),
         )
-    assert app.store.checkpoint_bytes() == 6000
+    assert app.store.checkpoints.checkpoint_bytes() == 6000
     # a new request at step 40 of the first config will start from its step-30 checkpoint: pinned
     first = specs[0].stages[-1].node
     app.service.submit(ALICE, study, [app_item(specs[0], 40)])
@@ -98,7 +109,7 @@ def test_checkpoints_over_budget_are_evicted_and_deleted_but_never_a_pinned_one(
     finally:
         app.scheduler.settings.checkpoint_budget_bytes = None
     assert Point(first, 30) not in evicted
-    assert len(evicted) == 4 and app.store.checkpoint_bytes() == 2000
+    assert len(evicted) == 4 and app.store.checkpoints.checkpoint_bytes() == 2000
     (delete,) = app.service.take_assignments(ADMIN, nm)
     assert delete.kind == "DELETE_CHECKPOINTS"
     assert sorted(delete.checkpoint_uris) == sorted(f"file:///{p.node}-{p.step}" for p in evicted)
@@ -117,10 +128,10 @@ def test_reports_of_several_batches_in_one_call_reject_only_the_bad_one(app: Mas
     specs = [BatchSpec.from_json(json.loads(a.spec_json)) for a in app.service.take_assignments(ADMIN, nm)]
     good, bad_step, other = specs
     reports = [
-        BatchReport(good.batch_id, 1, True, [MetricReport(good.end.node, 10, {"loss": 0.1})]),
-        BatchReport(bad_step.batch_id, 1, True, [MetricReport(bad_step.end.node, -1, {"loss": 0.2})]),
-        BatchReport(987_654_321, 1, True, []),
-        BatchReport(other.batch_id, 1, True, [MetricReport(other.end.node, 10, {"loss": 0.3})]),
+        attempt_report(good.batch_id, 1, True, [MetricPoint(good.end.node, 10, {"loss": 0.1})]),
+        attempt_report(bad_step.batch_id, 1, True, [MetricPoint(bad_step.end.node, -1, {"loss": 0.2})]),
+        attempt_report(987_654_321, 1, True, []),
+        attempt_report(other.batch_id, 1, True, [MetricPoint(other.end.node, 10, {"loss": 0.3})]),
     ]
     with pytest.raises(PermissionDenied):
         app.service.report_batches(ALICE, reports)
@@ -133,4 +144,4 @@ def test_reports_of_several_batches_in_one_call_reject_only_the_bad_one(app: Mas
     state_of = {r.batch_id: (r.state, r.metrics) for r in app.service.get_requests(ALICE, study, rids)}
     assert state_of[good.batch_id] == ("DONE", {"loss": 0.1}) and state_of[other.batch_id] == ("DONE", {"loss": 0.3})
     assert state_of[bad_step.batch_id] == ("SCHED", None)
-    assert app.store.get_batch(bad_step.batch_id).state == "RUNNING"  # its report can come again, corrected
+    assert app.store.ledger.get_batch(bad_step.batch_id).state == "RUNNING"  # its report can come again, corrected

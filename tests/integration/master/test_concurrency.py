@@ -13,7 +13,7 @@ from stagetree.core.searchplan import SearchPlan
 from stagetree.master.auth import Principal
 from stagetree.master.service import MasterService, SubmitItem
 from stagetree.master.settings import LimitSettings
-from stagetree.master.store.store import SqlStore, make_engine
+from stagetree.master.store.store import Store, make_engine
 from tests.integration.master.helpers import fixed, unique
 
 THREADS = 12
@@ -31,7 +31,7 @@ def _configs() -> list[dict[str, object]]:
 def test_concurrent_submitters_make_one_node_per_configuration(pg_url: str) -> None:
     fixed_part = fixed()
     who = Principal(unique("owner"))
-    setup = SqlStore(make_engine(pg_url))
+    setup = Store.open(make_engine(pg_url))
     study = MasterService(setup, LimitSettings()).create_study(who, "concurrency")
     configs = _configs()
     items = [
@@ -44,7 +44,7 @@ def test_concurrent_submitters_make_one_node_per_configuration(pg_url: str) -> N
     errors: list[BaseException] = []
 
     def submitter(seed: int) -> None:
-        store = SqlStore(make_engine(pg_url, pool_size=2))
+        store = Store.open(make_engine(pg_url, pool_size=2))
         svc = MasterService(store, LimitSettings())
         mine = items[:]
         random.Random(seed).shuffle(mine)
@@ -65,7 +65,7 @@ def test_concurrent_submitters_make_one_node_per_configuration(pg_url: str) -> N
         t.join(timeout=120)
     assert not errors, errors
 
-    reqs = setup.get_requests(study.id)
+    reqs = setup.requests.get_requests(study.id)
     assert len(reqs) == len(items)
     assert Counter(r.client_request_id for r in reqs).most_common(1)[0][1] == 1
     assert sum(len(r) for r in results) == THREADS * len(items)
@@ -74,8 +74,8 @@ def test_concurrent_submitters_make_one_node_per_configuration(pg_url: str) -> N
     for it in items:
         obj = json.loads(it.config_json)
         expected.locate(Config.of(obj["tuned"]), it.step)
-    plan_id = setup.plan_ids_by_key([FixedPart.from_json(fixed_part).key()])[FixedPart.from_json(fixed_part).key()]
-    nodes = setup.load_nodes(plan_id)
+    plan_id = setup.plans.plan_ids_by_key([FixedPart.from_json(fixed_part).key()])[FixedPart.from_json(fixed_part).key()]
+    nodes = setup.plans.load_nodes(plan_id)
     assert len(nodes) == len(expected.nodes)
     assert Counter((n.start, n.parent is None) for n in nodes) == Counter(
         (n.start, n.parent is None) for n in expected.nodes.values()

@@ -33,11 +33,11 @@ def test_registration_listing_known_attempts_requeues_only_the_others(app: Maste
     app.coordination.heartbeat(nm, 30)
     kept, lost = _dispatched(app, nm)
     app.service.register_node_manager(ADMIN, nm, "local", [("g0", "cpu"), ("g1", "cpu")], known=[(kept, 1)])
-    assert app.store.get_batch(kept).state == "RUNNING"
-    assert app.store.get_batch(lost).state == "LOST"
+    assert app.store.ledger.get_batch(kept).state == "RUNNING"
+    assert app.store.ledger.get_batch(lost).state == "LOST"
     # a registration that lists nothing (an older node manager) requeues nothing
     app.service.register_node_manager(ADMIN, nm, "local", [("g0", "cpu"), ("g1", "cpu")])
-    assert app.store.get_batch(kept).state == "RUNNING"
+    assert app.store.ledger.get_batch(kept).state == "RUNNING"
     # the requeued work is dispatched again (attempts are sent once: the new batch is new work)
     again = app.scheduler.run_round().dispatched
     assert len(again) == 1 and again[0] not in (kept, lost)
@@ -52,10 +52,10 @@ def test_a_new_leader_gives_silent_node_managers_one_ttl_before_requeueing(app: 
     settings = SchedulingSettings(heartbeat_ttl_s=0.8)
     restarted = SchedulingLoop(app.store, app.scheduler.plans, app.coordination, settings, "master-2")
     assert restarted.requeue_lost() == []  # within the grace period
-    assert app.store.get_batch(bid).state == "RUNNING"
+    assert app.store.ledger.get_batch(bid).state == "RUNNING"
     time.sleep(0.9)
     assert restarted.requeue_lost() == [nm]
-    assert app.store.get_batch(bid).state == "LOST"
+    assert app.store.ledger.get_batch(bid).state == "LOST"
 
 
 def test_a_node_manager_that_heartbeated_to_the_new_leader_is_lost_at_once(app: MasterApp) -> None:

@@ -16,6 +16,7 @@ from stagetree.master.service import SubmitItem
 from stagetree.master.settings import SchedulingSettings
 from tests.integration.master.conftest import REDIS_URL
 from tests.integration.master.helpers import config_json, fixed, unique
+from tests.reports import attempt_report
 
 ALICE = Principal("alice")
 ADMIN = Principal("admin", admin=True)
@@ -48,7 +49,7 @@ def test_round_fills_free_slots_and_never_sends_an_attempt_twice(app: MasterApp)
     assert {s.steps for s in specs} == {10}
     assert {(s.peripheral_every_steps, s.peripheral_every_s) for s in specs} == {(0, 60.0)}  # the defaults
     assert {a.slot_id for a in sent} == {"g0", "g1"}  # each batch names the slot it was placed on
-    app.service.report_batch(ADMIN, specs[0].batch_id, 1, ok=True, metrics=[])
+    app.service.report_batch(ADMIN, attempt_report(specs[0].batch_id, 1, ok=True, metrics=[]))
     assert len(app.scheduler.run_round().dispatched) == 1  # the freed slot takes the queued batch
 
 
@@ -60,20 +61,24 @@ def test_lost_node_manager_work_restarts_from_its_latest_checkpoint(app: MasterA
     spec_text = sent.spec_json
     spec = BatchSpec.from_json(json.loads(spec_text))
     node = spec.stages[-1].node
-    app.store.record_checkpoint(node, 8, "file:///peripheral-8", 100, "peripheral")  # as the aggregator would
+    app.store.checkpoints.record_checkpoint(
+        node, 8, "file:///peripheral-8", 100, "peripheral"
+    )  # as the aggregator would
     time.sleep(0.4)
     other = _node_manager(app, 1)
     report = app.scheduler.run_round()
     assert report.lost_node_managers == [lost]
     (new_bid,) = report.dispatched
-    assert app.store.get_batch(bid).state == "LOST"
+    assert app.store.ledger.get_batch(bid).state == "LOST"
     (again,) = app.service.take_assignments(ADMIN, other)
     attempt, text = again.attempt, again.spec_json
     again = BatchSpec.from_json(json.loads(text))
     assert attempt == 1 and again.batch_id == new_bid
     assert again.source.point == Point(node, 8) and again.source.uri == "file:///peripheral-8"
     assert again.steps == 12
-    assert app.service.report_batch(ADMIN, bid, 1, ok=True, metrics=[]) == []  # late report of the lost attempt
+    assert (
+        app.service.report_batch(ADMIN, attempt_report(bid, 1, ok=True, metrics=[])) == []
+    )  # late report of the lost attempt
     (req,) = app.service.get_requests(ALICE, study, [rid])
     assert req.state == "SCHED" and req.batch_id == new_bid
 

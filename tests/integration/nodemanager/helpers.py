@@ -16,7 +16,7 @@ from stagetree.core.batch import BatchSpec
 from stagetree.master.app import MasterApp
 from stagetree.master.auth import Principal
 from stagetree.master.service import SubmitItem
-from stagetree.master.store.store import RequestRecord
+from stagetree.master.store.records import RequestRecord
 from stagetree.nodemanager.agent import NodeManager
 from stagetree.nodemanager.app import build_node_manager
 from stagetree.nodemanager.gpu import StaticGpuProbe

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from stagetree.master.store.schema import upgrade
-from stagetree.master.store.store import SqlStore, make_engine
+from stagetree.master.store.store import Store, make_engine
 from tests.unit.aggregator.helpers import World, make_world
 
 
@@ -30,12 +30,12 @@ def sqlite_url(migrated_sqlite: Path, tmp_path: Path) -> str:
 
 
 @pytest.fixture
-def store(sqlite_url: str) -> Iterator[SqlStore]:
-    s = SqlStore(make_engine(sqlite_url))
+def store(sqlite_url: str) -> Iterator[Store]:
+    s = Store.open(make_engine(sqlite_url))
     yield s
     s.dispose()
 
 
 @pytest.fixture
-def world(store: SqlStore) -> World:
+def world(store: Store) -> World:
     return make_world(store)

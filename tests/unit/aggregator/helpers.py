@@ -23,7 +23,8 @@ from stagetree.core.config import Config
 from stagetree.core.sequences import MultiStep
 from stagetree.master.plans import config_text
 from stagetree.master.store import models as m
-from stagetree.master.store.store import BatchRecord, NewNode, NewRequest, RequestRecord, SqlStore
+from stagetree.master.store.records import BatchRecord, NewNode, NewRequest, RequestRecord
+from stagetree.master.store.store import Store
 
 BRANCH = 50  # the child node starts at this step of the root
 
@@ -32,7 +33,7 @@ BRANCH = 50  # the child node starts at this step of the root
 class World:
     """A plan with a root node and one child branching at step ``BRANCH``, a study and a node manager."""
 
-    store: SqlStore
+    store: Store
     plan_id: int
     root: int
     child: int
@@ -45,7 +46,7 @@ class World:
         first, self._requests = self._requests, self._requests + len(points)
         # sequential client ids, so two worlds built alike get the same request ids
         items = [NewRequest(f"r{first + i:08d}", node, step) for i, (node, step) in enumerate(points)]
-        return self.store.add_requests(self.study, self.plan_id, items)
+        return self.store.requests.add_requests(self.study, self.plan_id, items)
 
     def dispatch(self, points: list[tuple[int, int]]) -> tuple[BatchRecord, list[RequestRecord]]:
         """Requests at ``points``, all SCHED on one new running batch."""
@@ -53,7 +54,7 @@ class World:
         return self.dispatch_ids([r.id for r in recs]), recs
 
     def dispatch_ids(self, request_ids: list[int]) -> BatchRecord:
-        batch = self.store.dispatch(self.plan_id, lambda b, a: f"spec-{b}-{a}", request_ids, self.nm, "gpu0")
+        batch = self.store.ledger.dispatch(self.plan_id, lambda b, a: f"spec-{b}-{a}", request_ids, self.nm, "gpu0")
         assert batch is not None
         return batch
 
@@ -104,7 +105,7 @@ class World:
 
     def state(self) -> dict[str, Any]:
         """Every row this world's effects can touch, for before/after comparisons."""
-        with self.store._tx("test snapshot") as s:
+        with self.store.db.tx("test snapshot") as s:
             reqs = s.execute(
                 select(m.Request.id, m.Request.state, m.Request.batch_id, m.Request.failures, m.Request.error).where(
                     m.Request.study_id == self.study
@@ -136,26 +137,26 @@ class World:
         }
 
     def request_states(self, ids: list[int]) -> list[str]:
-        by_id = {r.id: r.state for r in self.store.get_requests(self.study, ids)}
+        by_id = {r.id: r.state for r in self.store.requests.get_requests(self.study, ids)}
         return [by_id[i] for i in ids]
 
 
-def make_world(store: SqlStore) -> World:
+def make_world(store: Store) -> World:
     tag = uuid.uuid4().hex[:12]
-    plan_id = store.ensure_plan(f"plan-{tag}", "{}")
-    store.insert_nodes(plan_id, [NewNode(None, 0, "root", config_text(Config.of({"lr": 0.1})))])
-    (root,) = store.load_nodes(plan_id)
+    plan_id = store.plans.ensure_plan(f"plan-{tag}", "{}")
+    store.plans.insert_nodes(plan_id, [NewNode(None, 0, "root", config_text(Config.of({"lr": 0.1})))])
+    (root,) = store.plans.load_nodes(plan_id)
     branch = Config.of({"lr": MultiStep(0.1, [BRANCH], 0.5)})
-    store.insert_nodes(plan_id, [NewNode(root.id, BRANCH, "child", config_text(branch))])
-    child = store.load_nodes(plan_id, after=root.id)[0]
-    study = store.create_study(f"owner-{tag}", "study", None)
+    store.plans.insert_nodes(plan_id, [NewNode(root.id, BRANCH, "child", config_text(branch))])
+    child = store.plans.load_nodes(plan_id, after=root.id)[0]
+    study = store.studies.create_study(f"owner-{tag}", "study", None)
     nm = f"nm-{tag}"
-    store.register_node_manager(nm, "127.0.0.1:1", [("gpu0", "cpu")])
+    store.nodes.register_node_manager(nm, "127.0.0.1:1", [("gpu0", "cpu")])
     return World(store, plan_id, root.id, child.id, study.id, nm)
 
 
-def applied_count(store: SqlStore, prefix: str = "") -> int:
-    with store._tx("count applied") as s:
+def applied_count(store: Store, prefix: str = "") -> int:
+    with store.db.tx("count applied") as s:
         q = select(func.count()).select_from(m.AppliedMessage)
         if prefix:
             q = q.where(m.AppliedMessage.msg_id.like(f"{prefix}%"))

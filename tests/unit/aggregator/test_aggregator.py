@@ -15,9 +15,10 @@ from stagetree.bus.batcher import LocalBatcher
 from stagetree.bus.inprocess import InProcessBus
 from stagetree.bus.messages import ALL_TOPICS, TOPIC_METRICS, GpuTelemetry, Message, encode
 from stagetree.core.errors import Conflict, InvalidArgument
+from stagetree.core.lifecycle import BatchState, RequestState
 from stagetree.master.service import CH_RESULTS, CH_ROUND
-from stagetree.master.store import store as st
 from stagetree.master.store.ingest import Ingestor, IngestResult
+from stagetree.master.store.store import Store
 from tests.unit.aggregator.fakes import Crash, CrashingBus, RecordingWakeups, wait_for
 from tests.unit.aggregator.helpers import World, applied_count
 
@@ -49,12 +50,12 @@ def test_published_messages_become_rows_done_requests_and_wake_ups(world: World)
         with LocalBatcher(bus, max_messages=3, max_age_s=0.01) as batcher:
             for m in _stream(world, batch.id, [10, 20]):
                 batcher.add(m)
-        wait_for(lambda: world.store.get_batch(batch.id).state == st.BATCH_DONE, what="the batch to end")
+        wait_for(lambda: world.store.ledger.get_batch(batch.id).state == BatchState.DONE, what="the batch to end")
     finally:
         agg.stop()
-    assert world.request_states([r.id for r in reqs]) == [st.DONE, st.DONE]
-    assert world.store.metrics_at(world.root, 20) == {"loss": 1.0 / 21}
-    assert world.store.checkpoints(world.plan_id) == {(world.root, 20): f"file:///ckpt/{world.root}/20"}
+    assert world.request_states([r.id for r in reqs]) == [RequestState.DONE, RequestState.DONE]
+    assert world.store.requests.metrics_at(world.root, 20) == {"loss": 1.0 / 21}
+    assert world.store.checkpoints.checkpoints(world.plan_id) == {(world.root, 20): f"file:///ckpt/{world.root}/20"}
     assert CH_RESULTS in wakeups.channels and CH_ROUND in wakeups.channels
     s = agg.stats
     assert (s.applied, s.points, s.completed, s.ignored, s.malformed, s.duplicates) == (4, 2, 2, 2, 0, 0)
@@ -77,7 +78,7 @@ def test_malformed_and_unknown_version_records_are_counted_skipped_and_committed
     finally:
         agg.stop()
     assert agg.stats.malformed == 3 and agg.stats.records == 4
-    assert world.request_states([r.id]) == [st.DONE]
+    assert world.request_states([r.id]) == [RequestState.DONE]
     with bus.subscribe(ALL_TOPICS, "agg") as again:  # the group committed past the bad records too
         assert again.poll(timeout_s=0.05) == []
 
@@ -94,8 +95,8 @@ def test_killed_between_database_commit_and_offset_commit_the_redelivery_changes
         first.run()  # applies, commits the database, then "dies" before the offset commit
     assert crashing.consumers[0].commits_attempted == 1
     after_crash = world.state()
-    assert world.request_states([r.id for r in reqs]) == [st.DONE] * 3  # the effects were durable first
-    assert world.store.get_batch(batch.id).state == st.BATCH_DONE
+    assert world.request_states([r.id for r in reqs]) == [RequestState.DONE] * 3  # the effects were durable first
+    assert world.store.ledger.get_batch(batch.id).state == BatchState.DONE
 
     second = _aggregator(bus, world)
     second.start()
@@ -128,8 +129,8 @@ def test_stop_finishes_the_batch_in_hand_commits_it_and_leaves(world: World) -> 
 class _FlakyIngestor(Ingestor):
     """Conflicts ``conflicts`` times, and refuses (DataError) any batch holding ``poison``."""
 
-    def __init__(self, inner: Ingestor, poison: str = "", conflicts: int = 0) -> None:
-        super().__init__(inner.store, inner.plans)
+    def __init__(self, store: Store, poison: str = "", conflicts: int = 0) -> None:
+        super().__init__(store)
         self.poison = poison
         self.conflicts = conflicts
         self.calls = 0
@@ -150,11 +151,14 @@ def test_a_message_the_database_refuses_is_isolated_and_skipped(world: World) ->
     msgs = [world.metrics(batch.id, world.root, s) for s in range(1, 9)]
     for m in msgs:
         bus.publish(m.TOPIC, m.key, m)
-    agg = Aggregator(bus, _FlakyIngestor(Ingestor(world.store), poison=msgs[5].msg_id), RecordingWakeups())
+    agg = Aggregator(bus, _FlakyIngestor(world.store, poison=msgs[5].msg_id), RecordingWakeups())
     consumer = bus.subscribe(ALL_TOPICS, agg.group)
     assert agg.run_once(consumer) == 8
     assert agg.stats.poison == 1 and agg.stats.points == 7
-    assert world.store.metrics_at(world.root, 6) is None and world.store.metrics_at(world.root, 7) is not None
+    assert (
+        world.store.requests.metrics_at(world.root, 6) is None
+        and world.store.requests.metrics_at(world.root, 7) is not None
+    )
     assert consumer.poll(timeout_s=0) == []
 
 
@@ -163,12 +167,12 @@ def test_a_busy_database_is_retried_never_skipped(world: World) -> None:
     batch, (r,) = world.dispatch([(world.root, 10)])
     m = world.metrics(batch.id, world.root, 10)
     bus.publish(m.TOPIC, m.key, m)
-    flaky = _FlakyIngestor(Ingestor(world.store), conflicts=2)
+    flaky = _FlakyIngestor(world.store, conflicts=2)
     agg = Aggregator(bus, flaky, RecordingWakeups())
     consumer = bus.subscribe(ALL_TOPICS, agg.group)
     agg.run_once(consumer)
     assert flaky.calls == 3 and agg.stats.retries == 2 and agg.stats.poison == 0
-    assert world.request_states([r.id]) == [st.DONE]
+    assert world.request_states([r.id]) == [RequestState.DONE]
 
 
 def test_two_members_of_one_group_apply_each_message_once_and_keep_each_batch_in_order(world: World) -> None:
@@ -184,7 +188,10 @@ def test_two_members_of_one_group_apply_each_message_once_and_keep_each_batch_in
                 for m in [world.metrics(batch.id, world.root, 100 + s) for s in range(0, 8)]:
                     batcher.add(m)
                 batcher.add(world.finished(batch.id))
-        wait_for(lambda: all(world.store.get_batch(b.id).state != st.RUNNING for b, _ in work), what="all batches")
+        wait_for(
+            lambda: all(world.store.ledger.get_batch(b.id).state != BatchState.RUNNING for b, _ in work),
+            what="all batches",
+        )
     finally:
         for a in aggs:
             a.stop()
@@ -192,7 +199,7 @@ def test_two_members_of_one_group_apply_each_message_once_and_keep_each_batch_in
     assert sum(a.stats.applied for a in aggs) == applied_count(world.store, world.nm)
     for batch, reqs in work:
         # the finish came after the metrics on the batch's partition: nothing was sent back to the queue
-        assert world.request_states([r.id for r in reqs]) == [st.DONE, st.DONE], batch.id
+        assert world.request_states([r.id for r in reqs]) == [RequestState.DONE, RequestState.DONE], batch.id
 
 
 def test_the_latest_gpu_sample_is_kept(world: World) -> None:

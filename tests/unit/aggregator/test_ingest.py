@@ -11,12 +11,14 @@ from typing import Any
 import pytest
 
 from stagetree.bus.messages import GpuTelemetry, Message
+from stagetree.core.lifecycle import BatchState, CheckpointPoint, MetricPoint, RequestState, RetryPolicy
 from stagetree.master.auth import Principal
-from stagetree.master.service import CheckpointReport, MasterService, MetricReport
+from stagetree.master.service import MasterService
 from stagetree.master.settings import LimitSettings
-from stagetree.master.store import store as st
 from stagetree.master.store.ingest import Ingestor
-from stagetree.master.store.store import SqlStore, make_engine, metric_value
+from stagetree.master.store.records import metric_value
+from stagetree.master.store.store import Store, make_engine
+from tests.reports import attempt_report
 from tests.unit.aggregator.helpers import BRANCH, World, applied_count, make_world
 
 
@@ -27,9 +29,9 @@ def test_metrics_are_stored_and_complete_the_requests_waiting_there(world: World
     assert (res.applied, res.points, res.duplicates, res.rejected) == (2, 2, 0, 0)
     assert sorted(res.completed) == sorted([a.id, c.id])
     assert res.results_changed and not res.round_needed
-    assert world.request_states([a.id, b.id, c.id]) == [st.DONE, st.SCHED, st.DONE]
-    assert world.store.metrics_at(world.root, 10) == {"loss": 1.0 / 11}
-    (done,) = world.store.done_since(world.study, [c.id])
+    assert world.request_states([a.id, b.id, c.id]) == [RequestState.DONE, RequestState.SCHED, RequestState.DONE]
+    assert world.store.requests.metrics_at(world.root, 10) == {"loss": 1.0 / 11}
+    (done,) = world.store.requests.done_since(world.study, [c.id])
     assert done.metrics == {"loss": 1.0 / 81}
 
 
@@ -38,7 +40,7 @@ def test_a_not_yet_scheduled_request_at_the_point_is_completed_too(world: World)
     (waiting,) = world.requests([(world.root, 10)])  # another study's trial, same point, still NOT_SCHED
     res = Ingestor(world.store).apply([world.metrics(batch.id, world.root, 10)])
     assert waiting.id in res.completed
-    assert world.request_states([waiting.id]) == [st.DONE]
+    assert world.request_states([waiting.id]) == [RequestState.DONE]
 
 
 def test_a_message_delivered_twice_changes_nothing_the_second_time(world: World) -> None:
@@ -63,7 +65,7 @@ def test_a_message_delivered_twice_changes_nothing_the_second_time(world: World)
     # A fresh ingestor (an aggregator restarted) agrees: the dedup lives in the database.
     assert Ingestor(world.store).apply(msgs).applied == 0
     assert applied_count(world.store, world.nm) == 4
-    assert world.request_states([r.id for r in reqs]) == [st.DONE, st.DONE]
+    assert world.request_states([r.id for r in reqs]) == [RequestState.DONE, RequestState.DONE]
 
 
 def test_the_same_message_twice_in_one_apply_is_applied_once(world: World) -> None:
@@ -79,8 +81,10 @@ def test_points_are_canonicalized_a_branch_start_is_the_parents_point(world: Wor
         [world.metrics(batch.id, world.child, BRANCH), world.checkpoint(batch.id, world.child, BRANCH)]
     )
     assert res.completed == [r.id]
-    assert world.store.metrics_at(world.root, BRANCH) is not None
-    assert world.store.checkpoints(world.plan_id) == {(world.root, BRANCH): f"file:///ckpt/{world.child}/{BRANCH}"}
+    assert world.store.requests.metrics_at(world.root, BRANCH) is not None
+    assert world.store.checkpoints.checkpoints(world.plan_id) == {
+        (world.root, BRANCH): f"file:///ckpt/{world.child}/{BRANCH}"
+    }
 
 
 def test_finish_requeues_only_what_got_no_metrics_and_frees_the_slot(world: World) -> None:
@@ -88,9 +92,9 @@ def test_finish_requeues_only_what_got_no_metrics_and_frees_the_slot(world: Worl
     res = Ingestor(world.store).apply([world.metrics(batch.id, world.root, 10), world.finished(batch.id, 20)])
     assert res.completed == [a.id] and res.requeued == [b.id] and res.finished == [batch.id]
     assert res.round_needed and res.results_changed
-    assert world.request_states([a.id, b.id]) == [st.DONE, st.NOT_SCHED]
-    assert world.store.get_batch(batch.id).state == st.BATCH_DONE
-    assert (world.nm, "gpu0") not in world.store.busy_slots()
+    assert world.request_states([a.id, b.id]) == [RequestState.DONE, RequestState.NOT_SCHED]
+    assert world.store.ledger.get_batch(batch.id).state == BatchState.DONE
+    assert (world.nm, "gpu0") not in world.store.rounds.busy_slots()
 
 
 def test_metrics_and_finish_in_one_apply_never_requeue_the_work_just_done(world: World) -> None:
@@ -99,7 +103,7 @@ def test_metrics_and_finish_in_one_apply_never_requeue_the_work_just_done(world:
     msgs: list[Message] = [world.metrics(batch.id, world.root, s) for s in (10, 20, 30)]
     res = Ingestor(world.store).apply([*msgs, world.finished(batch.id, 30)])
     assert res.requeued == []
-    assert world.request_states([r.id for r in reqs]) == [st.DONE] * 3
+    assert world.request_states([r.id for r in reqs]) == [RequestState.DONE] * 3
 
 
 def test_failures_are_bounded_and_out_of_memory_is_named(world: World) -> None:
@@ -107,16 +111,16 @@ def test_failures_are_bounded_and_out_of_memory_is_named(world: World) -> None:
     batch, (r,) = world.dispatch([(world.root, 10)])
     first = ing.apply([world.failed(batch.id, "CUDA error", oom=True)])
     assert first.requeued == [r.id] and first.failed_requests == []
-    (rec,) = world.store.get_requests(world.study, [r.id])
-    assert rec.state == st.NOT_SCHED
-    assert world.store.get_batch(batch.id).state == st.FAILED
+    (rec,) = world.store.requests.get_requests(world.study, [r.id])
+    assert rec.state == RequestState.NOT_SCHED
+    assert world.store.ledger.get_batch(batch.id).state == BatchState.FAILED
 
     retry = world.dispatch_ids([r.id])
     second = ing.apply([world.failed(retry.id, "CUDA error", oom=True)])
     assert second.failed_requests == [r.id] and second.requeued == []
     assert second.results_changed
-    (rec,) = world.store.get_requests(world.study, [r.id])
-    assert rec.state == st.REQUEST_FAILED and rec.error == "out of memory: CUDA error"
+    (rec,) = world.store.requests.get_requests(world.study, [r.id])
+    assert rec.state == RequestState.FAILED and rec.error == "out of memory: CUDA error"
 
 
 def test_a_preemption_records_its_checkpoint_and_is_not_a_failure(world: World) -> None:
@@ -124,21 +128,21 @@ def test_a_preemption_records_its_checkpoint_and_is_not_a_failure(world: World) 
     batch, (_a, b) = world.dispatch([(world.root, 10), (world.root, 40)])
     res = ing.apply([world.metrics(batch.id, world.root, 10), world.preempted(batch.id, world.root, 25)])
     assert res.requeued == [b.id] and res.failed_requests == [] and res.checkpoints == 1
-    assert world.store.get_batch(batch.id).state == st.PREEMPTED
-    assert world.store.checkpoints(world.plan_id) == {(world.root, 25): "file:///pre/25"}
+    assert world.store.ledger.get_batch(batch.id).state == BatchState.PREEMPTED
+    assert world.store.checkpoints.checkpoints(world.plan_id) == {(world.root, 25): "file:///pre/25"}
     assert world.state()["checkpoints"] == [(world.root, 25, "file:///pre/25", "peripheral")]
-    (rec,) = world.store.get_requests(world.study, [b.id])
-    assert rec.state == st.NOT_SCHED
+    (rec,) = world.store.requests.get_requests(world.study, [b.id])
+    assert rec.state == RequestState.NOT_SCHED
 
 
 def test_a_report_for_an_attempt_that_is_not_running_is_ignored(world: World) -> None:
     batch, (r,) = world.dispatch([(world.root, 10)])
-    world.store.mark_lost(world.nm)  # the master gave up on it; the request is NOT_SCHED again
+    world.store.ledger.mark_lost(world.nm)  # the master gave up on it; the request is NOT_SCHED again
     before = world.state()
     res = Ingestor(world.store).apply([world.finished(batch.id, 10), world.failed(batch.id, attempt=7)])
     assert res.stale == 2 and res.finished == [] and res.requeued == []
     assert world.state() == before
-    assert world.request_states([r.id]) == [st.NOT_SCHED]
+    assert world.request_states([r.id]) == [RequestState.NOT_SCHED]
 
 
 def test_messages_that_can_never_apply_are_rejected_and_the_rest_is_applied(world: World) -> None:
@@ -173,7 +177,7 @@ def test_kinds_without_a_database_effect_are_counted_and_leave_no_trace(world: W
 def test_a_diverged_run_reports_nan_and_infinity(world: World) -> None:
     batch, _ = world.dispatch([(world.root, 10)])
     Ingestor(world.store).apply([world.metrics(batch.id, world.root, 10, {"loss": math.nan, "gn": -math.inf})])
-    stored = world.store.metrics_at(world.root, 10)
+    stored = world.store.requests.metrics_at(world.root, 10)
     assert stored is not None
     assert math.isnan(metric_value(stored["loss"])) and metric_value(stored["gn"]) == -math.inf
 
@@ -186,7 +190,7 @@ def test_an_apply_is_one_transaction(world: World, monkeypatch: pytest.MonkeyPat
     def crash(*_: Any) -> None:
         raise RuntimeError("crash after the metrics, before the finish")
 
-    monkeypatch.setattr(ing, "_apply_terminals", crash)
+    monkeypatch.setattr(ing.ledger, "end_attempts_in", crash)
     with pytest.raises(RuntimeError):
         ing.apply([world.metrics(batch.id, world.root, 10), world.finished(batch.id, 20)])
     assert world.state() == before
@@ -210,30 +214,23 @@ SCENARIOS = ["finished", "failed", "oom", "preempted", "stale"]
 
 def _run_direct(world: World, scenario: str) -> None:
     svc = MasterService(world.store, LimitSettings())
-    svc.max_attempts = 2
+    svc.retry = RetryPolicy(2)
     admin = Principal("admin", admin=True)
     batch, _ = world.dispatch([(world.root, 10), (world.child, 70), (world.root, 30)])
-    metrics = [MetricReport(world.root, 10, {"loss": 0.5}), MetricReport(world.child, 70, {"loss": 0.25})]
-    ckpts = [CheckpointReport(world.child, BRANCH, f"file:///ckpt/{world.child}/{BRANCH}", 1, "central")]
+    metrics = [MetricPoint(world.root, 10, {"loss": 0.5}), MetricPoint(world.child, 70, {"loss": 0.25})]
+    ckpts = [CheckpointPoint(world.child, BRANCH, f"file:///ckpt/{world.child}/{BRANCH}", 1, "central")]
     if scenario == "stale":
-        world.store.mark_lost(world.nm)
+        world.store.ledger.mark_lost(world.nm)
     if scenario == "preempted":
-        ckpts.append(CheckpointReport(world.root, 20, "file:///pre/20", 0, "peripheral"))  # as a node manager would
+        ckpts.append(CheckpointPoint(world.root, 20, "file:///pre/20", 0, "peripheral"))  # as a node manager would
     ok = scenario in ("finished", "stale")
     for _ in range(2 if scenario in ("failed", "oom") else 1):
-        svc.report_batch(
-            admin,
-            batch.id,
-            1,
-            ok,
-            metrics,
-            ckpts,
-            error="boom",
-            oom=scenario == "oom",
-            preempted=scenario == "preempted",
+        report = attempt_report(
+            batch.id, 1, ok, metrics, ckpts, error="boom", oom=scenario == "oom", preempted=scenario == "preempted"
         )
+        svc.report_batch(admin, report)
         if scenario in ("failed", "oom"):
-            pending = [rid for rid, _ in world.store.pending().get(world.plan_id, [])]
+            pending = [rid for rid, _ in world.store.rounds.pending().get(world.plan_id, [])]
             if pending:
                 batch = world.dispatch_ids(pending)
 
@@ -242,7 +239,7 @@ def _run_bus(world: World, scenario: str) -> None:
     ing = Ingestor(world.store, max_failures=2)
     batch, _ = world.dispatch([(world.root, 10), (world.child, 70), (world.root, 30)])
     if scenario == "stale":
-        world.store.mark_lost(world.nm)
+        world.store.ledger.mark_lost(world.nm)
     for _ in range(2 if scenario in ("failed", "oom") else 1):
         msgs: list[Message] = [
             world.checkpoint(batch.id, world.child, BRANCH),
@@ -257,7 +254,7 @@ def _run_bus(world: World, scenario: str) -> None:
             msgs.append(world.failed(batch.id, "boom", oom=scenario == "oom"))
         ing.apply(msgs)
         if scenario in ("failed", "oom"):
-            pending = [rid for rid, _ in world.store.pending().get(world.plan_id, [])]
+            pending = [rid for rid, _ in world.store.rounds.pending().get(world.plan_id, [])]
             if pending:
                 batch = world.dispatch_ids(pending)
 
@@ -270,7 +267,7 @@ def test_the_bus_path_has_the_same_effects_as_report_batch(
     for name, run in (("direct", _run_direct), ("bus", _run_bus)):
         path = tmp_path / f"{name}.db"
         shutil.copyfile(migrated_sqlite, path)
-        store = SqlStore(make_engine(f"sqlite:///{path}"))
+        store = Store.open(make_engine(f"sqlite:///{path}"))
         try:
             world = make_world(store)
             run(world, scenario)

@@ -10,7 +10,7 @@ from stagetree.core.scheduler import Slot, schedule_round
 from stagetree.core.searchplan import SearchPlan
 from stagetree.core.stagetree import build_stage_tree
 from stagetree.master.costs import CostLearner
-from stagetree.master.store.store import FinishedAttempt
+from stagetree.master.store.records import FinishedAttempt
 from stagetree.nodemanager.examples.digits import digits_batch
 
 CHEAP = {"lr": 0.1, "bs": 32}

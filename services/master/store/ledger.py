@@ -1,0 +1,383 @@
+"""The batch ledger: batches, their attempts, and the one adapter that persists how an attempt ended.
+
+Every end of an attempt (a node manager's report over gRPC, the aggregator's ingest of a bus event, a
+lost node manager, an abort) goes through :meth:`BatchLedger.end_attempts_in`, which reads the batch
+heads and the requests each batch carries, asks the core's pure ``lifecycle.end_attempt`` what to do,
+and writes that decision: the rules of a batch's life live in ``stagetree.core.lifecycle`` alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy.orm import Session
+
+from stagetree.core.errors import NotFound, StagetreeError
+from stagetree.core.lifecycle import (
+    AssignmentKind,
+    AttemptDecision,
+    AttemptEnd,
+    AttemptReport,
+    BatchHead,
+    BatchState,
+    CarriedRequest,
+    Outcome,
+    RequestState,
+    RetryPolicy,
+    after,
+    end_attempt,
+)
+from stagetree.master.store import models as m
+from stagetree.master.store.checkpoints import CheckpointCatalog
+from stagetree.master.store.database import Database, table
+from stagetree.master.store.nodes import LOST, enqueue_action
+from stagetree.master.store.records import BatchRecord, DispatchItem, FinishedAttempt
+from stagetree.master.store.requests import RequestStore
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RETRY = RetryPolicy()
+Completed = list[int]  # request ids a report completed
+Requeued = list[int]  # request ids a report sent back to NOT_SCHED
+
+_B, _A, _R = table(m.Batch), table(m.BatchAttempt), table(m.Request)
+_HEADS = (
+    select(_B.c.id, _B.c.attempt, _B.c.state)
+    .where(_B.c.id.in_(bindparam("ids", expanding=True)))
+    .order_by(_B.c.id)
+    .with_for_update()
+)
+_CARRIED = select(_R.c.batch_id, _R.c.id, _R.c.failures).where(
+    _R.c.batch_id.in_(bindparam("ids", expanding=True)), _R.c.state == RequestState.SCHED
+)
+_END_BATCHES = (
+    update(_B)
+    .where(_B.c.id.in_(bindparam("ids", expanding=True)))
+    .values(state=bindparam("st"), updated_at=bindparam("t"))
+)
+_END_ATTEMPTS = (
+    update(_A)
+    .where(_A.c.batch_id.in_(bindparam("ids", expanding=True)), _A.c.state == BatchState.RUNNING)
+    .values(state=bindparam("st"), finished_at=bindparam("t"))
+)
+_COUNT_FAILURE = (
+    update(_R)
+    .where(_R.c.id.in_(bindparam("ids", expanding=True)))
+    .values(failures=_R.c.failures + 1, error=bindparam("error"))
+)
+_FAIL = (
+    update(_R)
+    .where(_R.c.id.in_(bindparam("ids", expanding=True)), _R.c.state == RequestState.SCHED)
+    .values(state=RequestState.FAILED, done_at=bindparam("t"))
+)
+_REQUEUE = (
+    update(_R)
+    .where(_R.c.id.in_(bindparam("ids", expanding=True)), _R.c.state == RequestState.SCHED)
+    .values(state=RequestState.NOT_SCHED, batch_id=None)
+)
+_CLAIM = (
+    update(_R)
+    .where(_R.c.id.in_(bindparam("ids", expanding=True)), _R.c.state == RequestState.NOT_SCHED)
+    .values(state=RequestState.SCHED, batch_id=bindparam("bid"))
+)
+_NEW_BATCH = insert(_B).returning(_B.c.id)
+_DROP_BATCH = _B.delete().where(_B.c.id == bindparam("b"))
+_SET_SPEC = update(_B).where(_B.c.id == bindparam("b")).values(spec_json=bindparam("spec"))
+_NEW_ATTEMPT = insert(_A)
+_RUNNING = select(
+    _B.c.id, _B.c.plan_id, _B.c.state, _B.c.attempt, _B.c.spec_json, _B.c.node_manager_id, _B.c.slot_id
+).where(_B.c.state == BatchState.RUNNING)
+
+
+class BatchLedger:
+    """Batches and attempts: dispatch, the end of attempts (``end_attempts_in``), and what they ran."""
+
+    def __init__(self, db: Database, requests: RequestStore, checkpoints: CheckpointCatalog) -> None:
+        self.db = db
+        self.requests = requests
+        self.checkpoints = checkpoints
+
+    # -- the end of attempts --------------------------------------------------------------------------
+
+    def end_attempts_in(
+        self,
+        s: Session,
+        ends: Sequence[AttemptEnd],
+        policy: RetryPolicy,
+        now: float | None = None,
+        heads: dict[int, BatchHead | None] | None = None,
+    ) -> list[AttemptDecision]:
+        """Decide (``lifecycle.end_attempt``) and persist the ends of attempts, in order, inside the
+        caller's transaction. An end of an unknown batch, or of an attempt that is not the running one,
+        is stale and changes nothing. One statement per kind of change, whatever the number of ends.
+        ``heads``: the batches' heads when the caller has read (and locked) them already."""
+        if not ends:
+            return []
+        now = time.time() if now is None else now
+        heads = self.heads_in(s, [e.batch_id for e in ends]) if heads is None else dict(heads)
+        live = [b for b, h in heads.items() if h is not None and h.state is BatchState.RUNNING]
+        carried: dict[int, list[CarriedRequest]] = {}
+        for bid, rid, failures in self.db.rows(s, _CARRIED, {"ids": live}) if live else ():
+            carried.setdefault(int(bid), []).append(CarriedRequest(int(rid), int(failures or 0)))
+        decisions = []
+        for e in ends:
+            d = end_attempt(heads[e.batch_id], e, sorted(carried.pop(e.batch_id, []), key=lambda r: r.id), policy)
+            heads[e.batch_id] = after(heads[e.batch_id], d)
+            decisions.append(d)
+        self._persist(s, decisions, now)
+        return decisions
+
+    def heads_in(self, s: Session, batch_ids: Iterable[int]) -> dict[int, BatchHead | None]:
+        """The current attempt and state of each batch (None: no such batch), rows locked for the
+        caller's transaction in id order (one lock order for concurrent writers)."""
+        ids = sorted(set(batch_ids))
+        heads: dict[int, BatchHead | None] = dict.fromkeys(ids)
+        for bid, att, st in self.db.rows(s, _HEADS, {"ids": ids}) if ids else ():
+            heads[int(bid)] = BatchHead(int(att), BatchState(st))
+        return heads
+
+    def _persist(self, s: Session, decisions: Sequence[AttemptDecision], now: float) -> None:
+        c = s.connection()
+        ended: dict[BatchState, list[int]] = {}
+        by_error: dict[str, list[int]] = {}
+        failed: list[int] = []
+        requeued: list[int] = []
+        for d in decisions:
+            if d.stale:
+                log.info("stale batch report ignored", extra={"batch_id": d.batch_id, "attempt": d.attempt})
+                continue
+            assert d.batch_state is not None
+            ended.setdefault(d.batch_state, []).append(d.batch_id)
+            if d.counted:
+                by_error.setdefault(d.error, []).extend(d.counted)
+            failed.extend(d.failed)
+            requeued.extend(d.requeued)
+        for error, ids in by_error.items():
+            c.execute(_COUNT_FAILURE, {"ids": sorted(ids), "error": error})
+        if failed:
+            c.execute(_FAIL, {"ids": sorted(failed), "t": now})
+        if requeued:
+            c.execute(_REQUEUE, {"ids": sorted(requeued)})
+        for state, ids in ended.items():
+            c.execute(_END_BATCHES, {"ids": ids, "st": state, "t": now})
+            c.execute(_END_ATTEMPTS, {"ids": ids, "st": state, "t": now})
+
+    def report_batches(
+        self, reports: Sequence[AttemptReport], policy: RetryPolicy = DEFAULT_RETRY
+    ) -> list[tuple[Completed, Requeued] | StagetreeError]:
+        """What batch attempts produced (checkpoints, then metrics, at canonical points) and how they
+        ended, in one transaction with as many statements as for one report. Each report gets the
+        requests it completed and those it requeued, or NotFound when its batch does not exist (the
+        others are applied all the same). A stale report's products are kept; its end changes nothing."""
+        now = time.time()
+        with self.db.tx("report batches") as s:
+            heads = self.heads_in(s, [r.batch_id for r in reports])
+            present = {b for b, h in heads.items() if h is not None}
+            known = [r for r in reports if r.batch_id in present]
+            self.checkpoints.record_in(
+                s, [(c.node, c.step, c.uri, c.bytes, c.kind) for r in known for c in r.checkpoints], now
+            )
+            done_at = self.requests.record_metrics_in(
+                s, [(p.node, p.step, dict(p.values)) for r in known for p in r.metrics], now
+            )
+            decisions = iter(self.end_attempts_in(s, [r.end for r in known], policy, now, heads))
+        out: list[tuple[Completed, Requeued] | StagetreeError] = []
+        for r in reports:
+            if r.batch_id not in present:
+                out.append(NotFound(f"batch {r.batch_id} does not exist"))
+                continue
+            d = next(decisions)
+            done = sorted({i for p in r.metrics for i in done_at.get((p.node, p.step), ())})
+            out.append((done, list(d.requeued)))
+        return out
+
+    def end_batches(self, batch_ids: Iterable[int], outcome: Outcome, *, what: str) -> list[int]:
+        """End the running attempts of these batches with ``outcome`` (LOST, ABORTED); returns the
+        batches that were running."""
+        with self.db.tx(what) as s:
+            return self._end_running_in(s, list(batch_ids), outcome)
+
+    def _end_running_in(self, s: Session, batch_ids: list[int], outcome: Outcome) -> list[int]:
+        if not batch_ids:
+            return []
+        heads = self.heads_in(s, batch_ids)
+        ends = [AttemptEnd(b, h.attempt, outcome) for b, h in heads.items() if h is not None]
+        return [d.batch_id for d in self.end_attempts_in(s, ends, DEFAULT_RETRY, heads=heads) if not d.stale]
+
+    def abort_batch(self, batch_id: int) -> str | None:
+        """End a running batch no live request needs and queue the order to stop it for its node
+        manager (returned, to be woken)."""
+        with self.db.tx("abort batch") as s:
+            b = s.get(m.Batch, batch_id, with_for_update=True)
+            if b is None or b.state != BatchState.RUNNING:
+                return None
+            if b.node_manager_id:
+                enqueue_action(s, b.node_manager_id, AssignmentKind.ABORT, batch_id, b.attempt)
+            self._end_running_in(s, [batch_id], Outcome.ABORTED)
+            return b.node_manager_id
+
+    def preempt_batch(self, batch_id: int) -> bool:
+        """Ask the batch's node manager to preempt it (the batch stays RUNNING until it reports). Returns
+        False when the batch is not running."""
+        with self.db.tx("preempt batch") as s:
+            b = s.get(m.Batch, batch_id)
+            if b is None or b.state != BatchState.RUNNING or not b.node_manager_id:
+                return False
+            enqueue_action(s, b.node_manager_id, AssignmentKind.PREEMPT, batch_id, b.attempt)
+            return True
+
+    def mark_lost(self, nm_id: str) -> list[int]:
+        """The node manager stopped heartbeating: its running batches are LOST and their requests go back
+        to NOT_SCHED (the next round rebuilds them from the latest checkpoint). Returns the batch ids."""
+        with self.db.tx("mark node manager lost") as s:
+            s.execute(update(m.NodeManager).where(m.NodeManager.id == nm_id).values(state=LOST))
+            ids = s.scalars(select(_B.c.id).where(_B.c.node_manager_id == nm_id, _B.c.state == BatchState.RUNNING))
+            return self._end_running_in(s, [int(b) for b in ids], Outcome.LOST)
+
+    def requeue_unknown(self, nm_id: str, known: Iterable[tuple[int, int]]) -> list[int]:
+        """A node manager registered listing the attempts it knows: its running batches whose current
+        attempt was sent to it but is not in ``known`` are LOST and their requests NOT_SCHED (a restarted
+        process never runs them; an assignment lost in a broken stream never arrives). Unsent attempts
+        stay: its new stream sends them. Returns the batch ids."""
+        keep = {(int(b), int(a)) for b, a in known}
+        with self.db.tx("requeue unknown attempts") as s:
+            rows = s.execute(
+                select(_B.c.id, _B.c.attempt)
+                .join(_A, (_A.c.batch_id == _B.c.id) & (_A.c.attempt == _B.c.attempt))
+                .where(
+                    _B.c.node_manager_id == nm_id,
+                    _B.c.state == BatchState.RUNNING,
+                    _A.c.state == BatchState.RUNNING,
+                    _A.c.sent_at.is_not(None),
+                )
+            ).all()
+            return self._end_running_in(s, [int(b) for b, a in rows if (int(b), int(a)) not in keep], Outcome.LOST)
+
+    # -- dispatch -------------------------------------------------------------------------------------
+
+    def dispatch(
+        self, plan_id: int, spec_for: Callable[[int, int], str], request_ids: Sequence[int], nm_id: str, slot_id: str
+    ) -> BatchRecord | None:
+        """``dispatch_many`` of one batch."""
+        return self.dispatch_many([DispatchItem(plan_id, spec_for, request_ids, nm_id, slot_id)])[0]
+
+    def dispatch_many(self, items: Sequence[DispatchItem]) -> list[BatchRecord | None]:
+        """Create each batch and its first attempt on a slot and mark its requests SCHED, all in one
+        transaction (a round's dispatches commit together). ``spec_for(batch_id, attempt) -> str``
+        renders a spec. An item none of whose requests is still NOT_SCHED (another round or a cancel got
+        there first) gets None and writes nothing."""
+        if not items:
+            return []
+        now = time.time()
+        out: list[BatchRecord | None] = []
+        with self.db.tx("dispatch batches") as s:
+            c = s.connection()
+            for it in items:
+                nm, slot = it.node_manager_id, it.slot_id
+                row = {"plan_id": it.plan_id, "state": BatchState.RUNNING, "attempt": 1, "spec_json": ""}
+                row |= {"node_manager_id": nm, "slot_id": slot, "created_at": now, "updated_at": now}
+                bid = int(c.execute(_NEW_BATCH, row).scalar_one())
+                if it.request_ids and c.execute(_CLAIM, {"ids": list(it.request_ids), "bid": bid}).rowcount == 0:
+                    c.execute(_DROP_BATCH, {"b": bid})  # taken meanwhile: not needed
+                    out.append(None)
+                    continue
+                spec = it.spec_for(bid, 1)
+                c.execute(_SET_SPEC, {"b": bid, "spec": spec})
+                attempt = {"batch_id": bid, "attempt": 1, "node_manager_id": nm, "slot_id": slot}
+                c.execute(_NEW_ATTEMPT, attempt | {"state": BatchState.RUNNING, "dispatched_at": now})
+                out.append(BatchRecord(bid, it.plan_id, BatchState.RUNNING, 1, spec, nm, slot))
+        return out
+
+    # -- reads ----------------------------------------------------------------------------------------
+
+    def get_batch(self, batch_id: int) -> BatchRecord:
+        with self.db.tx("get batch") as s:
+            b = s.get(m.Batch, batch_id)
+            if b is None:
+                raise NotFound(f"batch {batch_id} does not exist")
+            return _batch_record(b)
+
+    def plan_of_batch(self, batch_id: int) -> int:
+        """The plan a batch belongs to (it never changes)."""
+        return self.get_batch(batch_id).plan_id
+
+    def plans_of_batches(self, batch_ids: Sequence[int]) -> dict[int, int]:
+        """The plan of each of these batches that exists."""
+        out: dict[int, int] = {}
+        ids = sorted(batch_ids)
+        with self.db.tx("plans of batches") as s:
+            for i in range(0, len(ids), 1000):
+                for bid, pid in s.execute(select(_B.c.id, _B.c.plan_id).where(_B.c.id.in_(ids[i : i + 1000]))):
+                    out[int(bid)] = int(pid)
+        return out
+
+    def running_batches(self) -> list[BatchRecord]:
+        with self.db.tx("load running batches") as s:
+            return self.running_in(s)
+
+    def running_in(self, s: Session) -> list[BatchRecord]:
+        return [
+            BatchRecord(int(i), int(p), BatchState(st), a, spec, nm, slot)
+            for i, p, st, a, spec, nm, slot in self.db.rows(s, _RUNNING)
+        ]
+
+    def running_batch_info(self) -> list[tuple[BatchRecord, float, list[str]]]:
+        """Every running batch with when its current attempt was dispatched and the studies of the
+        requests it serves."""
+        with self.db.tx("running batch info") as s:
+            rows = s.execute(
+                select(m.Batch, m.BatchAttempt.dispatched_at)
+                .join(
+                    m.BatchAttempt,
+                    (m.BatchAttempt.batch_id == m.Batch.id) & (m.BatchAttempt.attempt == m.Batch.attempt),
+                )
+                .where(m.Batch.state == BatchState.RUNNING)
+            ).all()
+            studies: dict[int, list[str]] = {}
+            ids = [int(b.id) for b, _ in rows]
+            for i in range(0, len(ids), 1000):
+                for bid, sid in s.execute(
+                    select(_R.c.batch_id, _R.c.study_id).where(_R.c.batch_id.in_(ids[i : i + 1000])).order_by(_R.c.id)
+                ):
+                    studies.setdefault(int(bid or 0), []).append(str(sid))
+            return [(_batch_record(b), float(t), studies.get(int(b.id), [])) for b, t in rows]
+
+    def executed_steps(self, plan_id: int | None = None) -> int:
+        """Training steps of every batch that ran to its end (of one plan, or all): what the platform
+        actually trained, to compare with the unique steps of the plans."""
+        with self.db.tx("executed steps") as s:
+            q = select(_B.c.spec_json).where(_B.c.state == BatchState.DONE)
+            if plan_id is not None:
+                q = q.where(_B.c.plan_id == plan_id)
+            return sum(int(st["end"]) - int(st["start"]) for spec in s.scalars(q) for st in json.loads(spec)["stages"])
+
+    def finished_attempts(self, since: float, limit: int = 1000) -> list[FinishedAttempt]:
+        """Attempts that ran to their end and finished at or after ``since`` (by the clock of whoever
+        recorded it), oldest first: the latest ``limit`` of them."""
+        a, b, sl = m.BatchAttempt, m.Batch, m.Slot
+        with self.db.tx("finished attempts") as s:
+            rows = s.execute(
+                select(a.batch_id, a.attempt, b.spec_json, a.sent_at, a.dispatched_at, a.finished_at, sl.gpu_type)
+                .join(b, b.id == a.batch_id)
+                .outerjoin(sl, (sl.node_manager_id == a.node_manager_id) & (sl.slot_id == a.slot_id))
+                .where(a.finished_at >= since, a.state == BatchState.DONE)
+                .order_by(a.finished_at.desc())
+                .limit(limit)
+            ).all()
+        return [
+            FinishedAttempt(
+                int(bid), int(att), spec, float(end) - float(disp if sent is None else sent), float(end), gpu or ""
+            )
+            for bid, att, spec, sent, disp, end, gpu in reversed(rows)
+            if end is not None
+        ]
+
+
+def _batch_record(b: m.Batch) -> BatchRecord:
+    return BatchRecord(
+        int(b.id), int(b.plan_id), BatchState(b.state), b.attempt, b.spec_json, b.node_manager_id, b.slot_id
+    )

@@ -1,0 +1,137 @@
+"""The node-manager registry (who is alive, with which slots) and each node manager's outbox: the batch
+attempts placed on it and the control actions (abort, preempt, delete checkpoints) queued for it, each
+sent exactly once on its assignment stream."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from sqlalchemy import bindparam, select, update
+from sqlalchemy.orm import Session
+
+from stagetree.core.errors import NotFound
+from stagetree.core.lifecycle import AssignmentKind, BatchState, NodeManagerState
+from stagetree.core.slots import SlotInfo
+from stagetree.master.store import models as m
+from stagetree.master.store.database import Database, table
+from stagetree.master.store.records import Assignment, NodeManagerRecord
+
+ALIVE, LOST = NodeManagerState.ALIVE, NodeManagerState.LOST
+
+_A, _B, _NA, _SL, _NM = (table(t) for t in (m.BatchAttempt, m.Batch, m.NodeManagerAction, m.Slot, m.NodeManager))
+_SLOTS = select(
+    _SL.c.node_manager_id,
+    _SL.c.slot_id,
+    _SL.c.gpu_type,
+    _SL.c.memory_bytes,
+    _SL.c.compute_capability,
+    _SL.c.share,
+    _SL.c.cpu_cores,
+    _SL.c.gpu_index,
+).order_by(_SL.c.slot_id)
+_NODE_MANAGERS = select(_NM.c.id, _NM.c.address, _NM.c.state, _NM.c.last_heartbeat).order_by(_NM.c.id)
+_CLAIM_ATTEMPTS = (
+    update(_A)
+    .where(_A.c.node_manager_id == bindparam("nm"), _A.c.state == BatchState.RUNNING, _A.c.sent_at.is_(None))
+    .values(sent_at=bindparam("t"))
+    .returning(_A.c.batch_id, _A.c.attempt, _A.c.slot_id)
+)
+_SPECS = select(_B.c.id, _B.c.spec_json).where(_B.c.id.in_(bindparam("ids", expanding=True)))
+_CLAIM_ACTIONS = (
+    update(_NA)
+    .where(_NA.c.node_manager_id == bindparam("nm"), _NA.c.sent_at.is_(None))
+    .values(sent_at=bindparam("t"))
+    .returning(_NA.c.id, _NA.c.kind, _NA.c.batch_id, _NA.c.attempt, _NA.c.payload)
+)
+
+
+def enqueue_action(
+    s: Session, nm_id: str, kind: AssignmentKind, batch_id: int = 0, attempt: int = 0, uris: Sequence[str] = ()
+) -> None:
+    """Queue a control action for a node manager inside the caller's transaction."""
+    s.add(
+        m.NodeManagerAction(
+            node_manager_id=nm_id,
+            kind=kind,
+            batch_id=batch_id,
+            attempt=attempt,
+            payload={"uris": list(uris)},
+            created_at=time.time(),
+        )
+    )
+
+
+class NodeRegistry:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    def register_node_manager(self, nm_id: str, address: str, slots: Sequence[SlotInfo | tuple[str, str]]) -> None:
+        infos = [s if isinstance(s, SlotInfo) else SlotInfo(s[0], s[1]) for s in slots]
+        now = time.time()
+        with self.db.tx("register node manager") as s:
+            row = s.get(m.NodeManager, nm_id, with_for_update=True)
+            if row is None:
+                s.add(m.NodeManager(id=nm_id, address=address, state=ALIVE, registered_at=now, last_heartbeat=now))
+            else:
+                row.address, row.state, row.last_heartbeat = address, ALIVE, now
+            s.flush()
+            s.execute(_SL.delete().where(_SL.c.node_manager_id == nm_id))
+            s.add_all(
+                m.Slot(
+                    node_manager_id=nm_id,
+                    slot_id=i.id,
+                    gpu_type=i.gpu_type,
+                    memory_bytes=i.memory_bytes,
+                    compute_capability=i.compute_capability,
+                    share=i.share,
+                    cpu_cores=i.cpu_cores,
+                    gpu_index=i.gpu_index,
+                )
+                for i in infos
+            )
+
+    def heartbeat(self, nm_id: str) -> None:
+        with self.db.tx("heartbeat") as s:
+            res = s.execute(
+                update(m.NodeManager).where(m.NodeManager.id == nm_id).values(last_heartbeat=time.time(), state=ALIVE)
+            )
+            if res.rowcount == 0:  # type: ignore[attr-defined]
+                raise NotFound(f"node manager {nm_id!r} is not registered; register it first")
+
+    def node_managers(self) -> list[NodeManagerRecord]:
+        with self.db.tx("list node managers") as s:
+            return self.node_managers_in(s)
+
+    @staticmethod
+    def node_managers_in(s: Session) -> list[NodeManagerRecord]:
+        # plain column rows, not ORM objects: every scheduling round reads these
+        infos: dict[str, list[SlotInfo]] = {}
+        c = s.connection()
+        for nm_id, sid, gpu, mem, cc, share, cores, index in c.execute(_SLOTS):
+            infos.setdefault(nm_id, []).append(SlotInfo(sid, gpu, mem, cc, share, cores, index))
+        out = []
+        for nm_id, address, state, beat in c.execute(_NODE_MANAGERS):
+            mine = tuple(infos.get(nm_id, ()))
+            out.append(
+                NodeManagerRecord(
+                    nm_id, address, NodeManagerState(state), beat, tuple((i.id, i.gpu_type) for i in mine), mine
+                )
+            )
+        return out
+
+    def take_assignments(self, nm_id: str) -> list[Assignment]:
+        """Running attempts for this node manager not yet sent, then its queued control actions; each is
+        marked sent exactly once even when two streams (or two masters) race for it."""
+        now = time.time()
+        with self.db.tx("take assignments") as s:
+            c = s.connection()
+            # each row is claimed by one UPDATE only (sent_at IS NULL is checked again under its lock)
+            claimed = sorted(c.execute(_CLAIM_ATTEMPTS, {"nm": nm_id, "t": now}).all())
+            specs = dict(c.execute(_SPECS, {"ids": [bid for bid, _, _ in claimed]}).all()) if claimed else {}
+            actions = sorted(c.execute(_CLAIM_ACTIONS, {"nm": nm_id, "t": now}).all())
+        out = [Assignment(int(bid), int(att), specs[bid], slot_id=slot or "") for bid, att, slot in claimed]
+        for _id, kind, bid, att, payload in actions:
+            uris = tuple(str(u) for u in (payload or {}).get("uris", ()))
+            out.append(Assignment(int(bid), int(att), "", AssignmentKind(kind), uris))
+        return out

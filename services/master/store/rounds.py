@@ -1,0 +1,72 @@
+"""What a scheduling round reads, in one transaction (one turn on SQLite, not six)."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from stagetree.core.batch import Point
+from stagetree.core.lifecycle import LIVE_REQUEST_STATES, BatchState, RequestState
+from stagetree.master.store import models as m
+from stagetree.master.store.checkpoints import CheckpointCatalog
+from stagetree.master.store.database import Database, table
+from stagetree.master.store.ledger import BatchLedger
+from stagetree.master.store.nodes import NodeRegistry
+from stagetree.master.store.records import RoundReads
+
+_R, _B, _S = table(m.Request), table(m.Batch), table(m.Study)
+_PENDING = select(_R.c.id, _R.c.plan_id, _R.c.node_id, _R.c.step).where(_R.c.state == RequestState.NOT_SCHED)
+_BUSY = select(_B.c.node_manager_id, _B.c.slot_id).where(
+    _B.c.state == BatchState.RUNNING, _B.c.node_manager_id.is_not(None)
+)
+_POLICY_STUDIES = select(_S.c.id, _S.c.fixed_json).where(
+    _S.c.fixed_json.like('%"policies"%'),
+    select(_R.c.id).where(_R.c.study_id == _S.c.id, _R.c.state.in_(LIVE_REQUEST_STATES)).exists(),
+)
+
+
+class RoundReader:
+    def __init__(self, db: Database, nodes: NodeRegistry, ledger: BatchLedger, checkpoints: CheckpointCatalog) -> None:
+        self.db = db
+        self.nodes = nodes
+        self.ledger = ledger
+        self.checkpoints = checkpoints
+
+    def round_reads(self) -> RoundReads:
+        """Everything a scheduling round reads, in one transaction."""
+        with self.db.tx("round reads") as s:
+            nms = self.nodes.node_managers_in(s)
+            busy = self._busy_in(s)
+            policies = self._policy_studies_in(s)
+            pending = self._pending_in(s)
+            running = self.ledger.running_in(s)
+            ckpts = self.checkpoints.checkpoints_in(s, sorted(pending))
+        return RoundReads(nms, busy, policies, pending, running, ckpts)
+
+    def pending(self) -> dict[int, list[tuple[int, Point]]]:
+        """(request id, point) of every NOT_SCHED request, per plan."""
+        with self.db.tx("load pending") as s:
+            return self._pending_in(s)
+
+    def busy_slots(self) -> set[tuple[str, str]]:
+        """(node manager, slot) of every running batch."""
+        with self.db.tx("busy slots") as s:
+            return self._busy_in(s)
+
+    def policy_studies(self) -> list[tuple[str, str]]:
+        """(study id, fixed json) of the studies that chose policies and have live requests."""
+        with self.db.tx("policy studies") as s:
+            return self._policy_studies_in(s)
+
+    def _pending_in(self, s: Session) -> dict[int, list[tuple[int, Point]]]:
+        out: dict[int, list[tuple[int, Point]]] = {}
+        for rid, pid, node, step in self.db.rows(s, _PENDING):
+            out.setdefault(pid, []).append((rid, Point(node, step)))
+        return out
+
+    def _busy_in(self, s: Session) -> set[tuple[str, str]]:
+        return {(str(a), str(b)) for a, b in self.db.rows(s, _BUSY)}
+
+    @staticmethod
+    def _policy_studies_in(s: Session) -> list[tuple[str, str]]:
+        return [(str(i), str(f)) for i, f in s.connection().execute(_POLICY_STUDIES)]

@@ -1,0 +1,43 @@
+"""Studies: a user's HPO jobs, each owned by one principal."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from sqlalchemy import select
+
+from stagetree.core.errors import AlreadyExists, Conflict, NotFound
+from stagetree.master.store import models as m
+from stagetree.master.store.database import Database
+from stagetree.master.store.records import StudyRecord
+
+
+class StudyStore:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    def create_study(self, owner: str, name: str, fixed_json: str | None) -> StudyRecord:
+        rec = StudyRecord(uuid.uuid4().hex, owner, name, fixed_json, time.time())
+        try:
+            with self.db.tx("create study") as s:
+                s.add(m.Study(id=rec.id, owner=owner, name=name, fixed_json=fixed_json, created_at=rec.created_at))
+        except Conflict as e:
+            raise AlreadyExists(f"study {name!r} already exists for {owner!r}; pick another name") from e
+        return rec
+
+    def get_study(self, study_id: str) -> StudyRecord:
+        with self.db.tx("get study") as s:
+            row = s.get(m.Study, study_id)
+            if row is None:
+                raise NotFound(f"study {study_id!r} does not exist")
+            return _study(row)
+
+    def list_studies(self, owner: str) -> list[StudyRecord]:
+        with self.db.tx("list studies") as s:
+            rows = s.scalars(select(m.Study).where(m.Study.owner == owner).order_by(m.Study.created_at)).all()
+            return [_study(r) for r in rows]
+
+
+def _study(row: m.Study) -> StudyRecord:
+    return StudyRecord(row.id, row.owner, row.name, row.fixed_json, row.created_at)
