@@ -1,61 +1,11 @@
-"""Per-study scheduling policies in the live master: config, validation, and the round's policy step.
+"""Per-study scheduling policies in the live master: the round's policy step and the state it keeps.
 
-A study chooses policies by name in its fixed config (``Study.create(..., policies={...})``, or the
-``"policies"`` key of the ``fixed`` object given to ``CreateStudy`` / ``POST /studies``). Nothing else
-changes for the study: the key is stripped before the fixed part names the search plan, so studies with
-different policies still share computation. Keys (all optional; unknown keys or names are an
-``INVALID_ARGUMENT`` listing the valid ones, and nothing is created)::
-
-    "policies": {
-      "time_share": "hermes",            # Hermes time-sharing; baselines "fifo", "rr", "slaq"
-      "time_share_params": {"quantum_s": 10, "growth": 2, "milestones": [0.3, 0.45, 0.6],
-                            "eval_every": 5, "metric": "loss"},
-      "placement": "wfd",                # HyperSack packing: "ff", "ffd", "wf", "wfd", "one_per_gpu"
-      "placement_params": {"compute": 40, "memory_bytes": 0, "cpus": 0, "oversub": 1},
-      "qos": "urgent",                   # GENIE deadline class: "urgent", "prior", "normal"
-      "search": "pop",                   # HyperDrive POP; baselines "default", "bandit", "earlyterm"
-      "search_params": {"metric": "accuracy", "target": 0.9, "kill_threshold": 0.15, "t_max_s": 3600,
-                        "report_every": 10, "eval_every": 10, "p_floor": 0.05, "k": 1, "max_epochs": 0,
-                        "y_min": 0, "y_max": 1},
-      "order": "critical_path"           # the round's cut order when policies are active
-    }
-
-Each ``*_params`` object is optional (defaults as shown, except ``compute`` 100 and ``quantum_s`` 10,
-``target`` 1, ``kill_threshold`` 0) and only allowed next to its policy.
-
-Semantics, per round (the pure decisions are ``stagetree.core.policies.live.plan_round``):
-
-* **qos** (GENIE Eq. 4 + Alg. 1): while a study with a class has pending work, every ready batch is
-  served in increasing waiting allowance ``w = ECT - (now + l)``; ``l`` is the batch's estimated
-  seconds, ``ECT`` its oldest request's arrival plus 0, ``l`` or ``2 l`` for urgent, prior, normal.
-  Studies without a class count as normal. Multi-GPU placement is not wired (a batch uses one slot).
-* **placement** (HyperSack Alg. 1-2): slots group into devices (a GPU's slots; a node manager's CPU
-  slots form one device). A batch of the study goes to the device the policy picks, where the summed
-  ``compute`` of the batches running there stays within ``100 * oversub`` % (and memory, CPU cores
-  within the device's and node's); a plain batch counts as its slot's share of its device. A batch
-  that fits nowhere waits. ``one_per_gpu`` is the paper's baseline.
-* **time_share** (Hermes Alg. 3, Eq. 2-4): batches of the study report ``metric`` every
-  ``eval_every`` steps. When a running batch of the study has held its slot for its quantum
-  (``quantum_s``, times ``growth`` per loss milestone passed) and a waiting batch of a time-sharing
-  study scores higher (convergence ``C_j(i)`` of its last quantum; never-run work first), the master
-  sends PREEMPT: the worker finishes its step, saves a peripheral checkpoint and exits; the rest of the
-  work re-enters the stage tree from there and resumes wherever a slot frees, with identical results.
-* **search** (HyperDrive POP §3, or its baselines): batches of the study report ``metric`` (higher is
-  better) every ``report_every`` steps; each report is one POP epoch of the trial (a trial = the work
-  ending at one requested point), every ``eval_every`` reports an evaluation boundary. At a boundary a
-  trial whose best value is under ``kill_threshold``, or whose confidence ``p`` of reaching ``target``
-  within ``t_max_s`` (from the study's first round; learning-curve model ``curves.fit_curve``) is under
-  ``p_floor``, is killed: the study's live requests there are CANCELLED with the reason in their
-  ``error`` column, and the batch is aborted when no other live request needs it. Promising trials
-  are served first (highest ``p``); an opportunistic one is preempted (SUSPEND) at a boundary when
-  other work of the study waits. ``earlyterm`` needs ``max_epochs`` (in reports).
-* **order**: the critical-path baseline names (``critical_path``, ``bfs``, ``most_children``); used for
-  the round's cut when every active study that names one names the same, else the master's setting.
-
-Not wired yet: GENIE multi-GPU placement and cost-effective ratio, Hermes' global placement cap
-``G_thres``, HyperSack's profiling of demands (a study declares them). Policy state (Hermes quanta, POP
-curves and kills) is soft state of the leading master: a new leader starts it afresh. A round with no
-active policy study is exactly the default round (one small extra query).
+This module owns taking a study's ``"policies"`` key off its fixed object (``split_policies``: the rest
+alone names the search plan) and ``PolicyStep``, which gathers a round's plain data from the store,
+calls the pure ``stagetree.core.policies.live.plan_round``, keeps what the policies need across rounds
+(Hermes' quanta, POP's policies and kills: soft state of the leading master, started afresh by a new
+leader) and carries out the preemptions and kills it decides. The keys, parameters and semantics a
+study chooses from are in docs/policies.md.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""README's "From a CI pipeline" script, run verbatim with bash against a live master (Postgres, REST under
-uvicorn, a no-op node manager). Only the variables the README tells the reader to set are substituted."""
+"""docs/rest-ci.md's CI script, run verbatim with bash against a live master (Postgres, REST under uvicorn,
+a no-op node manager). Only the variables the page tells the reader to set are substituted."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ from stagetree.core.config import Config
 from tests.integration.client.conftest import TOKENS
 from tests.integration.client.harness import Platform, noop_metrics
 
-README = Path(__file__).resolve().parents[3] / "README.md"
-SECTION = "## From a CI pipeline"
+PAGE = Path(__file__).resolve().parents[3] / "docs" / "rest-ci.md"
+SECTION = "## The CI script"
 
 
 def ci_script(url: str, token: str) -> str:
     """The bash blocks of the section, with ``STAGETREE_URL`` and ``STAGETREE_TOKEN`` set to ours."""
-    text = README.read_text()
+    text = PAGE.read_text()
     start = text.index(SECTION)
     end = text.find("\n## ", start + len(SECTION))
     blocks = re.findall(r"```bash\n(.*?)```", text[start : end if end >= 0 else None], flags=re.S)
@@ -30,12 +30,12 @@ def ci_script(url: str, token: str) -> str:
     script = "\n".join(blocks)
     script, n_url = re.subn(r"(?m)^export STAGETREE_URL=\S+", f"export STAGETREE_URL={url}", script)
     script, n_token = re.subn(r"(?m)^export STAGETREE_TOKEN=\S+", f"export STAGETREE_TOKEN={token}", script)
-    assert n_url == 1 and n_token == 1, "the README must tell the reader to set STAGETREE_URL and STAGETREE_TOKEN"
+    assert n_url == 1 and n_token == 1, "the page must tell the reader to set STAGETREE_URL and STAGETREE_TOKEN"
     return script
 
 
 @pytest.mark.skipif(shutil.which("curl") is None or shutil.which("jq") is None, reason="needs curl and jq")
-async def test_readme_ci_script_runs_against_a_live_master(http_platform: Platform) -> None:
+async def test_the_ci_script_runs_against_a_live_master(http_platform: Platform) -> None:
     assert http_platform.http_url is not None
     script = ci_script(http_platform.http_url, TOKENS["alice"])
     proc = await asyncio.create_subprocess_exec(
