@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         async with Embedded(settings) as cluster:
             print(f"stagetree embedded: gRPC {cluster.target}", flush=True)
             if cluster.http_url:
-                print(f"  REST {cluster.http_url}/api/v1 (OpenAPI at {cluster.http_url}/docs)", flush=True)
+                print(f"  REST {cluster.http_url}/api/v1 (OpenAPI at {cluster.http_url}/api/v1/docs)", flush=True)
             print(f"  token {cluster.token}   (export STAGETREE_TOKEN={cluster.token})", flush=True)
             print(f"  data under {cluster.settings.home}; Ctrl-C stops", flush=True)
             await done.wait()
