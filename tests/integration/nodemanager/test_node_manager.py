@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from stagetree.core.batch import BatchSpec, Point, Source
+from stagetree.core.lifecycle import RetryPolicy
 from stagetree.core.sequences import MultiStep
 from stagetree.master.app import MasterApp
 from stagetree.nodemanager.examples.digits import digits_batch
@@ -104,7 +105,7 @@ async def test_a_crash_is_retried_and_fails_the_request_after_max_attempts(
     scheduling: MasterApp, grpc_target: str, tmp_path: Path
 ) -> None:
     app = scheduling
-    app.service.max_attempts = 2
+    app.service.retry = RetryPolicy(2)
     once = fixed_part(FAULTY, fault="exit", fault_step=3, fault_once=str(tmp_path / "crashed-once"))
     always = fixed_part(FAULTY, fault="exit", fault_step=3)
     nm = await start_node_manager(grpc_target, tmp_path, cpu_slots=2)
