@@ -11,7 +11,7 @@ This module owns:
 * ``Client`` (what ``connect`` returns): the channel, the bearer metadata, a per-method RPC counter
   (``client.rpcs``), retries of idempotent calls on retriable errors, and ``error_of``, which turns a
   gRPC status back into the core error tree (``stagetree.core.errors``) with a message that says what
-  to do. ``STATUS_ERRORS`` is the inverse of the master's table (``stagetree.master.errors.STATUS``).
+  to do. Status codes map back to errors through the one table, ``stagetree.status``.
 * ``Study``: ``submit``/``eval`` (validated client-side with the core's own functions, so a bad config
   fails before any RPC), ``cancel``, ``results``, ``best``, ``metrics`` and ``plan``.
 * The batching of concurrent evals: every eval submitted while a batch is collected (the rest of the
@@ -46,12 +46,8 @@ import grpc
 
 from stagetree.core.config import Config, FixedPart
 from stagetree.core.errors import (
-    AlreadyExists,
-    Conflict,
     FailedPrecondition,
     InvalidArgument,
-    NotFound,
-    PermissionDenied,
     ResourceExhausted,
     StagetreeError,
     Unauthenticated,
@@ -61,6 +57,7 @@ from stagetree.core.searchplan import check_step
 from stagetree.core.sequences import Sequence, as_sequence
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
 from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
+from stagetree.status import error_class_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -87,21 +84,6 @@ class EvalCancelled(StagetreeError):
     code = "CANCELLED"
 
 
-# The inverse of the master's table (stagetree.master.errors.STATUS); a unit test keeps them in step.
-STATUS_ERRORS: dict[grpc.StatusCode, type[StagetreeError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
-    grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
-    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
-    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
-    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
-    grpc.StatusCode.ABORTED: Conflict,
-    grpc.StatusCode.UNAVAILABLE: Unavailable,
-    # raised by the client library itself: no answer in time is as retriable as no answer at all
-    grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
-}
-
 _HINTS: dict[type[StagetreeError], str] = {
     Unauthenticated: f"pass the token your operator gave you: stagetree.connect(url, token=...) or ${ENV_TOKEN}",
     Unavailable: "check that the master is running and reachable at this address, then retry",
@@ -117,7 +99,7 @@ def error_of(exc: BaseException, rpc: str = "", target: str = "") -> StagetreeEr
     code = code_fn() if isinstance(exc, grpc.RpcError) and callable(code_fn) else None
     details = (details_fn() if callable(details_fn) else None) or ""
     where = f"{rpc}: " if rpc else ""
-    cls = STATUS_ERRORS.get(code) if isinstance(code, grpc.StatusCode) else None
+    cls = error_class_of(code) if isinstance(code, grpc.StatusCode) else None
     if cls is None:
         name = code.name if isinstance(code, grpc.StatusCode) else type(exc).__name__
         err = StagetreeError(

@@ -23,6 +23,7 @@ from stagetree.core import errors
 from stagetree.nodemanager.slots import LocalSlot
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
 from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
+from stagetree.status import error_class_of
 
 log = logging.getLogger(__name__)
 
@@ -103,33 +104,19 @@ class MasterLink(ABC):
         """Release the connection."""
 
 
-_RETRIABLE = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.ABORTED,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.UNKNOWN,
-}
-
-
 def translate(exc: grpc.aio.AioRpcError, target: str, what: str) -> errors.StagetreeError:
     """The core error for a failed call ``what`` to the master at ``target``."""
     code, details = exc.code(), exc.details() or ""
-    if code in _RETRIABLE:
+    cls = error_class_of(code)
+    if cls is errors.Unavailable:
         return errors.Unavailable(f"{what}: the master at {target} is unavailable ({code.name}: {details})")
-    if code == grpc.StatusCode.UNAUTHENTICATED:
+    if cls is errors.Unauthenticated:
         return errors.Unauthenticated(f"{what}: the master at {target} rejected the token ({details}); {TOKEN_HINT}")
-    if code == grpc.StatusCode.PERMISSION_DENIED:
+    if cls is errors.PermissionDenied:
         return errors.PermissionDenied(f"{what}: the token is not the master's admin token ({details}); {TOKEN_HINT}")
-    by_code: dict[grpc.StatusCode, type[errors.StagetreeError]] = {
-        grpc.StatusCode.NOT_FOUND: errors.NotFound,
-        grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
-        grpc.StatusCode.ALREADY_EXISTS: errors.AlreadyExists,
-        grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
-        grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
-    }
-    return by_code.get(code, errors.StagetreeError)(f"{what}: {code.name}: {details}")
+    if cls is None:  # INTERNAL, UNKNOWN: a bug in the master, which a retry does not fix
+        return errors.StagetreeError(f"{what}: {code.name}: {details}; a bug in the master: see its log")
+    return cls(f"{what}: {code.name}: {details}")
 
 
 def _slot_pb(s: LocalSlot) -> pb.Slot:

@@ -1,7 +1,7 @@
 """gRPC adapter (``stagetree.v1.MasterService`` on ``grpc.aio``): protobuf in, use cases, protobuf out.
 
 Owns only translation: the bearer token from metadata, messages to use-case arguments, records to
-messages, and domain errors to status codes through ``master.errors.status_of``. Use cases are
+messages, and domain errors to status codes through ``stagetree.status.status_of``. Use cases are
 synchronous and run in a worker thread; streams wait on coordination wake-ups with a polling fallback.
 """
 
@@ -19,7 +19,6 @@ from stagetree.core.lifecycle import AttemptReport, CheckpointPoint, MetricPoint
 from stagetree.master.api.grouping import Grouper
 from stagetree.master.auth import Authenticator, Principal, bearer
 from stagetree.master.coordination import Coordination, Subscription
-from stagetree.master.errors import status_of
 from stagetree.master.service import (
     CH_RESULTS,
     MasterService,
@@ -29,6 +28,7 @@ from stagetree.master.service import (
 from stagetree.master.store.records import RequestRecord, SlotInfo, StudyRecord
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
 from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
+from stagetree.status import status_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

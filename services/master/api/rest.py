@@ -2,7 +2,7 @@
 
 Owns only translation: JSON bodies to use-case arguments (configs as JSON objects here, serialized
 to the core's JSON text), records to JSON, and domain errors to HTTP statuses through
-``master.errors.status_of``. Routes are plain ``def``: FastAPI runs them in its thread pool, as the
+``stagetree.status.status_of``. Routes are plain ``def``: FastAPI runs them in its thread pool, as the
 use cases are synchronous; the long poll is ``async`` and runs them in threads itself.
 """
 
@@ -21,9 +21,9 @@ from pydantic import BaseModel, Field
 
 from stagetree.core.errors import StagetreeError
 from stagetree.master.auth import Principal, bearer
-from stagetree.master.errors import status_of
 from stagetree.master.service import CH_RESULTS, SubmitItem
 from stagetree.master.store.records import RequestRecord, SlotInfo, StudyRecord
+from stagetree.status import status_of
 
 if TYPE_CHECKING:
     from stagetree.master.app import MasterApp

@@ -8,8 +8,8 @@ from pydantic import SecretStr
 
 from stagetree.core import errors as e
 from stagetree.master.auth import Authenticator, bearer
-from stagetree.master.errors import INTERNAL, status_of
 from stagetree.master.settings import AuthSettings, MasterSettings
+from stagetree.status import INTERNAL, status_of
 
 
 @pytest.mark.parametrize("cls", e.ALL_ERRORS)
