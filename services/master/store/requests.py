@@ -38,6 +38,9 @@ _METRICS_AT = select(_M.c.node_id, _M.c.step, _M.c["values"]).where(
 _LIVE_ON = select(_R.c.id, _R.c.node_id, _R.c.step).where(
     _R.c.node_id.in_(bindparam("nodes", expanding=True)), _R.c.state.in_(LIVE_REQUEST_STATES)
 )
+_LIVE_AT = select(_R.c.id, _R.c.node_id, _R.c.step).where(
+    tuple_(_R.c.node_id, _R.c.step).in_(bindparam("keys", expanding=True)), _R.c.state.in_(LIVE_REQUEST_STATES)
+)
 _MARK_DONE = (
     update(_R)
     .where(_R.c.id.in_(bindparam("ids", expanding=True)), _R.c.state.in_(LIVE_REQUEST_STATES))
@@ -226,14 +229,19 @@ class RequestStore:
         else:
             dicts = [{"node_id": n, "step": st, "values": first[(n, st)], "recorded_at": now} for n, st in keys]
             self.db.insert_ignore(s, _M, dicts, ["node_id", "step"])
-        # The live requests waiting at these points: read them by node (few), match points here, then
-        # update by id (portable, and cheaper than a row-value IN list over thousands of points).
-        nodes = sorted({n for n, _ in keys})
+        # The live requests waiting at these points. A few points (a node manager's report): by point.
+        # Many (the aggregator's ingest): by node, matched here, which is cheaper than a row-value IN
+        # list over thousands of points.
         waiting: dict[int, tuple[int, int]] = {}
-        for i in range(0, len(nodes), self.chunk):
-            for rid, n, st in self.db.rows(s, _LIVE_ON, {"nodes": nodes[i : i + self.chunk]}):
-                if (int(n), int(st)) in first:
-                    waiting[int(rid)] = (int(n), int(st))
+        if len(keys) < BULK_ROWS:
+            for rid, n, st in self.db.rows(s, _LIVE_AT, {"keys": keys}):
+                waiting[int(rid)] = (int(n), int(st))
+        else:
+            nodes = sorted({n for n, _ in keys})
+            for i in range(0, len(nodes), self.chunk):
+                for rid, n, st in self.db.rows(s, _LIVE_ON, {"nodes": nodes[i : i + self.chunk]}):
+                    if (int(n), int(st)) in first:
+                        waiting[int(rid)] = (int(n), int(st))
         out: dict[tuple[int, int], list[int]] = {}
         ids = sorted(waiting)
         c = s.connection()
