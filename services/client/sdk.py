@@ -57,7 +57,7 @@ from stagetree.core.searchplan import check_step
 from stagetree.core.sequences import Sequence, as_sequence
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
 from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
-from stagetree.status import error_class_of
+from stagetree.status import error_class_of, error_of_code
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -91,7 +91,8 @@ _HINTS: dict[type[StagetreeError], str] = {
 
 
 def error_of(exc: BaseException, rpc: str = "", target: str = "") -> StagetreeError:
-    """The core error for a failed RPC (a ``grpc.RpcError``); a status outside the table is a base error."""
+    """The core error for a failed RPC (a ``grpc.RpcError``), through the status table; a code outside it
+    (INTERNAL, UNKNOWN, ...) is a base error, not retriable, that points at the master's log."""
     if isinstance(exc, StagetreeError):
         return exc
     code_fn = getattr(exc, "code", None)
@@ -99,18 +100,17 @@ def error_of(exc: BaseException, rpc: str = "", target: str = "") -> StagetreeEr
     code = code_fn() if isinstance(exc, grpc.RpcError) and callable(code_fn) else None
     details = (details_fn() if callable(details_fn) else None) or ""
     where = f"{rpc}: " if rpc else ""
-    cls = error_class_of(code) if isinstance(code, grpc.StatusCode) else None
-    if cls is None:
-        name = code.name if isinstance(code, grpc.StatusCode) else type(exc).__name__
+    if not isinstance(code, grpc.StatusCode):  # no status at all: not an answer from a server
         err = StagetreeError(
-            f"{where}{details or exc!r} ({name}); this is a bug in the master or the SDK: see the master's log"
+            f"{where}{details or exc!r} ({type(exc).__name__}); this is a bug in the master or the SDK: "
+            "see the master's log"
         )
     else:
-        msg = f"{where}{details or code}"
-        hint = _HINTS.get(cls)
+        msg = f"{where}{details or code.name}"
+        hint = _HINTS.get(error_class_of(code))
         if hint is not None:
             msg += f" (master at {target or '?'}; {hint})"
-        err = cls(msg)
+        err = error_of_code(code, msg)
     err.__cause__ = exc
     return err
 

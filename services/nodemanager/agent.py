@@ -19,8 +19,10 @@ exponential backoff, registering again. Each registration lists the attempts thi
 recently ended (``known_attempts``), so the master requeues only what it sent here and this process
 never got: the work of a previous, killed process under the same id, or a RUN lost with a broken stream.
 A wrong token is not retried: ``run`` raises ``Unauthenticated``/``PermissionDenied`` with the setting
-to fix. On stop, running workers are preempted (``stop_grace_s`` to save) so their work resumes
-elsewhere from a checkpoint.
+to fix. A call the master fails with a bug (INTERNAL, UNKNOWN) is logged as one and ends the session
+like any failure, but the backoff keeps growing across registrations while sessions end that way.
+On stop, running workers are preempted (``stop_grace_s`` to save) so their work resumes elsewhere from
+a checkpoint.
 """
 
 from __future__ import annotations
@@ -230,6 +232,10 @@ class NodeManager:
 
     async def _connection_loop(self) -> None:
         delay = self.reconnect_initial_s
+        # Whether the last session ended in an error a retry cannot fix (a bug in the master, a refused
+        # call): registering again then keeps the backoff, so a call the master keeps failing is repeated
+        # ever more slowly (up to reconnect_max_s) instead of once per heartbeat.
+        keep_backoff = False
         while True:
             try:
                 interval = await self.link.register_known(self.id, self.address, self.slots, self.known_attempts())
@@ -242,7 +248,8 @@ class NodeManager:
                         "registrations": self.registrations,
                     },
                 )
-                delay = self.reconnect_initial_s
+                if not keep_backoff:
+                    delay = self.reconnect_initial_s
                 if self._launcher_ready is None:  # not before: a wrong token should not wait for imports
                     self._launcher_ready = asyncio.create_task(self.launcher.start(self.slots))
                 await self._serve(self.heartbeat_interval_s or interval or DEFAULT_HEARTBEAT_S)
@@ -251,15 +258,17 @@ class NodeManager:
             except InvalidArgument as e:
                 if self.registrations == 0:
                     raise  # the master refuses what we register: a configuration error
+                keep_backoff = True
                 log.error("master refused a call; reconnecting: %s", e.message, extra={"node_manager_id": self.id})
             except StagetreeError as e:
-                log.warning(
-                    "master unreachable; retrying in %.1f s: %s",
-                    delay,
-                    e.message,
-                    extra={"node_manager_id": self.id, "retry_in_s": delay},
-                )
+                keep_backoff = not e.retriable
+                ids = {"node_manager_id": self.id, "retry_in_s": delay}
+                if e.retriable:
+                    log.warning("master unreachable; retrying in %.1f s: %s", delay, e.message, extra=ids)
+                else:  # its message says it is a bug and where to look
+                    log.error("master failed a call; reconnecting in %.1f s: %s", delay, e.message, extra=ids)
             except Exception:
+                keep_backoff = True
                 log.exception(
                     "unexpected error talking to the master; reconnecting", extra={"node_manager_id": self.id}
                 )

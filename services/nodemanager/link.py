@@ -5,9 +5,11 @@ path) reports finished batch attempts. ``GrpcMasterLink`` does it over ``stagetr
 with the admin token as a bearer token; an in-process adapter (the embedded mode) can call the
 master's service layer directly with the same four methods.
 
-gRPC status codes stop here and become the core error tree: ``Unavailable`` (retriable: the master is
-down, restarting or overloaded; try again later), ``Unauthenticated`` / ``PermissionDenied`` (the token
-is wrong: retrying cannot help, the message names the setting to fix), ``NotFound`` and the rest.
+gRPC status codes stop here and become the core error tree through the one status table
+(``stagetree.status``): ``Unavailable`` (retriable: the master is down, restarting or overloaded; try
+again later), ``Unauthenticated`` / ``PermissionDenied`` (the token is wrong: retrying cannot help, the
+message names the setting to fix), ``NotFound`` and the rest; a code outside the table (INTERNAL,
+UNKNOWN, ...) is a bug in the master, not retriable.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from stagetree.core import errors
 from stagetree.nodemanager.slots import LocalSlot
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
 from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
-from stagetree.status import error_class_of
+from stagetree.status import error_class_of, error_of_code
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +107,9 @@ class MasterLink(ABC):
 
 
 def translate(exc: grpc.aio.AioRpcError, target: str, what: str) -> errors.StagetreeError:
-    """The core error for a failed call ``what`` to the master at ``target``."""
+    """The core error for a failed call ``what`` to the master at ``target``, through the status table.
+    Callers retry a ``retriable`` class only; INTERNAL, UNKNOWN, CANCELLED and the other codes outside
+    the table come back as a base error pointing at the master's log, as re-sending fails the same way."""
     code, details = exc.code(), exc.details() or ""
     cls = error_class_of(code)
     if cls is errors.Unavailable:
@@ -114,8 +118,8 @@ def translate(exc: grpc.aio.AioRpcError, target: str, what: str) -> errors.Stage
         return errors.Unauthenticated(f"{what}: the master at {target} rejected the token ({details}); {TOKEN_HINT}")
     if cls is errors.PermissionDenied:
         return errors.PermissionDenied(f"{what}: the token is not the master's admin token ({details}); {TOKEN_HINT}")
-    if cls is None:  # INTERNAL, UNKNOWN: a bug in the master, which a retry does not fix
-        return errors.StagetreeError(f"{what}: {code.name}: {details}; a bug in the master: see its log")
+    if cls is errors.StagetreeError:
+        return error_of_code(code, f"{what}: the master at {target} failed: {details}")
     return cls(f"{what}: {code.name}: {details}")
 
 

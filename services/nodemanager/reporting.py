@@ -290,9 +290,10 @@ class _Collected:
 
 class GrpcReporter(BatchReporter):
     """Collects an attempt's metrics and checkpoints and reports them with its end in one
-    ``ReportBatch`` call through ``link``. A report the master cannot take now (``Unavailable``) is
-    retried with backoff until it is delivered or ``close`` gives up after ``close_timeout_s``; any
-    other error is logged and the report dropped (the master would refuse it again)."""
+    ``ReportBatch`` call through ``link``. A report the master cannot take now (a ``retriable`` error:
+    ``Unavailable``, ``Conflict``) is retried with backoff until it is delivered or ``close`` gives up
+    after ``close_timeout_s``; any other error, a bug in the master included, is logged and the report
+    dropped (the master would refuse it again)."""
 
     def __init__(
         self,

@@ -23,7 +23,7 @@ from stagetree.core.errors import StagetreeError
 from stagetree.master.auth import Principal, bearer
 from stagetree.master.service import CH_RESULTS, SubmitItem
 from stagetree.master.store.records import RequestRecord, SlotInfo, StudyRecord
-from stagetree.status import status_of
+from stagetree.status import INTERNAL, status_of
 
 if TYPE_CHECKING:
     from stagetree.master.app import MasterApp
@@ -141,7 +141,9 @@ def create_rest_app(master: MasterApp) -> FastAPI:
     @api.exception_handler(Exception)
     async def _internal_error(_req: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error in REST call", exc_info=exc)
-        return JSONResponse(status_code=500, content={"error": "INTERNAL", "message": "internal error; see the log"})
+        return JSONResponse(
+            status_code=INTERNAL.http, content={"error": INTERNAL.grpc.name, "message": "internal error; see the log"}
+        )
 
     @api.get(f"{PREFIX}/health")
     def health() -> dict[str, str]:
