@@ -194,7 +194,7 @@ def test_old_schema_refuses_with_the_upgrade_command(tmp_path: object) -> None:
     upgrade(engine)
     check_schema(engine)
     SqlStore(engine)
-    assert head_revision() == "0003"
+    assert head_revision() == "0004"
     engine.dispose()
 
 
