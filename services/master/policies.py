@@ -3,8 +3,7 @@
 This module owns taking a study's ``"policies"`` key off its fixed object (``split_policies``: the rest
 alone names the search plan) and ``PolicyStep``, which gathers a round's plain data from the store,
 calls the pure ``stagetree.core.policies.live.plan_round``, keeps what the policies need across rounds
-(Hermes' quanta, POP's policies and kills: soft state of the leading master, started afresh by a new
-leader) and carries out the preemptions and kills it decides. The keys, parameters and semantics a
+(Hermes' quanta, POP's policies and kills, saved per study so a new leader restores them) and carries out the preemptions and kills it decides. The keys, parameters and semantics a
 study chooses from are in docs/policies.md.
 """
 
@@ -12,14 +11,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from stagetree.core.batch import Point
 from stagetree.core.errors import InvalidArgument, StagetreeError
-from stagetree.core.policies import hermes, pop
+from stagetree.core.policies import hermes
 from stagetree.core.policies.live import (
     Running,
     SlotView,
@@ -32,6 +31,7 @@ from stagetree.core.policies.live import (
     plan_round,
 )
 from stagetree.core.policies.pop import Verdict
+from stagetree.core.policies.state import Kill, PolicyState
 from stagetree.core.scheduler import (
     Dispatch,
     RoundResult,
@@ -44,6 +44,7 @@ from stagetree.core.scheduler import (
 )
 from stagetree.core.stagetree import StageForest
 from stagetree.master.store.nodes import ALIVE
+from stagetree.master.store.policy_state import PolicyStateStore
 from stagetree.master.store.records import SlotInfo
 from stagetree.master.store.store import Store
 
@@ -68,41 +69,58 @@ def fixed_without_policies(fixed_json: str) -> Any:
     return obj
 
 
-@dataclass(frozen=True)
-class Kill:
-    """A trial a study's search policy killed: its live requests at (node, step) are cancelled."""
-
-    study: str
-    node: int
-    step: int
-    reason: str
-
-
 def _job_of(plan: int | str, node: int, step: int) -> str:
     # the end point of a batch: the same before and after a preemption splits its work
     return f"{plan}:{node}:{step}"
 
 
+def _stateful(p: StudyPolicies | None) -> bool:
+    """Whether the study's policies learn across rounds (time-sharing quanta, search curves and kills)."""
+    return p is not None and (p.time_share is not None or p.search is not None)
+
+
 class PolicyStep:
     """The master side of the policy step: gathers plain data, calls the pure plan, keeps the soft state
-    the policies need across rounds (Hermes' per-job quanta, POP's per-study policy objects and what was
-    fed to them, the preemptions in flight) and carries out preemptions and kills."""
+    the policies need across rounds (``core.policies.state.PolicyState``: Hermes' per-job quanta, POP's
+    per-study policy objects and what was fed to them, the kills and preemptions) and carries out
+    preemptions and kills.
 
-    def __init__(self, store: Store) -> None:
+    The soft state survives a change of leader: each study's snapshot is saved in ``policy_states``
+    (``save``) and a leader loads it before the first round that serves the study (``reset`` on taking
+    the lease). Consistency:
+
+    * write-ahead: a round that preempts or kills saves the state, with those decisions as pending, before
+      anything of the round is carried out (``save(force=True)`` before the dispatches); ``carry_out``
+      clears them once done, and a leader that restores pending ones carries them out again (cancelling a
+      study's live requests at a point, and PREEMPT for a running batch, may be repeated harmlessly). A
+      killed trial is in the saved ``killed`` set before any of its requests is cancelled, so no master
+      decides to kill it a second time;
+    * other changes (reports fed to a search policy, Hermes quanta recorded) are saved when changed, at
+      most once per round and once per ``save_every_s``. A crash loses at most what was learnt in that
+      last ``save_every_s``, which preempted and killed nothing (at most it ordered the dispatches of those
+      rounds); the saved state says up to which report (``fed_at``) and from which quantum start it
+      learnt, so the next leader reads the same metrics again and learns it anew (decisions that depend
+      on the clock, such as POP's time left, are then taken at the new time);
+    * a deposed leader still in its round may write once more after the next leader loaded; the next
+      leader's own saves then replace that.
+    """
+
+    def __init__(self, store: Store, save_every_s: float = 1.0) -> None:
         self.store = store
+        self.states = PolicyStateStore(store.db)
+        self.save_every_s = save_every_s
         self.parsed: dict[str, StudyPolicies] = {}  # study id -> policies (a study's never change)
-        self.jobs: dict[str, hermes.TimeShareJob] = {}
-        self.quantum_start: dict[int, float] = {}  # running batch -> when its current quantum started
-        self.preempting: set[int] = set()
         self.running_jobs: set[str] = set()
         self.paths: dict[int, list[tuple[int, int, int]]] = {}  # running batch -> its (node, start, end) stages
-        # POP: one search policy per study, and per trial what was fed to it
-        self.search: dict[str, pop.SearchPolicy] = {}
-        self.search_start: dict[str, float] = {}
-        self.fed_at: dict[str, float] = {}
-        self.report_times: dict[str, list[float]] = {}
-        self.epochs: dict[str, int] = {}
-        self.killed: set[str] = set()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the soft state; each study's is loaded from the database before the next round that
+        serves it (a master that starts leading calls this)."""
+        self.state = PolicyState()
+        self.loaded: set[str] = set()
+        self.saved: dict[str, str] = {}  # study -> the snapshot (as canonical JSON) last saved or loaded
+        self.saved_at = -math.inf
 
     def active(self, rows: Sequence[tuple[str, str]] | None = None) -> dict[str, StudyPolicies]:
         """The policies of every study with live requests that chose some (``store.policy_studies``,
@@ -120,6 +138,42 @@ class PolicyStep:
             out[sid] = pol
         return out
 
+    def load(self, policies: Mapping[str, StudyPolicies]) -> None:
+        """Restore the saved state of the studies among ``policies`` not loaded since the last ``reset``."""
+        new = [sid for sid, p in policies.items() if sid not in self.loaded and _stateful(p)]
+        if not new:
+            return
+        for sid, data in self.states.load(new).items():
+            sp = policies[sid].search
+            try:
+                self.state.restore(sid, data, None if sp is None else sp.make(1))
+            except InvalidArgument as e:
+                log.warning("saved policy state unreadable; the study's starts afresh: %s", e.message)
+                continue
+            self.saved[sid] = _canonical(data)
+            log.info("policy state restored", extra={"study_id": sid})
+        self.loaded.update(new)
+
+    def save(self, force: bool = False) -> list[str]:
+        """Save the snapshot of each study whose state changed since it was last saved; unless ``force``,
+        not within ``save_every_s`` of the last look. Returns the studies saved."""
+        now = time.monotonic()
+        if not force and now - self.saved_at < self.save_every_s:
+            return []
+        self.saved_at = now
+        changed: dict[str, tuple[dict[str, Any], str]] = {}
+        for sid in sorted(self.state.studies()):
+            if not _stateful(self.parsed.get(sid)):
+                continue
+            snap = self.state.snapshot(sid)
+            text = _canonical(snap)
+            if self.saved.get(sid) != text:
+                changed[sid] = (snap, text)
+        if changed:
+            self.states.save({sid: snap for sid, (snap, _) in changed.items()})
+            self.saved.update({sid: text for sid, (_, text) in changed.items()})
+        return sorted(changed)
+
     def round(
         self,
         forest: StageForest,
@@ -129,7 +183,9 @@ class PolicyStep:
         policies: Mapping[str, StudyPolicies],
     ) -> tuple[RoundResult, list[int], list[Kill]]:
         """The round with the policy step: what ``schedule_round`` returns, the running batches to
-        preempt and the trials to kill."""
+        preempt and the trials to kill (with the ones decided earlier and not yet carried out)."""
+        self.load(policies)
+        st = self.state
         now = time.time()
         named = {p.order for p in policies.values() if p.order is not None}
         if len(named) == 1:
@@ -144,13 +200,13 @@ class PolicyStep:
             leaf = next((info[r][0] for r in reversed(b.requests) if r in info), "")
             end = b.stages[-1]
             job = _job_of(b.plan, end.node, end.end)
-            if job not in self.killed:
+            if job not in st.killed:
                 work.append(Work(i, leaf, job, b.cost, min((t for _, t in reqs), default=now)))
         free_views, busy_views = self._slot_views(free)
         running = self._running(policies, now)
-        kills, suspend = self._search(policies, work, running, len(free_views) + len(busy_views), now)
+        suspend = self._search(policies, work, running, len(free_views) + len(busy_views), now)
         running = [r for r in running if r.batch not in suspend]
-        plan = plan_round(work, free_views, busy_views, running, policies, self.jobs, now, self.search)
+        plan = plan_round(work, free_views, busy_views, running, policies, st.jobs, now, st.search)
         by_id = {s.id: s for s in free}
         by_key = {w.key: w for w in work}
         dispatches = []
@@ -161,26 +217,30 @@ class PolicyStep:
                 x for x in (pol.time_share and pol.time_share.eval_every, pol.search and pol.search.report_every) if x
             ]
             if every:
-                stages = [(st.node, st.start, st.end) for st in b.stages]
+                stages = [(s.node, s.start, s.end) for s in b.stages]
                 b.evals.update(Point(n, s) for n, s in eval_points(stages, min(every)))
             if pol.time_share is not None:
-                self.jobs.setdefault(w.job, hermes.TimeShareJob(w.job, w.arrival))
+                st.jobs.setdefault(w.job, hermes.TimeShareJob(w.job, w.arrival))
+                st.own_job(w.job, w.study)
             dispatches.append(Dispatch(b, by_id[sid]))
         for r in running:  # a job that keeps its slot past its quantum starts a new one
             ts = policies.get(r.study, StudyPolicies()).time_share
             if ts is not None and r.batch not in plan.preempt:
-                tsj = self.jobs.get(r.job)
+                tsj = st.jobs.get(r.job)
                 if tsj is not None and now - r.started >= ts.make().quantum(tsj):
-                    self.quantum_start[r.batch] = now
-        preempts = sorted(set(plan.preempt) | suspend)
-        self.preempting.update(preempts)
+                    st.quantum_start[r.batch] = now
+        study_of = {r.batch: r.study for r in running}
+        for bid in set(plan.preempt) | suspend:
+            st.own_batch(bid, study_of[bid])
+        st.preempting.update(plan.preempt, suspend)
+        st.pending_preempts.update(plan.preempt, suspend)
         chosen = {id(d.batch) for d in dispatches}
         queue = [b for b in batches if id(b) not in chosen]
-        self._forget({_job_of(b.plan, b.stages[-1].node, b.stages[-1].end) for b in batches} | self.running_jobs)
+        st.forget_jobs({_job_of(b.plan, b.stages[-1].node, b.stages[-1].end) for b in batches} | self.running_jobs)
         result = RoundResult(
             dispatches, queue, base.amendments, base.attachments, count_batches(forest) - len(dispatches)
         )
-        return result, preempts, kills
+        return result, sorted(st.pending_preempts), list(st.pending_kills.values())
 
     def _search(
         self,
@@ -189,66 +249,65 @@ class PolicyStep:
         running: Sequence[Running],
         slots: int,
         now: float,
-    ) -> tuple[list[Kill], set[int]]:
+    ) -> set[int]:
         """POP (or a baseline) per study: feed each running trial's new reports to its study's policy;
-        a TERMINATE kills the trial, a SUSPEND preempts its batch (POP's opportunistic round robin)."""
-        kills: list[Kill] = []
+        a TERMINATE kills the trial (a pending kill), a SUSPEND preempts its batch (POP's opportunistic
+        round robin). Returns the batches to suspend."""
+        st = self.state
         suspend: set[int] = set()
         for study, pol in policies.items():
-            if pol.search is not None and study not in self.search:
-                self.search[study] = pol.search.make(slots)
-                self.search_start[study] = now
+            if pol.search is not None and study not in st.search:
+                st.search[study] = pol.search.make(slots)
+                st.search_start[study] = now
         for r in running:
             sp = policies.get(r.study, StudyPolicies()).search
-            if sp is None or r.job in self.killed:
+            if sp is None or r.job in st.killed:
                 continue
             stages = self.paths.get(r.batch, [])
-            rows = self.store.requests.metrics_since(sorted({n for n, _, _ in stages}), self.fed_at.get(r.job, 0.0))
+            rows = self.store.requests.metrics_since(sorted({n for n, _, _ in stages}), st.fed_at.get(r.job, 0.0))
             reports = sorted(
-                (st, t, v[sp.metric])
-                for n, st, t, v in rows
-                if sp.metric in v and any(n == sn and a < st <= b for sn, a, b in stages)
+                (s, t, v[sp.metric])
+                for n, s, t, v in rows
+                if sp.metric in v and any(n == sn and a < s <= b for sn, a, b in stages)
             )
             if not reports:
                 continue
-            self.fed_at[r.job] = max(t for _, t, _ in reports)
-            times = self.report_times.setdefault(r.job, [])
-            times.extend(t for _, t, _ in reports)
-            epoch_s = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 and times[-1] > times[0] else 1.0
-            first = self.epochs.get(r.job, 0) + 1
-            self.epochs[r.job] = first + len(reports) - 1
+            st.own_job(r.job, r.study)
+            st.fed_at[r.job] = max(t for _, t, _ in reports)
+            st.add_reports(r.job, [t for _, t, _ in reports])
+            first = st.epochs.get(r.job, 0) + 1
+            st.epochs[r.job] = first + len(reports) - 1
             waiting = sum(1 for w in work if w.study == r.study)
             try:
                 verdict = on_reports(
-                    self.search[r.study],
+                    st.search[r.study],
                     r.job,
                     first,
                     [v for _, _, v in reports],
-                    now - self.search_start[r.study],
-                    epoch_s,
+                    now - st.search_start[r.study],
+                    st.epoch_s(r.job),
                     waiting,
                 )
             except StagetreeError as e:  # e.g. too few reports per boundary for the curve model
                 log.warning("search policy step failed; trial continues: %s", e.message, extra={"job": r.job})
                 continue
             if verdict is Verdict.TERMINATE:
-                self.killed.add(r.job)
+                st.killed.add(r.job)
                 best = max(v for _, _, v in reports)
                 reason = (
                     f"killed by the study's {sp.policy!r} search policy: poor trial "
-                    f"(best {sp.metric} {best:.4g} after {self.epochs[r.job]} reports; kill threshold "
+                    f"(best {sp.metric} {best:.4g} after {st.epochs[r.job]} reports; kill threshold "
                     f"{sp.kill_threshold:g}, target {sp.target:g})"
                 )
-                _, node, step = r.job.rsplit(":", 2)
-                kills.append(Kill(r.study, int(node), int(step), reason))
-                log.info("trial killed by its study's search policy", extra={"study_id": r.study, "job": r.job})
+                st.pending_kills[r.job] = Kill(r.study, r.job, reason)
+                log.info("trial %s killed by its study's search policy", r.job, extra={"study_id": r.study})
             elif verdict is Verdict.SUSPEND:
                 suspend.add(r.batch)
-        return kills, suspend
+        return suspend
 
     def carry_out(self, preempts: Sequence[int], kills: Sequence[Kill], notify: Callable[[str], None]) -> None:
         """Send PREEMPT for ``preempts``; cancel the killed trials' requests (aborting batches no live
-        request needs any more) and record why."""
+        request needs any more) and record why. Each one done is no longer pending."""
         from stagetree.master.service import CH_RESULTS, CH_ROUND, ch_node_manager  # service imports this module
 
         for bid in preempts:
@@ -257,6 +316,7 @@ class PolicyStep:
                 log.info("batch preempted by its study's policy", extra={"batch_id": bid})
                 if nm:
                     notify(ch_node_manager(nm))
+            self.state.pending_preempts.discard(bid)
         for k in kills:
             ids = self.store.requests.live_requests_at(k.study, k.node, k.step)
             for rid in ids:
@@ -266,6 +326,7 @@ class PolicyStep:
                     if nm is not None:
                         notify(ch_node_manager(nm))
             self.store.requests.set_request_error(ids, k.reason)
+            self.state.pending_kills.pop(k.job, None)
         if kills:
             notify(CH_RESULTS)
             notify(CH_ROUND)
@@ -291,6 +352,7 @@ class PolicyStep:
     def _running(self, policies: Mapping[str, StudyPolicies], now: float) -> list[Running]:
         """Running batches as the plan sees them; records the quantum of each time-sharing job whose
         quantum expired (Hermes Eq. 2-4 from the losses reported meanwhile)."""
+        st = self.state
         out = []
         alive = set()
         self.running_jobs = set()
@@ -301,20 +363,20 @@ class PolicyStep:
             job_id = _job_of(rec.plan_id, stages[-1][0], stages[-1][2])
             self.running_jobs.add(job_id)
             self.paths[rec.id] = stages
-            if rec.id in self.preempting or not rec.slot_id:
+            if rec.id in st.preempting or not rec.slot_id:
                 continue
             study = studies[-1] if studies else ""
-            started = self.quantum_start.setdefault(rec.id, dispatched_at)
+            started = st.quantum_start.setdefault(rec.id, dispatched_at)
+            if _stateful(policies.get(study)):
+                st.own_batch(rec.id, study)
             ts = policies.get(study, StudyPolicies()).time_share
             if ts is not None:
-                job = self.jobs.setdefault(job_id, hermes.TimeShareJob(job_id, dispatched_at))
+                job = st.jobs.setdefault(job_id, hermes.TimeShareJob(job_id, dispatched_at))
+                st.own_job(job_id, study)
                 if now - started >= ts.make().quantum(job):
                     self._record(job, ts.metric, ts.milestones, stages, started, now)
             out.append(Running(rec.id, rec.slot_id, study, job_id, started))
-        self.preempting &= alive
-        for bid in list(self.quantum_start):
-            if bid not in alive:
-                del self.quantum_start[bid]
+        st.forget_batches(alive)
         for bid in list(self.paths):
             if bid not in alive:
                 del self.paths[bid]
@@ -336,6 +398,6 @@ class PolicyStep:
             q = job.record(losses, now, milestones)
             log.debug("quantum recorded", extra={"job": job.id, "convergence": q.convergence, "losses": len(losses)})
 
-    def _forget(self, live: set[str]) -> None:
-        for j in [j for j in self.jobs if j not in live]:
-            del self.jobs[j]
+
+def _canonical(snapshot: Mapping[str, Any]) -> str:
+    return json.dumps(snapshot, sort_keys=True, separators=(",", ":"))

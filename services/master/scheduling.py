@@ -5,7 +5,9 @@ lapsed; snapshot the NOT_SCHED requests, checkpoints and running batches; build 
 and run ``core.scheduler.schedule_round`` on the free slots of live node managers; write each dispatch
 (batch + attempt 1 + requests SCHED, in one transaction) and wake the node manager's assignment stream.
 The core decides, this module carries the decisions out. Only the holder of the leader lease runs
-rounds (``run``); a standby keeps trying to take the lease and takes over when it lapses.
+rounds (``run``); a standby keeps trying to take the lease and takes over when it lapses. The studies'
+policies keep soft state across rounds (``master.policies``): a round saves it before carrying out
+anything it decided, and a master that takes the lease loads it again.
 
 Requests that the stage tree attaches to an in-flight batch stay NOT_SCHED: amending a running batch
 is not implemented yet, so they are served by a later round from the checkpoint that batch leaves.
@@ -26,13 +28,14 @@ from stagetree.core.batch import BatchSpec, Point, Source, StageSpec
 from stagetree.core.cache import choose_evictions, pinned_points, prefix_cost
 from stagetree.core.config import FixedPart
 from stagetree.core.errors import StagetreeError, Unavailable
+from stagetree.core.policies.state import Kill
 from stagetree.core.scheduler import PlannedBatch, RoundResult, Slot, StageCost, schedule_round
 from stagetree.core.searchplan import Checkpoint, CheckpointKind, Node
 from stagetree.core.stagetree import InflightBatch, InflightStage, StageForest, build_stage_tree
 from stagetree.master.coordination import Coordination, Subscription
 from stagetree.master.costs import CostLearner
 from stagetree.master.plans import PlanCache
-from stagetree.master.policies import Kill, PolicyStep
+from stagetree.master.policies import PolicyStep
 from stagetree.master.service import CH_ROUND, ch_node_manager
 from stagetree.master.settings import SchedulingSettings
 from stagetree.master.store.nodes import ALIVE
@@ -97,7 +100,7 @@ class SchedulingLoop:
         self.is_leader = False
         # when this instance started leading (construction, then each lease taken): see requeue_lost
         self.leader_since = time.time()
-        self.policy_step = PolicyStep(store)
+        self.policy_step = PolicyStep(store, settings.policy_state_save_s)
         self.costs = CostLearner(settings.default_step_seconds)
         self._costs_read_at = float("-inf")
         self._bad_specs: set[int] = set()
@@ -281,6 +284,8 @@ class SchedulingLoop:
         if lost:
             reads = self.store.rounds.round_reads()
         dec = self.decide(reads)
+        # write-ahead: the policies' state, with what this round preempts and kills, before any of it is done
+        self.policy_step.save(force=bool(dec.preempts or dec.kills))
         result, uris = dec.result, dec.uris
         dispatched: list[int] = []
         items = [
@@ -336,6 +341,7 @@ class SchedulingLoop:
                 self.is_leader = leader
                 if leader:
                     self.leader_since = time.time()
+                    self.policy_step.reset()  # another master may have led meanwhile: load what it saved
             if not leader:
                 await _sleep_or_stop(stop, s.lease_ttl_s / 3)
                 continue

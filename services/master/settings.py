@@ -37,6 +37,9 @@ class SchedulingSettings(BaseModel):
     # stopped: every this many steps and/or seconds (0: off). Central ones (branch points) are always saved.
     peripheral_every_steps: int = Field(default=0, ge=0)
     peripheral_every_s: float = Field(default=60.0, ge=0)
+    # the studies' policy state (Hermes quanta, POP curves) is saved when changed, at most this often; a
+    # round that preempts or kills saves it first, always (master.policies)
+    policy_state_save_s: float = Field(default=1.0, ge=0)
 
 
 class MasterSettings(BaseSettings):

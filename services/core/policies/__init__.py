@@ -18,5 +18,7 @@ module        step and entry points                               simulator
               ``plan_queue``, ``launch``, ``fit_perf_model``
 ============  ==================================================  ===================================
 
-Everything here takes plain data and returns plain data; randomness is seeded.
+``live`` is the step of the live master's round that applies them per study; ``state`` keeps what that
+step learns across rounds, with a per-study ``snapshot``/``restore`` as plain JSON so that it survives a
+change of leading master. Everything here takes plain data and returns plain data; randomness is seeded.
 """

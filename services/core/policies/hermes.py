@@ -33,6 +33,7 @@ Plug-in interface for the master's Preempt step (plain data in, plain data out):
         # -> [Switch(slot, stop=job id or None, start=job id)]; a ``stop`` is a Preempt (finish the step,
         #    save a peripheral checkpoint); the remaining work re-enters the stage tree from it.
     slot = find_available_gpu(load, g_thres)         # Alg. 2 (load: slot -> jobs assigned)
+    TimeShareJob.restore(job.id, job.snapshot())     # the job's state as plain JSON data, and back
 
 Because a preempted job resumes from a checkpoint, the live master may also re-place it on another slot
 (``place_jobs`` again); the simulator keeps Hermes' per-GPU queues, as the paper's node schedulers do.
@@ -43,9 +44,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from stagetree.core.errors import InvalidArgument
+from stagetree.core.policies.plain import dec, enc
 
 G_THRES = 4
 
@@ -102,6 +104,23 @@ class TimeShareJob:
     @property
     def last_run(self) -> float:
         return self.quanta[-1].end if self.quanta else -math.inf
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain JSON data: ``{"arrival", "milestones_passed", "quanta": [[rep, hi, lo, count, C, end], ...]}``
+        (the id is the key it is filed under)."""
+        return {
+            "arrival": enc(self.arrival),
+            "milestones_passed": self.milestones_passed,
+            "quanta": [
+                [enc(q.rep), enc(q.hi), enc(q.lo), q.count, enc(q.convergence), enc(q.end)] for q in self.quanta
+            ],
+        }
+
+    @classmethod
+    def restore(cls, job_id: str, data: Mapping[str, Any]) -> TimeShareJob:
+        """The job ``snapshot`` described: it scores, and its quantum lasts, as the original's did."""
+        quanta = [Quantum(dec(r), dec(h), dec(lo), int(n), dec(c), dec(e)) for r, h, lo, n, c, e in data["quanta"]]
+        return cls(job_id, dec(data["arrival"]), quanta, int(data["milestones_passed"]))
 
 
 @dataclass(frozen=True)

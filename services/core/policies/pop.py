@@ -30,6 +30,7 @@ normalized to [0, 1] or given ``y_min``/``y_max`` for HyperDrive's Eq. 4 min-max
         #    take the slot (POP never suspends when nothing waits)
     job = policy.next_job(idle)            # AllocateJobs: which idle trial (new or suspended) gets a free slot
     policy.priority(job)                   # labelJob: the scheduling priority of a trial (None = FIFO)
+    policy.restore(policy.snapshot())      # what it learnt as plain JSON data, into a policy of the same config
 
 The master maps SUSPEND to ``Preempt`` (finish the step, save a peripheral checkpoint; the trial's
 remaining work re-enters the stage tree from there) and TERMINATE to cancelling the trial's requests.
@@ -41,10 +42,11 @@ import enum
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from stagetree.core.errors import InvalidArgument
 from stagetree.core.policies.curves import CurveFit, fit_curve
+from stagetree.core.policies.plain import dec, decs, enc, encs
 
 Predictor = Callable[[Sequence[float], Sequence[float], int], CurveFit]  # (epochs, values in [0, 1], seed)
 
@@ -159,6 +161,15 @@ class SearchPolicy(Protocol):
 
     def priority(self, job: str) -> float | None: ...
 
+    def snapshot(self) -> dict[str, Any]:
+        """What the policy learnt so far, as plain JSON data (its config is not in it)."""
+        ...
+
+    def restore(self, data: Mapping[str, Any]) -> None:
+        """Take over a ``snapshot`` of a policy of the same config: from then on this one decides as that
+        one would have."""
+        ...
+
 
 def _fifo(idle: Sequence[IdleJob]) -> str | None:
     return min(idle, key=lambda j: (j.since, j.id)).id if idle else None
@@ -169,6 +180,13 @@ class _History:
     epochs: list[float] = field(default_factory=list)
     values: list[float] = field(default_factory=list)
     best: float = -math.inf
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"epochs": encs(self.epochs), "values": encs(self.values), "best": enc(self.best)}
+
+    @classmethod
+    def restore(cls, data: Mapping[str, Any]) -> _History:
+        return cls(decs(data["epochs"]), decs(data["values"]), dec(data["best"]))
 
 
 class Default:
@@ -187,6 +205,12 @@ class Default:
 
     def priority(self, job: str) -> float | None:
         return None
+
+    def snapshot(self) -> dict[str, Any]:
+        return {}
+
+    def restore(self, data: Mapping[str, Any]) -> None:
+        pass
 
 
 class Bandit(Default):
@@ -209,6 +233,13 @@ class Bandit(Default):
         if epoch % self.eval_every == 0 and not best * (1.0 + self.eps) > self.global_best:
             return Verdict.TERMINATE
         return Verdict.CONTINUE
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"job_best": {j: enc(v) for j, v in self.job_best.items()}, "global_best": enc(self.global_best)}
+
+    def restore(self, data: Mapping[str, Any]) -> None:
+        self.job_best = {j: dec(v) for j, v in data["job_best"].items()}
+        self.global_best = dec(data["global_best"])
 
 
 class EarlyTerm(Default):
@@ -250,6 +281,18 @@ class EarlyTerm(Default):
         if fit.prob_at_least(best, float(self.max_epochs)) < self.delta:
             return Verdict.TERMINATE
         return Verdict.CONTINUE
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "hist": {j: h.snapshot() for j, h in self.hist.items()},
+            "global_best": enc(self.global_best),
+            "predictions": self.predictions,
+        }
+
+    def restore(self, data: Mapping[str, Any]) -> None:
+        self.hist = {j: _History.restore(h) for j, h in data["hist"].items()}
+        self.global_best = dec(data["global_best"])
+        self.predictions = int(data["predictions"])
 
 
 def _seed(job: str, epoch: int) -> int:
@@ -348,6 +391,37 @@ class Pop:
         return {
             j: "poor" if j in self.dead else "promising" if j in self.promising else "opportunistic" for j in self.jobs
         }
+
+    def snapshot(self) -> dict[str, Any]:
+        """``slots`` (the cluster's size when the study began), each trial's curve and latest estimate
+        (``[ERT s, p, x]``), the killed trials, the promising pool and its split."""
+        return {
+            "slots": self.slots,
+            "jobs": {
+                j: {
+                    "hist": pj.hist.snapshot(),
+                    "estimate": None
+                    if pj.estimate is None
+                    else encs((pj.estimate.ert_s, pj.estimate.confidence, pj.estimate.epochs)),
+                }
+                for j, pj in self.jobs.items()
+            },
+            "dead": sorted(self.dead),
+            "promising": {j: enc(p) for j, p in self.promising.items()},
+            "split": [self.split.promising_slots, enc(self.split.threshold)],
+            "predictions": self.predictions,
+        }
+
+    def restore(self, data: Mapping[str, Any]) -> None:
+        self.slots = int(data["slots"])
+        self.jobs = {
+            j: _PopJob(_History.restore(d["hist"]), None if d["estimate"] is None else Remaining(*decs(d["estimate"])))
+            for j, d in data["jobs"].items()
+        }
+        self.dead = set(data["dead"])
+        self.promising = {j: dec(p) for j, p in data["promising"].items()}
+        self.split = PoolSplit(int(data["split"][0]), dec(data["split"][1]))
+        self.predictions = int(data["predictions"])
 
 
 def _earlyterm(config: PopConfig, slots: int, predictor: Predictor) -> SearchPolicy:

@@ -193,3 +193,14 @@ class AppliedMessage(Base):
 
     msg_id: Mapped[str] = mapped_column(String(200), primary_key=True)
     applied_at: Mapped[float] = mapped_column(Float)
+
+
+class PolicyState(Base):
+    """Per study, the soft state of its scheduling policies (``core.policies.state`` snapshot: Hermes
+    quanta, POP curves and kills), saved by the leading master and restored by the next one."""
+
+    __tablename__ = "policy_states"
+
+    study_id: Mapped[str] = mapped_column(ForeignKey("studies.id"), primary_key=True)
+    state: Mapped[dict[str, Any]] = mapped_column(JSON)
+    updated_at: Mapped[float] = mapped_column(Float)
