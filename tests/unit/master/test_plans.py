@@ -38,18 +38,20 @@ def test_locating_all_at_once_gives_each_items_own_walk(items: list[tuple[Config
     together, one_by_one = SearchPlan(), SearchPlan()
     points, created = locate_all(together, items, create=True)
     alone = [one_by_one.locate(c, s)[0] for c, s in items]
-    # the same nodes (possibly created in another order, so other ids) and the same point for every item
-    assert len(created) == len(one_by_one.nodes) == len(together.nodes)
-    assert [_described(together, p) for p in points if p] == [_described(one_by_one, p) for p in alone if p]
+    # Which trial's config a node holds past its branch step depends on the order of the walks (the
+    # batched walk takes each config once, at its largest step), so the two trees may differ in shape;
+    # what must hold is that every item's point trains exactly its own config's values.
+    assert len(created) == len(together.nodes)
+    for (config, step), p, q in zip(items, points, alone, strict=True):
+        assert p is not None and q is not None
+        own = [config.values_at(x) for x in range(step)]
+        assert _trained(together, p) == own == _trained(one_by_one, q)
     assert [together.locate(c, s, create=False)[0] for c, s in items] == points  # nothing left to create
     again, more = locate_all(together, items, create=False)
     assert again == points and more == []
 
 
-def _described(plan: SearchPlan, p: Point) -> tuple[int, tuple[tuple[int, int, str], ...]]:
-    """A point by its path: each segment's steps and the values trained there (a node's config beyond
-    its segment may be any trial's that agrees on it, so it is not compared), the same in two plans
-    whatever their ids."""
-    return p.step, tuple(
-        (a, b, repr([plan.nodes[n].config.values_at(x) for x in range(a, b)])) for n, a, b in plan.path(p)
-    )
+def _trained(plan: SearchPlan, p: Point) -> list[dict[str, float]]:
+    """The values trained at each step on the way to ``p`` (a node's config beyond its segment may be any
+    trial's that agrees on it, so only the steps inside each segment count)."""
+    return [plan.nodes[n].config.values_at(x) for n, a, b in plan.path(p) for x in range(a, b)]
