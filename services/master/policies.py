@@ -3,8 +3,9 @@
 This module owns taking a study's ``"policies"`` key off its fixed object (``split_policies``: the rest
 alone names the search plan) and ``PolicyStep``, which gathers a round's plain data from the store,
 calls the pure ``stagetree.core.policies.live.plan_round``, keeps what the policies need across rounds
-(Hermes' quanta, POP's policies and kills, saved per study so a new leader restores them) and carries out the preemptions and kills it decides. The keys, parameters and semantics a
-study chooses from are in docs/policies.md.
+(Hermes' quanta, POP's policies and kills, saved per study so that a new leader restores them) and
+carries out the preemptions and kills it decides. The keys, parameters and semantics a study chooses
+from are in docs/policies.md.
 """
 
 from __future__ import annotations
