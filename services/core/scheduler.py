@@ -253,20 +253,6 @@ def iter_batches(
         yield batch
 
 
-def place_first_fit(
-    batches: Iterable[PlannedBatch], slots: Sequence[Slot]
-) -> tuple[list[Dispatch], list[PlannedBatch]]:
-    free = list(slots)
-    dispatches: list[Dispatch] = []
-    queue: list[PlannedBatch] = []
-    for b in batches:
-        if b.ready and free:
-            dispatches.append(Dispatch(b, free.pop(0)))
-        else:
-            queue.append(b)
-    return dispatches, queue
-
-
 def schedule_round(
     forest: StageForest,
     free_slots: Sequence[Slot],

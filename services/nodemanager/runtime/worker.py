@@ -1,7 +1,7 @@
 """The worker process: runs one batch and exits (so its GPU memory is freed with it).
 
     python -m stagetree.nodemanager.runtime.worker --spec FILE.json --checkpoint-root DIR
-        [--events-fd N] [--control-fd N] [--threads N] [--progress-interval S]
+        [--events-fd N] [--threads N] [--progress-interval S]
 
 * ``--spec -`` reads the spec from stdin (until EOF) once the imports are done: the node manager starts
   such a worker ahead of time and hands it a batch later. An empty stdin means "nothing to run" (exit 0).
@@ -18,9 +18,6 @@
   reports progress some 20 times a second, not once per step.
 * SIGTERM or SIGUSR1 preempts: the current step finishes, a peripheral checkpoint is saved,
   ``batch_preempted`` is emitted, the process exits 0.
-* ``--control-fd`` is one end of a socket pair: the node manager writes JSON lines
-  ``{"op": "amend", "id": ..., "node": N, "step": S, "eval": false}`` and reads back
-  ``{"id": ..., "ok": true|false}`` (``BatchRun.amend``), or ``{"id": ..., "error": "..."}``.
 * Exit codes: 0 finished or preempted; 1 the batch failed (after ``batch_failed``); 2 bad arguments
   or an unreadable spec. Any other code (a signal, ``os._exit``) means the process died unreported.
 * ``run_forked`` is the same entry for a worker forked from the node manager's fork server.
@@ -36,7 +33,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -49,7 +45,7 @@ from typing import Any, TextIO
 
 import torch
 
-from stagetree.core.batch import BatchSpec, Point
+from stagetree.core.batch import BatchSpec
 from stagetree.core.config import FixedPart
 from stagetree.core.errors import StagetreeError
 from stagetree.nodemanager.runtime.checkpoints import LocalCheckpointStore
@@ -116,32 +112,11 @@ def _events_stream(events_fd: int | None) -> TextIO:
     return os.fdopen(fd, "w", encoding="utf-8")
 
 
-def _serve_control(fd: int, run: BatchRun) -> None:
-    sock = socket.socket(fileno=fd)
-    with sock, sock.makefile("rb") as lines:
-        for raw in lines:
-            reply: dict[str, Any]
-            try:
-                cmd = json.loads(raw)
-                if cmd.get("op") != "amend":
-                    raise ValueError(f"unknown op {cmd.get('op')!r}; known: ['amend']")
-                point = Point(int(cmd["node"]), int(cmd["step"]))
-                reply = {"id": cmd.get("id"), "ok": run.amend(point, bool(cmd.get("eval", False)))}
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                reply = {"id": None, "error": f"bad control command {raw!r}: {e}"}
-            try:
-                sock.sendall((json.dumps(reply) + "\n").encode())
-            except OSError:
-                log.warning("control channel closed", extra={"batch_id": run.spec.batch_id})
-                return
-
-
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="stagetree-worker", description="Run one stagetree batch.")
     p.add_argument("--spec", required=True, help="the batch spec (BatchSpec JSON) file, or - for stdin")
     p.add_argument("--checkpoint-root", required=True, help="checkpoint store root: a directory or file:// URI")
     p.add_argument("--events-fd", type=int, default=None, help="write events here instead of stdout")
-    p.add_argument("--control-fd", type=int, default=None, help="socket fd for amend commands")
     p.add_argument("--threads", type=int, default=None, help=f"torch threads (default ${THREADS_ENV} or 1)")
     p.add_argument(
         "--progress-interval", type=float, default=0.0, help="seconds between progress events (0: every step)"
@@ -218,8 +193,6 @@ def main(argv: list[str] | None = None, spec_input: TextIO | None = None) -> int
     run = BatchRun(
         spec, trainer_cls, store, emit, preempt.is_set, progress_interval_s=args.progress_interval, prepared=trainer
     )
-    if args.control_fd is not None:
-        threading.Thread(target=_serve_control, args=(args.control_fd, run), name="control", daemon=True).start()
     outcome = run.run()
     emit.flush()
     return EXIT_FAILED if outcome.status == "failed" else 0

@@ -1,4 +1,4 @@
-"""The worker entry point as a real subprocess: signals, exit codes, the event stream, control fd."""
+"""The worker entry point as a real subprocess: signals, exit codes, the event stream."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -124,24 +123,6 @@ def test_unknown_trainer_fails_the_batch_and_bad_spec_is_a_usage_error(tmp_path:
     assert rc == 2
     assert unknown.finish() == 1
     assert "no_such_module_xyz" in unknown.of("batch_failed")[0]["error"]
-
-
-def test_control_fd_amends_a_running_batch(tmp_path: Path) -> None:
-    ours, theirs = socket.socketpair()
-    spec = digits_batch([(1, 0, 120, HP)], trainer=FAULTY, fixed_values={"sleep_s": 0.005})
-    w = Worker(spec, tmp_path, "--control-fd", str(theirs.fileno()), pass_fds=(theirs.fileno(),))
-    theirs.close()
-    w.read_until("progress", step=10)
-    replies = ours.makefile("r")
-    for i, (node, step) in enumerate([(1, 100), (1, 2), (9, 100)]):
-        ours.sendall((json.dumps({"op": "amend", "id": i, "node": node, "step": step, "eval": False}) + "\n").encode())
-    ours.sendall(b'{"op": "explode"}\n')
-    got = [json.loads(replies.readline()) for _ in range(4)]
-    assert got[:3] == [{"id": 0, "ok": True}, {"id": 1, "ok": False}, {"id": 2, "ok": False}]
-    assert "unknown op" in got[3]["error"]
-    assert w.finish() == 0
-    assert [(p["step"], p["kind"]) for p in w.of("checkpoint_saved")] == [(100, "central")]
-    ours.close()
 
 
 def test_spec_on_stdin_after_preload_and_empty_stdin_means_nothing_to_run(tmp_path: Path) -> None:
