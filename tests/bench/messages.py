@@ -11,9 +11,10 @@ it (records of up to 100 messages of one key). Per message, in microseconds:
 Side by side, interleaved run by run (medians over ``--runs``), three implementations of the same
 schema, checks and wire form (``{"v": 1, "type": ...}``, bundles, NaN and Infinity written as such):
 
-* ``stagetree``: ``stagetree.bus.messages`` as shipped;
-* ``typeadapter``: pydantic dataclasses (strict field types, the same ranges) read and written with
-  pydantic's own JSON (which reads and writes NaN/Infinity) through a ``TypeAdapter``;
+* ``stagetree``: ``stagetree.bus.messages`` as shipped (pydantic dataclasses; the envelope, version
+  and bundle checks in Python, each message built from its fields);
+* ``typeadapter``: pydantic dataclasses that also declare ``v`` and ``type``, so that a whole bundle is
+  read in one ``TypeAdapter.validate_json`` call (pydantic's JSON reads and writes NaN/Infinity);
 * ``msgspec`` (when installed): ``msgspec.Struct`` classes; its JSON reader refuses NaN/Infinity and its
   writer turns them into ``null``, so the wire form is read with ``json.loads`` + ``msgspec.convert``
   and written with ``msgspec.to_builtins`` + ``json``. Its native JSON decode, which would change the
