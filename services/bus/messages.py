@@ -5,7 +5,8 @@ consumes: the seven batch events the worker runtime emits, GPU telemetry, which 
 to, the key that keeps one batch's messages ordered, and validation. Validation runs on both ends:
 constructing a message (and so encoding it) checks every field, and decoding checks the bytes the same
 way, so a bad emitter fails at its own call site and a foreign or corrupt record never reaches the
-database. Everything that is wrong with a message is a :class:`MalformedMessage`.
+database. The schema is the classes' type hints, checked by pydantic (strict: no string is taken for a
+number, no float for an integer); everything that is wrong with a message is a :class:`MalformedMessage`.
 
 Wire form: a message is one UTF-8 JSON object, ``{"v": 1, "type": "<kind>", <fields>...}``. Unknown
 fields are rejected (a new field is a new version, not a silent extra). Metric values may be NaN or
@@ -37,13 +38,12 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import json
-import math
-import types
-import typing
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, TypeVar, Union
+from typing import Annotated, Any, ClassVar, Literal
+
+import pydantic
+import pydantic_core
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from stagetree.core.errors import InvalidArgument
 
@@ -85,18 +85,53 @@ def make_msg_id(node_manager: str, batch_id: int, attempt: int, seq: int) -> str
     return f"{node_manager}:{batch_id}:{attempt}:{seq}"
 
 
-@dataclass(frozen=True, kw_only=True)
-class Message(abc.ABC):
+# Strict: a message is built from typed fields or from JSON, never from strings standing for numbers.
+# Metric values may be NaN or infinite, written as NaN / Infinity.
+_SCHEMA = ConfigDict(strict=True, extra="forbid", ser_json_inf_nan="constants")
+NonEmpty = Annotated[str, Field(min_length=1)]
+Count = Annotated[int, Field(ge=0)]
+
+
+@pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=_SCHEMA)
+class _Checked:
+    """Validated on construction (pydantic); what is wrong is raised as a :class:`MalformedMessage`."""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _malformed(cls, value: Any, handler: Callable[[Any], Any]) -> Any:
+        try:
+            return handler(value)
+        except ValidationError as e:
+            if not isinstance(value, pydantic_core.ArgsKwargs):  # a field of another message: that one says
+                raise
+            # Not a ValueError, so pydantic lets it through to the constructor's caller as it is.
+            raise MalformedMessage("; ".join(_describe(cls, error) for error in e.errors())) from None
+
+
+def _describe(cls: type, error: Any) -> str:
+    """``"<type>.<field>[<key>]: <what is wrong>, got <value>"`` for one pydantic error."""
+    first, *rest = error["loc"] or ("",)
+    where = f"{_type_name(cls)}.{first}" + "".join(f"[{part!r}]" for part in rest if part != "[key]")
+    if error["type"] == "missing":
+        return f"{where}: required field missing"
+    if error["type"] == "unexpected_keyword_argument":
+        return f"{where}: unknown field"
+    return f"{where}: {error['msg']}, got {error['input']!r}"
+
+
+def _type_name(cls: type) -> str:
+    return str(getattr(cls, "TYPE", cls.__name__))
+
+
+@pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=_SCHEMA)
+class Message(_Checked, abc.ABC):
     """Fields every message carries. Subclasses set ``TYPE`` and ``TOPIC``."""
 
     TYPE: ClassVar[str]
     TOPIC: ClassVar[str]
 
-    msg_id: str
-    node_manager: str
-
-    def __post_init__(self) -> None:
-        _validate(self)
+    msg_id: NonEmpty
+    node_manager: NonEmpty
 
     @property
     @abc.abstractmethod
@@ -104,22 +139,16 @@ class Message(abc.ABC):
         """The partition key: every message of one batch (or one node's telemetry) lands in order."""
 
     def to_json(self) -> dict[str, Any]:
-        plan = _plan(type(self))
-        out: dict[str, Any] = {"v": SCHEMA_VERSION, "type": self.TYPE}
-        out.update(self.__dict__)
-        for name in plan.dicts:
-            out[name] = dict(out[name])
-        if plan.nested:
-            out[plan.nested] = [dataclasses.asdict(v) if isinstance(v, GpuProcess) else v for v in out[plan.nested]]
-        return out
+        """The wire form as a JSON object (a copy: changing it changes nothing here)."""
+        return {"v": SCHEMA_VERSION, "type": self.TYPE, **_adapter(type(self)).dump_python(self)}
 
 
-@dataclass(frozen=True, kw_only=True)
+@pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=_SCHEMA)
 class BatchMessage(Message):
     """A message about one attempt at one stage batch; keyed by the batch id."""
 
     batch_id: int
-    attempt: int
+    attempt: Count
     plan_key: str | None = None
 
     @property
@@ -127,62 +156,62 @@ class BatchMessage(Message):
         return str(self.batch_id)
 
 
-@dataclass(frozen=True, kw_only=True)
+@pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=_SCHEMA)
 class BatchStarted(BatchMessage):
     TYPE: ClassVar[str] = "batch_started"
     TOPIC: ClassVar[str] = TOPIC_EVENTS
 
 
-@dataclass(frozen=True, kw_only=True)
+@pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=_SCHEMA)
 class Progress(BatchMessage):
     TYPE: ClassVar[str] = "progress"
     TOPIC: ClassVar[str] = TOPIC_METRICS
 
-    node: int
-    step: int
+    node: Count
+    step: Count
 
 
-@dataclass(frozen=True, kw_only=True)
+@pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=_SCHEMA)
 class Metrics(BatchMessage):
     TYPE: ClassVar[str] = "metrics"
     TOPIC: ClassVar[str] = TOPIC_METRICS
 
-    node: int
-    step: int
-    metrics: dict[str, float]
+    node: Count
+    step: Count
+    metrics: dict[NonEmpty, float]
 
 
-@dataclass(frozen=True, kw_only=True)
+@pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=_SCHEMA)
 class CheckpointSaved(BatchMessage):
     TYPE: ClassVar[str] = "checkpoint_saved"
     TOPIC: ClassVar[str] = TOPIC_METRICS
 
-    node: int
-    step: int
-    uri: str
-    bytes: int
+    node: Count
+    step: Count
+    uri: NonEmpty
+    bytes: Count
     kind: CheckpointKind
 
 
-@dataclass(frozen=True, kw_only=True)
+@pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=_SCHEMA)
 class BatchFinished(BatchMessage):
     TYPE: ClassVar[str] = "batch_finished"
     TOPIC: ClassVar[str] = TOPIC_METRICS
 
-    steps: int
+    steps: Count
 
 
-@dataclass(frozen=True, kw_only=True)
+@pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=_SCHEMA)
 class BatchPreempted(BatchMessage):
     TYPE: ClassVar[str] = "batch_preempted"
     TOPIC: ClassVar[str] = TOPIC_METRICS
 
-    node: int
-    step: int
-    uri: str
+    node: Count
+    step: Count
+    uri: NonEmpty
 
 
-@dataclass(frozen=True, kw_only=True)
+@pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=_SCHEMA)
 class BatchFailed(BatchMessage):
     TYPE: ClassVar[str] = "batch_failed"
     TOPIC: ClassVar[str] = TOPIC_METRICS
@@ -192,30 +221,27 @@ class BatchFailed(BatchMessage):
     oom: bool
 
 
-@dataclass(frozen=True, kw_only=True)
-class GpuProcess:
+@pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=_SCHEMA)
+class GpuProcess(_Checked):
     """One process on a GPU, as NVML reports it (memory in bytes)."""
 
-    pid: int
-    memory: int
-
-    def __post_init__(self) -> None:
-        _validate(self)
+    pid: Count
+    memory: Count
 
 
-@dataclass(frozen=True, kw_only=True)
+@pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=_SCHEMA)
 class GpuTelemetry(Message):
     """One sample of one GPU; keyed by node manager so a node's samples stay ordered."""
 
     TYPE: ClassVar[str] = "gpu_telemetry"
     TOPIC: ClassVar[str] = TOPIC_TELEMETRY
 
-    gpu_index: int
-    utilization: float
-    memory_used: int
-    memory_total: int
-    processes: tuple[GpuProcess, ...] = field(default=())
-    ts: float
+    gpu_index: Count
+    utilization: Annotated[float, Field(ge=0.0, le=100.0)]  # a percentage
+    memory_used: Count
+    memory_total: Count
+    processes: tuple[GpuProcess, ...] = ()
+    ts: Annotated[float, Field(allow_inf_nan=False)]
 
     @property
     def key(self) -> str:
@@ -235,8 +261,14 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         GpuTelemetry,
     )
 }
+_ADAPTERS: dict[type, TypeAdapter[Any]] = {}
 
-T = TypeVar("T")
+
+def _adapter(cls: type) -> TypeAdapter[Any]:
+    adapter = _ADAPTERS.get(cls)
+    if adapter is None:
+        adapter = _ADAPTERS[cls] = TypeAdapter(cls)
+    return adapter
 
 
 def route(message: Message) -> tuple[str, str]:
@@ -245,14 +277,14 @@ def route(message: Message) -> tuple[str, str]:
 
 
 def encode(message: Message) -> bytes:
-    """The wire form of ``message``; re-validates because ``metrics`` is a mutable dict."""
-    if type(message) not in MESSAGE_TYPES.values():
-        raise MalformedMessage(f"{type(message).__name__} is not a bus message type")
-    _validate(message)
-    return _ENCODER.encode(message.to_json()).encode()
-
-
-_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=True)  # json.dumps with options builds one per call
+    """The wire form of ``message``; validated again (a copy is built from its fields) because
+    ``metrics`` is a mutable dict."""
+    cls = type(message)
+    if cls not in MESSAGE_TYPES.values():
+        raise MalformedMessage(f"{cls.__name__} is not a bus message type")
+    checked = dataclasses.replace(message)
+    fields = _adapter(cls).dump_json(checked)  # b'{"msg_id":...}'
+    return b'{"v":%d,"type":"%s",' % (SCHEMA_VERSION, cls.TYPE.encode()) + fields[1:]
 
 
 BUNDLE_TYPE = "bundle"
@@ -316,9 +348,9 @@ def _parse(data: bytes | bytearray | memoryview | None) -> object:
     if data is None:
         raise MalformedMessage("empty record value (tombstone)")
     try:
-        return json.loads(bytes(data).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise MalformedMessage(f"not UTF-8 JSON: {e!r}") from None
+        return pydantic_core.from_json(bytes(data) if isinstance(data, memoryview) else data)  # NaN too
+    except ValueError as e:  # also bad UTF-8, and nesting too deep
+        raise MalformedMessage(f"not UTF-8 JSON: {e}") from None
 
 
 def decode(data: bytes | bytearray | memoryview | None) -> Message:
@@ -329,6 +361,8 @@ def decode(data: bytes | bytearray | memoryview | None) -> Message:
 
 def from_json(obj: object) -> Message:
     """Validate a parsed JSON object and build the message it describes."""
+    if isinstance(obj, dict) and not all(isinstance(k, str) for k in obj):
+        raise MalformedMessage(f"expected a JSON object, got keys {sorted(map(repr, obj))}")
     return _from_json(dict(obj) if isinstance(obj, dict) else obj)
 
 
@@ -349,234 +383,8 @@ def _from_json(obj: object) -> Message:
     return _build(cls, obj)
 
 
-def _build(cls: type[T], fields: dict[str, Any]) -> T:
-    plan = _plan(cls)
-    if not plan.names.issuperset(fields):
-        unknown = [name for name in fields if name not in plan.names]
-        raise MalformedMessage(f"{plan.type_name}: unknown fields {sorted(unknown)}")
-    if plan.nested and plan.nested in fields:
-        value = fields[plan.nested]
-        if not isinstance(value, list):
-            raise MalformedMessage(f"{plan.type_name}.{plan.nested}: expected a list")
-        fields = dict(fields)
-        fields[plan.nested] = tuple(_build(GpuProcess, p) if isinstance(p, dict) else p for p in value)
-    if not fields.keys() >= plan.required_set:
-        missing = [name for name in plan.required if name not in fields]
-        raise MalformedMessage(f"{plan.type_name}: missing {len(missing)} required field(s): {missing}")
-    # What the frozen dataclass's __init__ would do, without its per-field object.__setattr__ calls
-    # (decoding is the consumer's hot path); __post_init__'s check runs the same.
-    obj = object.__new__(cls)
-    values = obj.__dict__
-    if plan.defaults:
-        values.update(plan.defaults)
-    values.update(fields)
-    plan.validate(obj)
-    return obj
-
-
-# --- validation --------------------------------------------------------------------------------------
-#
-# Each message class is compiled once into a _Plan: one checker function per field, built from its type
-# hint, plus the range checks that apply to it. Decoding runs on every record an aggregator consumes,
-# so this is the hot path of ingest (a plain walk over the type hints is about five times slower).
-
-_Checker = Callable[[str, Any], Any]  # (where, value) -> the value, normalized; raises MalformedMessage
-
-_NOT_EMPTY = ("msg_id", "node_manager", "uri")
-_NON_NEGATIVE = ("attempt", "node", "step", "steps", "bytes", "gpu_index", "memory_used", "memory_total")
-
-
-@dataclass(frozen=True)
-class _Plan:
-    type_name: str
-    names: frozenset[str]
-    fields: tuple[tuple[str, str, _Checker], ...]  # (name, "type.name" for errors, checker)
-    not_empty: tuple[str, ...]
-    non_negative: tuple[str, ...]
-    nested: str | None  # the field holding GpuProcess objects, if any
-    dicts: tuple[str, ...]  # fields holding a dict (copied on the way out)
-    validate: Callable[[object], None]  # generated by _generate_validator
-    required: tuple[str, ...]  # fields without a default
-    required_set: frozenset[str]
-    defaults: dict[str, Any]  # the others, with their defaults
-
-
-_PLANS: dict[type, _Plan] = {}
-
-
-def _plan(cls: type) -> _Plan:
-    plan = _PLANS.get(cls)
-    if plan is None:
-        type_name = _type_name(cls)
-        hints = {k: v for k, v in typing.get_type_hints(cls).items() if typing.get_origin(v) is not ClassVar}
-        names = [f.name for f in dataclasses.fields(cls)]
-        plan = _Plan(
-            type_name=type_name,
-            names=frozenset(names),
-            fields=tuple((n, f"{type_name}.{n}", _compile(hints[n])) for n in names),
-            not_empty=tuple(n for n in _NOT_EMPTY if n in names),
-            non_negative=tuple(n for n in _NON_NEGATIVE if n in names),
-            nested=next((n for n in names if hints[n] == tuple[GpuProcess, ...]), None),
-            dicts=tuple(n for n in names if typing.get_origin(hints[n]) is dict),
-            validate=_validate_later,
-            required=tuple(f.name for f in dataclasses.fields(cls) if not _has_default(f)),
-            required_set=frozenset(f.name for f in dataclasses.fields(cls) if not _has_default(f)),
-            defaults={f.name: _default(f) for f in dataclasses.fields(cls) if _has_default(f)},
-        )
-        plan = _PLANS[cls] = dataclasses.replace(plan, validate=_generate_validator(cls, plan, hints))
-    return plan
-
-
-def _validate_later(obj: object) -> None:
-    raise AssertionError("replaced by the generated validator")
-
-
-def _has_default(f: dataclasses.Field[Any]) -> bool:
-    return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-
-
-def _default(f: dataclasses.Field[Any]) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    return f.default_factory()  # type: ignore[misc,operator]  # only immutable defaults are used
-
-
-def _type_name(cls: type) -> str:
-    return str(getattr(cls, "TYPE", cls.__name__))
-
-
-def _validate(obj: object) -> None:
-    _plan(type(obj)).validate(obj)
-
-
-_FAST_TYPES = {str: "str", int: "int", float: "float", bool: "bool"}
-
-
-def _generate_validator(cls: type, plan: _Plan, hints: dict[str, Any]) -> Callable[[object], None]:
-    """A straight-line validator for ``cls`` (as dataclasses generate ``__init__``): an exact-type test
-    inline per scalar field, the field's checker only when that test fails (to refuse the value or to
-    normalize it, e.g. JSON's 1 for a float field), then the range checks. Frozen dataclass: normalized
-    values are written to the instance dict, as ``object.__setattr__`` would."""
-    env: dict[str, Any] = {"MalformedMessage": MalformedMessage, "_check_gpu": _check_gpu}
-    lines = ["def validate(obj):", "    d = obj.__dict__"]
-    for i, (name, where, check) in enumerate(plan.fields):
-        env[f"check{i}"] = check
-        lines.append(f"    v = d[{name!r}]")
-        fast = _FAST_TYPES.get(hints[name])
-        indent = "    "
-        if fast:
-            lines.append(f"    if type(v) is not {fast}:")
-            indent = "        "
-        lines.append(f"{indent}n = check{i}({where!r}, v)")
-        lines.append(f"{indent}if n is not v:")
-        lines.append(f"{indent}    d[{name!r}] = n")
-    for name in plan.not_empty:
-        message = f"{plan.type_name}.{name}: must not be empty"
-        lines.append(f"    if d[{name!r}] == '':")
-        lines.append(f"        raise MalformedMessage({message!r})")
-    for name in plan.non_negative:
-        prefix = f"{plan.type_name}.{name}: must be >= 0, got "
-        lines.append(f"    if d[{name!r}] < 0:")
-        lines.append(f"        raise MalformedMessage({prefix!r} + str(d[{name!r}]))")
-    if cls in (GpuProcess, GpuTelemetry):
-        lines.append("    _check_gpu(obj)")
-    namespace: dict[str, Any] = {}
-    exec("\n".join(lines), env, namespace)  # generated from the schema's own type hints only
-    validate: Callable[[object], None] = namespace["validate"]
-    return validate
-
-
-def _check_str(where: str, value: Any) -> Any:
-    if type(value) is not str and not isinstance(value, str):
-        raise MalformedMessage(f"{where}: expected a string, got {value!r}")
-    return value
-
-
-def _check_bool(where: str, value: Any) -> Any:
-    if not isinstance(value, bool):
-        raise MalformedMessage(f"{where}: expected true/false, got {value!r}")
-    return value
-
-
-def _check_int(where: str, value: Any) -> Any:
-    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise MalformedMessage(f"{where}: expected an integer, got {value!r}")
-    return value
-
-
-def _check_float(where: str, value: Any) -> Any:
-    if type(value) is float:
-        return value
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise MalformedMessage(f"{where}: expected a number, got {value!r}")
-    return float(value)
-
-
-_SCALARS: dict[Any, _Checker] = {str: _check_str, bool: _check_bool, int: _check_int, float: _check_float}
-
-
-def _compile(hint: Any) -> _Checker:
-    """The checker for one type hint; the schema uses only the forms below."""
-    if hint in _SCALARS:
-        return _SCALARS[hint]
-    origin = typing.get_origin(hint)
-    if origin in (Union, types.UnionType):  # only `X | None` is used
-        (inner_hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
-        inner = _compile(inner_hint)
-
-        def check_optional(where: str, value: Any) -> Any:
-            return None if value is None else inner(where, value)
-
-        return check_optional
-    if origin is Literal:
-        allowed = typing.get_args(hint)
-
-        def check_literal(where: str, value: Any) -> Any:
-            if not isinstance(value, str) or value not in allowed:
-                raise MalformedMessage(f"{where}: expected one of {list(allowed)}, got {value!r}")
-            return value
-
-        return check_literal
-    if origin is dict:
-        _, value_hint = typing.get_args(hint)
-        check_value = _compile(value_hint)
-
-        def check_dict(where: str, value: Any) -> Any:
-            if not isinstance(value, dict):
-                raise MalformedMessage(f"{where}: expected an object, got {value!r}")
-            changed = False
-            out = {}
-            for k, v in value.items():
-                if type(k) is not str or not k:
-                    raise MalformedMessage(f"{where}: keys must be non-empty strings, got {k!r}")
-                nv = check_value(f"{where}[{k!r}]", v) if type(v) is not float else v
-                changed = changed or nv is not v
-                out[k] = nv
-            return out if changed else value
-
-        return check_dict
-    if origin is tuple:
-        item_type, _ = typing.get_args(hint)
-
-        def check_tuple(where: str, value: Any) -> Any:
-            if not isinstance(value, tuple):
-                raise MalformedMessage(f"{where}: expected a list, got {value!r}")
-            for i, item in enumerate(value):
-                if not isinstance(item, item_type):
-                    raise MalformedMessage(f"{where}[{i}]: expected {item_type.__name__}, got {item!r}")
-            return value
-
-        return check_tuple
-    raise AssertionError(f"no validator for {hint!r}")  # a schema bug, caught by the unit tests
-
-
-def _check_gpu(obj: GpuProcess | GpuTelemetry) -> None:
-    if isinstance(obj, GpuProcess):
-        if obj.pid < 0 or obj.memory < 0:
-            raise MalformedMessage(f"gpu process: pid and memory must be >= 0, got {obj}")
-        return
-    where = _type_name(type(obj))
-    if not (math.isfinite(obj.utilization) and 0.0 <= obj.utilization <= 100.0):
-        raise MalformedMessage(f"{where}.utilization: a percentage in [0, 100], got {obj.utilization}")
-    if not math.isfinite(obj.ts):
-        raise MalformedMessage(f"{where}.ts: must be finite, got {obj.ts}")
+def _build(cls: type[Message], fields: dict[str, Any]) -> Message:
+    processes = fields.get("processes")
+    if cls is GpuTelemetry and isinstance(processes, list):  # JSON has neither tuples nor GpuProcess objects
+        fields["processes"] = tuple(GpuProcess(**p) if isinstance(p, dict) else p for p in processes)
+    return cls(**fields)

@@ -242,9 +242,9 @@ class SchedulingLoop:
         """Snapshot the database (``reads``, when the caller has just read it) and run the core round on
         the free slots. Writes nothing.
 
-        The cyclic garbage collector is paused meanwhile: a round allocates tens of thousands of
-        short-lived, acyclic objects, and each collection they trigger would walk the whole plan
-        cache (measured: 25-40% of a 10,000-request round). Reference counting still frees them."""
+        The cyclic garbage collector is paused for the round (``_gc_paused``): a round allocates tens of
+        thousands of short-lived, acyclic objects, and the collections they trigger walk the whole plan
+        cache. Reference counting still frees them."""
         with _gc_paused():
             t0 = time.perf_counter()
             reads = self.store.rounds.round_reads() if reads is None else reads
@@ -356,6 +356,10 @@ class SchedulingLoop:
 
 @contextlib.contextmanager
 def _gc_paused() -> Iterator[None]:
+    """No cyclic collection while the block runs, then as before. The switch is process-wide, so it is
+    held for one round only (a few hundred milliseconds at most): other threads' cycles wait that long.
+    Kept because ``python -m tests.bench.master`` shows it: ``round_ms_10k`` 242 with it, 319 without
+    (medians of 3 interleaved runs; the target is <= 250)."""
     was = gc.isenabled()
     gc.disable()
     try:

@@ -36,7 +36,7 @@ import signal
 import sys
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from multiprocessing import popen_forkserver, spawn
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -428,7 +428,7 @@ class ForkserverLauncher(WorkerLauncher):
 
         def ensure() -> None:
             # Only our modules: the default would import the node manager's __main__ in the server.
-            self._ctx.set_forkserver_preload([WORKER_MODULE, *self.preload, FORKSERVER_FREEZE_MODULE])
+            self._ctx.set_forkserver_preload([WORKER_MODULE, *self.preload])
             forkserver.ensure_running()
             # The server imports its preload (torch: seconds) after it starts: fork one no-op child and
             # wait for it, so that time is spent here and not by the first batch.
@@ -472,30 +472,34 @@ class ForkserverLauncher(WorkerLauncher):
         return _ForkedWorker(proc, slot, log_path, reader, writer)
 
 
-FORKSERVER_FREEZE_MODULE = "stagetree.nodemanager.runtime.forkserver_freeze"
-
-
 def _noop() -> None:
     pass
 
 
-_WITHOUT_MAIN = threading.local()  # set while this thread launches a worker (_WorkerPopen)
-_real_preparation_data = spawn.get_preparation_data
+_LAUNCHING = threading.Lock()  # one worker launch at a time replaces get_preparation_data
 
 
-def _preparation_data(name: str) -> dict[str, Any]:
-    """``multiprocessing.spawn.get_preparation_data``, without the main module for a worker launched
-    by this thread. Installed once, in place of the original: it only differs in a thread launching a
-    worker, so another thread's process (a user's spawn, say) still imports its ``__main__``. Swapping
-    the function around each launch instead would take it from such a process too."""
-    data: dict[str, Any] = _real_preparation_data(name)
-    if getattr(_WITHOUT_MAIN, "on", False):
-        data.pop("init_main_from_name", None)
-        data.pop("init_main_from_path", None)
-    return data
+@contextlib.contextmanager
+def _without_main() -> Iterator[None]:
+    """While a worker is launched: ``multiprocessing.spawn.get_preparation_data`` without the main
+    module, for the launching thread only (another thread's process, a user's spawn say, still imports
+    its ``__main__``); the original is back when the launch returns."""
+    with _LAUNCHING:
+        original = spawn.get_preparation_data
+        launching = threading.get_ident()
 
+        def preparation_data(name: str) -> dict[str, Any]:
+            data: dict[str, Any] = original(name)
+            if threading.get_ident() == launching:
+                data.pop("init_main_from_name", None)
+                data.pop("init_main_from_path", None)
+            return data
 
-spawn.get_preparation_data = _preparation_data
+        spawn.get_preparation_data = preparation_data
+        try:
+            yield
+        finally:
+            spawn.get_preparation_data = original
 
 
 class _WorkerPopen(popen_forkserver.Popen):
@@ -505,11 +509,8 @@ class _WorkerPopen(popen_forkserver.Popen):
     The worker's target lives in this package, so it needs nothing from ``__main__``."""
 
     def _launch(self, process_obj: Any) -> None:
-        _WITHOUT_MAIN.on = True
-        try:
+        with _without_main():
             super()._launch(process_obj)  # type: ignore[misc]
-        finally:
-            _WITHOUT_MAIN.on = False
 
 
 class _WorkerForkProcess(multiprocessing.context.ForkServerProcess):

@@ -158,15 +158,15 @@ def _valid() -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("change", "reason"),
     [
-        (lambda o: o.pop("step"), "missing 1 required"),
-        (lambda o: o.update(step="10"), "checkpoint_saved.step: expected an integer"),
-        (lambda o: o.update(step=True), "checkpoint_saved.step: expected an integer"),
-        (lambda o: o.update(step=1.5), "checkpoint_saved.step: expected an integer"),
-        (lambda o: o.update(step=-1), "checkpoint_saved.step: must be >= 0"),
-        (lambda o: o.update(kind="cold"), "checkpoint_saved.kind: expected one of"),
-        (lambda o: o.update(uri=""), "checkpoint_saved.uri: must not be empty"),
-        (lambda o: o.update(msg_id=None), "checkpoint_saved.msg_id: expected a string"),
-        (lambda o: o.update(extra=1), "unknown fields ['extra']"),
+        (lambda o: o.pop("step"), "checkpoint_saved.step: required field missing"),
+        (lambda o: o.update(step="10"), "checkpoint_saved.step: Input should be a valid integer"),
+        (lambda o: o.update(step=True), "checkpoint_saved.step: Input should be a valid integer"),
+        (lambda o: o.update(step=1.5), "checkpoint_saved.step: Input should be a valid integer"),
+        (lambda o: o.update(step=-1), "checkpoint_saved.step: Input should be greater than or equal to 0"),
+        (lambda o: o.update(kind="cold"), "checkpoint_saved.kind: Input should be 'central' or 'peripheral'"),
+        (lambda o: o.update(uri=""), "checkpoint_saved.uri: String should have at least 1 character"),
+        (lambda o: o.update(msg_id=None), "checkpoint_saved.msg_id: Input should be a valid string"),
+        (lambda o: o.update(extra=1), "checkpoint_saved.extra: unknown field"),
         (lambda o: o.update(type="checkpoint_deleted"), "unknown type 'checkpoint_deleted'"),
         (lambda o: o.pop("type"), "unknown type None"),
         (lambda o: o.pop("v"), 'missing the version field "v"'),
@@ -203,11 +203,11 @@ def test_the_error_tree() -> None:
 
 
 def test_construction_validates_so_a_bad_emitter_fails_at_its_call_site() -> None:
-    with pytest.raises(MalformedMessage, match=r"progress\.step: expected an integer"):
+    with pytest.raises(MalformedMessage, match=r"progress\.step: Input should be a valid integer"):
         Progress(msg_id="m", node_manager="nm", batch_id=1, attempt=0, node=0, step="3")  # type: ignore[arg-type]
     with pytest.raises(MalformedMessage, match="utilization"):
         GpuTelemetry(msg_id="m", node_manager="nm", gpu_index=0, utilization=101, memory_used=0, memory_total=0, ts=0)
-    with pytest.raises(MalformedMessage, match=r"metrics\['loss'\]: expected a number"):
+    with pytest.raises(MalformedMessage, match=r"metrics\['loss'\]: Input should be a valid number"):
         Metrics(msg_id="m", node_manager="nm", batch_id=1, attempt=0, node=0, step=0, metrics={"loss": "low"})  # type: ignore[dict-item]
     with pytest.raises(MalformedMessage, match=r"gpu_telemetry\.processes"):
         GpuTelemetry(
