@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import grpc
 
 from stagetree.core import errors
+from stagetree.core.lifecycle import CheckpointPoint, MetricPoint  # the domain's own point types
 from stagetree.nodemanager.slots import LocalSlot
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
 from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
@@ -44,22 +45,6 @@ class Assignment:
     spec_json: str = ""  # RUN: the core BatchSpec's JSON
     checkpoint_uris: tuple[str, ...] = ()  # DELETE_CHECKPOINTS
     slot_id: str = ""  # the slot the master placed it on, when it says
-
-
-@dataclass(frozen=True)
-class MetricPoint:
-    node: int
-    step: int
-    values: dict[str, float]
-
-
-@dataclass(frozen=True)
-class CheckpointPoint:
-    node: int
-    step: int
-    uri: str
-    bytes: int
-    kind: str  # central | peripheral
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,9 @@ from stagetree.bus.messages import (
     make_msg_id,
 )
 from stagetree.core.errors import ResourceExhausted, StagetreeError
+from stagetree.core.lifecycle import CheckpointPoint, MetricPoint
 from stagetree.nodemanager.gpu import GpuSample
-from stagetree.nodemanager.link import BatchReport, CheckpointPoint, MasterLink, MetricPoint
+from stagetree.nodemanager.link import BatchReport, MasterLink
 
 log = logging.getLogger(__name__)
 
