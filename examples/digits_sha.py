@@ -109,7 +109,7 @@ async def run(workers: int, home: Path) -> int:
             print()
             best = await study.best("accuracy", "max")
             plan = await study.plan()
-            executed = await asyncio.to_thread(cluster.app.store.executed_steps)
+            executed = await asyncio.to_thread(cluster.app.store.ledger.executed_steps)
     wall = time.monotonic() - t0
     last: dict[int, int] = {}  # a trial-by-trial system trains each trial once, to its last rung
     for sub in result.submits():
