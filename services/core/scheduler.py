@@ -22,20 +22,12 @@ from typing import Protocol
 
 from stagetree.core.batch import Point
 from stagetree.core.errors import InvalidArgument
+from stagetree.core.slots import Slot
 from stagetree.core.stagetree import InflightBatch, Stage, StageForest
 
 StageCost = Callable[[Stage], float]
 # Steps strictly inside a stage where its config starts a new piece: likely future branch points.
 Boundaries = Callable[[int, int, int], Iterable[int]]  # (node, start, end) -> steps
-
-
-@dataclass(frozen=True)
-class Slot:
-    """Somewhere a worker can run: a GPU (or a share of one), or CPU cores, on a node manager."""
-
-    id: str
-    node_manager: str = ""
-    gpu_type: str = "cpu"
 
 
 @dataclass

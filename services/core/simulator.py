@@ -22,8 +22,9 @@ from typing import Any, Protocol
 from stagetree.core.batch import Point
 from stagetree.core.config import Config
 from stagetree.core.lifecycle import RequestState
-from stagetree.core.scheduler import PlannedBatch, Slot, StageCost, schedule_round
+from stagetree.core.scheduler import PlannedBatch, StageCost, schedule_round
 from stagetree.core.searchplan import Checkpoint, SearchPlan
+from stagetree.core.slots import Slot
 from stagetree.core.stagetree import InflightBatch, InflightStage, Stage, build_stage_tree
 
 StepTime = Callable[[Config, int], float]

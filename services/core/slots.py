@@ -1,7 +1,8 @@
 """A slot as a node manager registers it: a whole GPU, a share of one (MPS), or CPU cores.
 
-The one registered-slot type: the node manager builds these from NVML, the master stores them, and
-the scheduler's policies read them (``core.scheduler.Slot`` is where a batch can be placed in a round).
+Two types, one per concept: ``SlotInfo`` is a slot as its node manager registers it (built from NVML,
+stored by the master); ``Slot`` is that slot where the master places work (which node manager and
+device it is on), the one the scheduler and the policies read.
 """
 
 from __future__ import annotations
@@ -33,3 +34,25 @@ class SlotInfo:
         if not self.is_gpu or self.share <= 0 or self.share >= 1:
             return None
         return max(1, min(100, math.ceil(self.share * 100)))
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A registered slot as the scheduler places work on it: its node manager and what its device offers."""
+
+    id: str
+    node_manager: str = ""
+    gpu_type: str = CPU
+    gpu_index: int = -1  # -1 for a CPU slot
+    memory_bytes: int = 0
+    cpu_cores: int = 0
+
+    @classmethod
+    def on(cls, node_manager: str, info: SlotInfo) -> Slot:
+        return cls(info.id, node_manager, info.gpu_type, info.gpu_index, info.memory_bytes, info.cpu_cores)
+
+    @property
+    def device(self) -> str:
+        """The device the slot shares with the node manager's other slots on it (a GPU, or the CPU)."""
+        dev = f"gpu{self.gpu_index}" if self.gpu_index >= 0 else "cpu"
+        return f"{self.node_manager}/{dev}"

@@ -22,7 +22,6 @@ from stagetree.core.errors import InvalidArgument, StagetreeError
 from stagetree.core.policies import hermes
 from stagetree.core.policies.live import (
     Running,
-    SlotView,
     StudyPolicies,
     Work,
     eval_points,
@@ -36,17 +35,16 @@ from stagetree.core.policies.state import Kill, PolicyState
 from stagetree.core.scheduler import (
     Dispatch,
     RoundResult,
-    Slot,
     StageCost,
     count_batches,
     order_policy,
     plan_batches,
     schedule_round,
 )
+from stagetree.core.slots import Slot
 from stagetree.core.stagetree import StageForest
 from stagetree.master.store.nodes import ALIVE
 from stagetree.master.store.policy_state import PolicyStateStore
-from stagetree.master.store.records import SlotInfo
 from stagetree.master.store.store import Store
 
 log = logging.getLogger(__name__)
@@ -203,11 +201,11 @@ class PolicyStep:
             job = _job_of(b.plan, end.node, end.end)
             if job not in st.killed:
                 work.append(Work(i, leaf, job, b.cost, min((t for _, t in reqs), default=now)))
-        free_views, busy_views = self._slot_views(free)
+        busy = self._busy_slots(free)
         running = self._running(policies, now)
-        suspend = self._search(policies, work, running, len(free_views) + len(busy_views), now)
+        suspend = self._search(policies, work, running, len(free) + len(busy), now)
         running = [r for r in running if r.batch not in suspend]
-        plan = plan_round(work, free_views, busy_views, running, policies, st.jobs, now, st.search)
+        plan = plan_round(work, free, busy, running, policies, st.jobs, now, st.search)
         by_id = {s.id: s for s in free}
         by_key = {w.key: w for w in work}
         dispatches = []
@@ -332,23 +330,16 @@ class PolicyStep:
             notify(CH_RESULTS)
             notify(CH_ROUND)
 
-    def _slot_views(self, free: Sequence[Slot]) -> tuple[list[SlotView], dict[str, SlotView]]:
+    def _busy_slots(self, free: Sequence[Slot]) -> dict[str, Slot]:
+        """The live node managers' slots that are not ``free``, by slot id."""
         free_ids = {(s.node_manager, s.id) for s in free}
-        views: list[SlotView] = []
-        busy: dict[str, SlotView] = {}
-        for nm in self.store.nodes.node_managers():
-            if nm.state != ALIVE:
-                continue
-            infos = nm.slot_infos or tuple(SlotInfo(sid, gpu) for sid, gpu in nm.slots)
-            for i in infos:
-                v = SlotView(i.id, nm.id, i.gpu_type, i.gpu_index, i.memory_bytes, i.cpu_cores)
-                if (nm.id, i.id) in free_ids:
-                    views.append(v)
-                else:
-                    busy[i.id] = v
-        order = {(s.node_manager, s.id): k for k, s in enumerate(free)}
-        views.sort(key=lambda v: order[(v.node_manager, v.id)])
-        return views, busy
+        return {
+            s.id: s
+            for nm in self.store.nodes.node_managers()
+            if nm.state == ALIVE
+            for s in nm.placed_slots()
+            if (nm.id, s.id) not in free_ids
+        }
 
     def _running(self, policies: Mapping[str, StudyPolicies], now: float) -> list[Running]:
         """Running batches as the plan sees them; records the quantum of each time-sharing job whose

@@ -29,8 +29,9 @@ from stagetree.core.cache import choose_evictions, pinned_points, prefix_cost
 from stagetree.core.config import FixedPart
 from stagetree.core.errors import StagetreeError, Unavailable
 from stagetree.core.policies.state import Kill
-from stagetree.core.scheduler import PlannedBatch, RoundResult, Slot, StageCost, schedule_round
+from stagetree.core.scheduler import PlannedBatch, RoundResult, StageCost, schedule_round
 from stagetree.core.searchplan import Checkpoint, CheckpointKind, Node
+from stagetree.core.slots import Slot
 from stagetree.core.stagetree import InflightBatch, InflightStage, StageForest, build_stage_tree
 from stagetree.master.coordination import Coordination, Subscription
 from stagetree.master.costs import CostLearner
@@ -127,7 +128,7 @@ class SchedulingLoop:
     ) -> list[Slot]:
         nms = [n for n in (self.store.nodes.node_managers() if nms is None else nms) if n.state == ALIVE]
         busy = self.store.rounds.busy_slots() if busy is None else busy
-        return [Slot(sid, n.id, gpu) for n in nms for sid, gpu in n.slots if (n.id, sid) not in busy]
+        return [s for n in nms for s in n.placed_slots() if (n.id, s.id) not in busy]
 
     def snapshot(self, reads: RoundReads | None = None) -> tuple[StageForest, dict[int, dict[Point, str]], int]:
         """The stage forest of every plan with NOT_SCHED requests (stage ``plan`` = plan id), from the

@@ -46,12 +46,12 @@ from stagetree.core.errors import (
     Unauthenticated,
     Unavailable,
 )
+from stagetree.core.slots import SlotInfo
 from stagetree.nodemanager.gpu import GpuProbe
 from stagetree.nodemanager.link import ABORT, DELETE_CHECKPOINTS, PREEMPT, RUN, Assignment, MasterLink
 from stagetree.nodemanager.mps import MpsDaemon
 from stagetree.nodemanager.reporting import TERMINAL_EVENTS, AttemptEnd, AttemptInfo, BatchReporter, RecentKeys
 from stagetree.nodemanager.runtime.checkpoints import CheckpointStore
-from stagetree.nodemanager.slots import LocalSlot
 from stagetree.nodemanager.workers import EXIT_USAGE, WorkerLauncher, WorkerProcess
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ KNOWN_ENDED = 1000  # ended attempts listed at registration (their reports may n
 class _Attempt:
     info: AttemptInfo
     spec: BatchSpec
-    slot: LocalSlot | None = None
+    slot: SlotInfo | None = None
     worker: WorkerProcess | None = None
     started: bool = False  # batch_started seen: the worker's signal handlers are installed
     preempt_requested: bool = False
@@ -127,7 +127,7 @@ class NodeManager:
         self,
         link: MasterLink,
         reporter: BatchReporter,
-        slots: Sequence[LocalSlot],
+        slots: Sequence[SlotInfo],
         launcher: WorkerLauncher,
         *,
         node_manager_id: str,
@@ -165,7 +165,7 @@ class NodeManager:
         self._attempts: dict[tuple[int, int], _Attempt] = {}
         self._done = RecentKeys()  # attempts that ended here: a RUN for one of them is a duplicate
         self._queue: deque[_Attempt] = deque()
-        self._free: dict[str, LocalSlot] = {s.id: s for s in self.slots}
+        self._free: dict[str, SlotInfo] = {s.id: s for s in self.slots}
         self._background: set[asyncio.Task[Any]] = set()
         self._launcher_ready: asyncio.Task[None] | None = None  # started at the first registration
         self._stopping = False

@@ -23,7 +23,7 @@ import grpc
 
 from stagetree.core import errors
 from stagetree.core.lifecycle import CheckpointPoint, MetricPoint  # the domain's own point types
-from stagetree.nodemanager.slots import LocalSlot
+from stagetree.core.slots import SlotInfo
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
 from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
 from stagetree.status import error_class_of, error_of_code
@@ -65,11 +65,11 @@ class MasterLink(ABC):
     """How a node manager talks to the master. Errors are the core tree (``Unavailable`` is retriable)."""
 
     @abstractmethod
-    async def register(self, node_manager_id: str, address: str, slots: Sequence[LocalSlot]) -> float:
+    async def register(self, node_manager_id: str, address: str, slots: Sequence[SlotInfo]) -> float:
         """Register (or re-register) with these slots; returns the heartbeat interval the master wants."""
 
     async def register_known(
-        self, node_manager_id: str, address: str, slots: Sequence[LocalSlot], known: Sequence[tuple[int, int]]
+        self, node_manager_id: str, address: str, slots: Sequence[SlotInfo], known: Sequence[tuple[int, int]]
     ) -> float:
         """``register``, also telling the master every (batch, attempt) this process runs or recently
         ended, so it requeues the other attempts it sent here (a restarted process lost them). An adapter
@@ -108,7 +108,7 @@ def translate(exc: grpc.aio.AioRpcError, target: str, what: str) -> errors.Stage
     return cls(f"{what}: {code.name}: {details}")
 
 
-def _slot_pb(s: LocalSlot) -> pb.Slot:
+def _slot_pb(s: SlotInfo) -> pb.Slot:
     return pb.Slot(
         id=s.id,
         gpu_type=s.gpu_type,
@@ -155,14 +155,14 @@ class GrpcMasterLink(MasterLink):
             self._stub = pb_grpc.MasterServiceStub(self._channel)  # type: ignore[no-untyped-call]
         return self._stub
 
-    async def register(self, node_manager_id: str, address: str, slots: Sequence[LocalSlot]) -> float:
+    async def register(self, node_manager_id: str, address: str, slots: Sequence[SlotInfo]) -> float:
         req = pb.RegisterNodeManagerRequest(
             node_manager_id=node_manager_id, address=address, slots=[_slot_pb(s) for s in slots]
         )
         return await self._register(req)
 
     async def register_known(
-        self, node_manager_id: str, address: str, slots: Sequence[LocalSlot], known: Sequence[tuple[int, int]]
+        self, node_manager_id: str, address: str, slots: Sequence[SlotInfo], known: Sequence[tuple[int, int]]
     ) -> float:
         req = pb.RegisterNodeManagerRequest(
             node_manager_id=node_manager_id,

@@ -15,9 +15,6 @@ from stagetree.core.errors import InvalidArgument
 from stagetree.core.slots import SlotInfo
 from stagetree.nodemanager.gpu import GpuInfo
 
-# The node manager's slots are the registered-slot type itself (one type per concept).
-LocalSlot = SlotInfo
-
 
 def build_slots(
     gpus: Sequence[GpuInfo],
@@ -26,7 +23,7 @@ def build_slots(
     cpu_slots: int = 2,
     cpu_count: int | None = None,
     threads_per_worker: int = 1,
-) -> list[LocalSlot]:
+) -> list[SlotInfo]:
     """The slots of a machine with ``gpus`` (CPU-only slots when there are none)."""
     if slots_per_gpu < 1 or cpu_slots < 1 or threads_per_worker < 1:
         raise InvalidArgument(
@@ -35,14 +32,14 @@ def build_slots(
         )
     cores = cpu_count or os.cpu_count() or 1
     if not gpus:
-        return [LocalSlot(f"cpu{i}", cpu_cores=threads_per_worker) for i in range(cpu_slots)]
+        return [SlotInfo(f"cpu{i}", cpu_cores=threads_per_worker) for i in range(cpu_slots)]
     per_slot_cores = max(1, cores // (len(gpus) * slots_per_gpu))
     share = 0.0 if slots_per_gpu == 1 else 1.0 / slots_per_gpu
     out = []
     for g in gpus:
         for k in range(slots_per_gpu):
             out.append(
-                LocalSlot(
+                SlotInfo(
                     id=f"gpu{g.index}" if slots_per_gpu == 1 else f"gpu{g.index}.{k}",
                     gpu_type=g.name,
                     memory_bytes=g.memory_bytes if slots_per_gpu == 1 else g.memory_bytes // slots_per_gpu,
@@ -56,7 +53,7 @@ def build_slots(
 
 
 def worker_env(
-    slot: LocalSlot,
+    slot: SlotInfo,
     *,
     threads: int,
     mps_env: Mapping[str, str] | None = None,

@@ -44,8 +44,9 @@ from typing import Any, Literal
 
 from stagetree.core.batch import BatchSpec
 from stagetree.core.errors import InvalidArgument, StagetreeError
+from stagetree.core.slots import SlotInfo
 from stagetree.nodemanager.runtime.events import decode_event
-from stagetree.nodemanager.slots import LocalSlot, worker_env
+from stagetree.nodemanager.slots import worker_env
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class WorkerProcess(ABC):
     """One worker process: its events, signals and exit status."""
 
     def __init__(
-        self, slot: LocalSlot, log_path: Path, events: asyncio.StreamReader, stdin: asyncio.StreamWriter | None
+        self, slot: SlotInfo, log_path: Path, events: asyncio.StreamReader, stdin: asyncio.StreamWriter | None
     ) -> None:
         self.slot = slot
         self.log_path = log_path
@@ -183,7 +184,7 @@ class WorkerLauncher(ABC):
             str(self.progress_interval_s),
         ]
 
-    def env(self, slot: LocalSlot, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    def env(self, slot: SlotInfo, base: Mapping[str, str] | None = None) -> dict[str, str]:
         env = worker_env(slot, threads=self.threads, mps_env=self.mps_env, base=base)
         env.update(self.extra_env)
         return env
@@ -193,16 +194,16 @@ class WorkerLauncher(ABC):
         return self.log_dir / name
 
     @abstractmethod
-    async def _start(self, slot: LocalSlot) -> WorkerProcess:
+    async def _start(self, slot: SlotInfo) -> WorkerProcess:
         """A worker process for ``slot`` that has done its imports and reads its spec from ``stdin``
         (``runtime.worker --spec -``); OSError when it cannot be started."""
 
-    async def start(self, slots: Sequence[LocalSlot]) -> None:
+    async def start(self, slots: Sequence[SlotInfo]) -> None:
         """Get ready to spawn quickly: with ``prestart``, a worker started ahead for each slot."""
         for slot in slots:
             self._replenish(slot)
 
-    def _replenish(self, slot: LocalSlot, last: BatchSpec | None = None) -> None:
+    def _replenish(self, slot: SlotInfo, last: BatchSpec | None = None) -> None:
         """Start a warm worker for ``slot`` in the background unless one exists or is starting. With
         ``prepare`` (CPU slots only), it is told to build the trainer of ``last``'s fixed part ahead
         (``runtime.worker``'s prepare line): the next batch on a slot is most often of the same study.
@@ -233,7 +234,7 @@ class WorkerLauncher(ABC):
 
         self._starting[slot.id] = asyncio.get_running_loop().create_task(start())
 
-    async def spawn(self, spec: BatchSpec, slot: LocalSlot) -> WorkerProcess:
+    async def spawn(self, spec: BatchSpec, slot: SlotInfo) -> WorkerProcess:
         """A worker process running ``spec`` on ``slot`` (OSError when it cannot be started): the slot's
         warm one when there is one, else one started now. The slot's next warm one is started now on a
         GPU slot, at this worker's exit on a CPU slot."""
@@ -279,7 +280,7 @@ class WorkerLauncher(ABC):
         if linked:
             first_name.unlink(missing_ok=True)
 
-    def _replenish_next(self, slot: LocalSlot) -> None:
+    def _replenish_next(self, slot: SlotInfo) -> None:
         """Start the warm worker a CPU slot's last batch left to start at its exit (once: the exit or
         the next spawn, whichever comes first)."""
         last = self._next.pop(slot.id, None)
@@ -326,7 +327,7 @@ def prepare_line(spec: BatchSpec) -> bytes:
 
 
 class _ExecWorker(WorkerProcess):
-    def __init__(self, proc: asyncio.subprocess.Process, slot: LocalSlot, log_path: Path) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, slot: SlotInfo, log_path: Path) -> None:
         assert proc.stdout is not None
         super().__init__(slot, log_path, proc.stdout, proc.stdin)
         self.proc = proc
@@ -359,7 +360,7 @@ class ExecLauncher(WorkerLauncher):
         preload = ["--preload", ",".join(self.preload)] if self.preload else []
         return [self.python, "-m", WORKER_MODULE, "--spec", "-", *self.worker_args(), *preload]
 
-    async def _start(self, slot: LocalSlot) -> _ExecWorker:
+    async def _start(self, slot: SlotInfo) -> _ExecWorker:
         path = self.log_path(f"worker-{slot.id}-{os.getpid()}-{next(self._seq)}.log")
         with open(path, "ab") as err:
             proc = await asyncio.create_subprocess_exec(
@@ -380,7 +381,7 @@ class ExecLauncher(WorkerLauncher):
 
 class _ForkedWorker(WorkerProcess):
     def __init__(
-        self, proc: Any, slot: LocalSlot, log_path: Path, events: asyncio.StreamReader, stdin: asyncio.StreamWriter
+        self, proc: Any, slot: SlotInfo, log_path: Path, events: asyncio.StreamReader, stdin: asyncio.StreamWriter
     ) -> None:
         super().__init__(slot, log_path, events, stdin)
         self.proc = proc  # multiprocessing.Process (forkserver context)
@@ -423,7 +424,7 @@ class ForkserverLauncher(WorkerLauncher):
         super().__init__(checkpoint_root, work_dir, **kw)
         self._ctx = multiprocessing.get_context("forkserver")
 
-    async def start(self, slots: Sequence[LocalSlot]) -> None:
+    async def start(self, slots: Sequence[SlotInfo]) -> None:
         from multiprocessing import forkserver
 
         def ensure() -> None:
@@ -439,7 +440,7 @@ class ForkserverLauncher(WorkerLauncher):
         await asyncio.to_thread(ensure)
         await super().start(slots)
 
-    async def _start(self, slot: LocalSlot) -> _ForkedWorker:
+    async def _start(self, slot: SlotInfo) -> _ForkedWorker:
         from stagetree.nodemanager.runtime.worker import run_forked
 
         log_path = self.log_path(f"worker-{slot.id}-{os.getpid()}-{next(self._seq)}.log")
@@ -542,7 +543,7 @@ async def _stream_reader(conn: Connection) -> asyncio.StreamReader:
 
 def make_launcher(
     method: StartMethod,
-    slots: Sequence[LocalSlot],
+    slots: Sequence[SlotInfo],
     checkpoint_root: str,
     work_dir: Path,
     *,

@@ -45,7 +45,7 @@ from stagetree.core.policies.packing_sim import (
 )
 from stagetree.core.policies.pop import PopConfig, search_policy
 from stagetree.core.policies.pop_sim import cifar_like_traces, simulate_search
-from stagetree.core.scheduler import Slot
+from stagetree.core.slots import Slot
 
 VERBOSE = False
 

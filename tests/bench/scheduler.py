@@ -18,10 +18,11 @@ import statistics
 import time
 
 from stagetree.core.config import Config
-from stagetree.core.scheduler import Slot, schedule_round
+from stagetree.core.scheduler import schedule_round
 from stagetree.core.searchplan import SearchPlan
 from stagetree.core.sequences import Constant, MultiStep, Piecewise, Warmup
 from stagetree.core.simulator import ASHADriver, GridDriver, SimReport, simulate, synthetic_curve
+from stagetree.core.slots import Slot
 from stagetree.core.stagetree import build_stage_tree
 
 POLICIES = ("critical_path", "bfs", "most_children")

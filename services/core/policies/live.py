@@ -35,7 +35,8 @@ from typing import Any
 
 from stagetree.core.errors import InvalidArgument
 from stagetree.core.policies import genie, hermes, packing, pop
-from stagetree.core.scheduler import ORDER_POLICIES, Slot
+from stagetree.core.scheduler import ORDER_POLICIES
+from stagetree.core.slots import Slot
 
 # -- the study's choice -------------------------------------------------------------------------
 
@@ -253,23 +254,6 @@ def parse_policies(obj: Any) -> StudyPolicies:
 
 
 @dataclass(frozen=True)
-class SlotView:
-    """A slot as the policies see it: which device it belongs to and what the device offers."""
-
-    id: str
-    node_manager: str
-    gpu_type: str = "cpu"
-    gpu_index: int = -1
-    memory_bytes: int = 0
-    cpu_cores: int = 0
-
-    @property
-    def device(self) -> str:
-        dev = f"gpu{self.gpu_index}" if self.gpu_index >= 0 else "cpu"
-        return f"{self.node_manager}/{dev}"
-
-
-@dataclass(frozen=True)
 class Work:
     """One ready batch of the round (``key`` is the caller's handle), with its study and job."""
 
@@ -364,17 +348,17 @@ def _ts(policies: Mapping[str, StudyPolicies], study: str) -> TimeShareParams | 
 
 def place_work(
     ordered: Sequence[Work],
-    free: Sequence[SlotView],
-    busy: Mapping[str, SlotView],
+    free: Sequence[Slot],
+    busy: Mapping[str, Slot],
     running: Sequence[Running],
     policies: Mapping[str, StudyPolicies],
 ) -> list[tuple[int, str]]:
     """Step 2: (work key, slot id) for the work that gets a slot now, in ``ordered``'s order."""
-    free_by_dev: dict[str, list[SlotView]] = {}
+    free_by_dev: dict[str, list[Slot]] = {}
     for s in free:
         free_by_dev.setdefault(s.device, []).append(s)
     all_slots = [*free, *busy.values()]
-    devices: dict[str, list[SlotView]] = {}
+    devices: dict[str, list[Slot]] = {}
     for s in all_slots:
         devices.setdefault(s.device, []).append(s)
     node_cpus: dict[str, float] = {}
@@ -473,8 +457,8 @@ def preempt_for(
 
 def plan_round(
     work: Sequence[Work],
-    free: Sequence[SlotView],
-    busy: Mapping[str, SlotView],
+    free: Sequence[Slot],
+    busy: Mapping[str, Slot],
     running: Sequence[Running],
     policies: Mapping[str, StudyPolicies],
     jobs: Mapping[str, hermes.TimeShareJob],

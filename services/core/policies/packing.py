@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from stagetree.core.errors import InvalidArgument, NotFound, ResourceExhausted
-from stagetree.core.scheduler import Slot
+from stagetree.core.slots import Slot
 
 EPS = 1e-9
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from stagetree.core.errors import InvalidArgument
 from stagetree.core.policies.packing import Demand, GpuBin, PackItem, Usage, place, place_policy
-from stagetree.core.scheduler import Slot
+from stagetree.core.slots import Slot
 
 
 @dataclass(frozen=True)

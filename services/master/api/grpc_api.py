@@ -185,7 +185,7 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
                     address=n.address,
                     state=n.state,
                     last_heartbeat=n.last_heartbeat,
-                    slots=[slot_pb(s) for s in n.slot_infos],
+                    slots=[slot_pb(s) for s in n.slots],
                 )
                 for n in recs
             ]

@@ -241,7 +241,7 @@ def create_rest_app(master: MasterApp) -> FastAPI:
                 "address": n.address,
                 "state": n.state,
                 "last_heartbeat": n.last_heartbeat,
-                "slots": [dataclasses.asdict(i) for i in n.slot_infos],
+                "slots": [dataclasses.asdict(i) for i in n.slots],
             }
             for n in svc.list_node_managers(who)
         ]

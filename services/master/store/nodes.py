@@ -112,12 +112,7 @@ class NodeRegistry:
             infos.setdefault(nm_id, []).append(SlotInfo(sid, gpu, mem, cc, share, cores, index))
         out = []
         for nm_id, address, state, beat in c.execute(_NODE_MANAGERS):
-            mine = tuple(infos.get(nm_id, ()))
-            out.append(
-                NodeManagerRecord(
-                    nm_id, address, NodeManagerState(state), beat, tuple((i.id, i.gpu_type) for i in mine), mine
-                )
-            )
+            out.append(NodeManagerRecord(nm_id, address, NodeManagerState(state), beat, tuple(infos.get(nm_id, ()))))
         return out
 
     def take_assignments(self, nm_id: str) -> list[Assignment]:

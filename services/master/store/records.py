@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from stagetree.core.batch import Point
 from stagetree.core.lifecycle import AssignmentKind, BatchState, NodeManagerState, RequestState
-from stagetree.core.slots import SlotInfo
+from stagetree.core.slots import Slot, SlotInfo
 
 __all__ = [
     "Assignment",
@@ -108,8 +108,11 @@ class NodeManagerRecord:
     address: str
     state: NodeManagerState
     last_heartbeat: float
-    slots: tuple[tuple[str, str], ...]  # (slot id, gpu type)
-    slot_infos: tuple[SlotInfo, ...] = ()
+    slots: tuple[SlotInfo, ...] = ()
+
+    def placed_slots(self) -> list[Slot]:
+        """Its slots as the scheduler places work on them."""
+        return [Slot.on(self.id, i) for i in self.slots]
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,11 @@ from hypothesis import strategies as st
 from stagetree.core.batch import Point
 from stagetree.core.config import Config, divergence
 from stagetree.core.errors import InvalidArgument, NotFound
-from stagetree.core.scheduler import ORDER_POLICIES, Slot, order_policy, schedule_round, steps_cost
+from stagetree.core.scheduler import ORDER_POLICIES, order_policy, schedule_round, steps_cost
 from stagetree.core.searchplan import Checkpoint, SearchPlan
 from stagetree.core.sequences import Constant, MultiStep, Piecewise, Warmup
 from stagetree.core.simulator import ASHADriver, Ask, GridDriver, Simulator, simulate, synthetic_curve
+from stagetree.core.slots import Slot
 from stagetree.core.stagetree import InflightBatch, InflightStage, build_stage_tree
 
 

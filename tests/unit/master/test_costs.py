@@ -6,8 +6,9 @@ import json
 from typing import Any
 
 from stagetree.core.config import Config
-from stagetree.core.scheduler import Slot, schedule_round
+from stagetree.core.scheduler import schedule_round
 from stagetree.core.searchplan import SearchPlan
+from stagetree.core.slots import Slot
 from stagetree.core.stagetree import build_stage_tree
 from stagetree.master.costs import CostLearner
 from stagetree.master.store.records import FinishedAttempt

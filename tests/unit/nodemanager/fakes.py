@@ -12,9 +12,9 @@ from pathlib import Path
 from stagetree.bus.inprocess import InProcessBus
 from stagetree.bus.messages import Message
 from stagetree.core.errors import Unavailable
+from stagetree.core.slots import SlotInfo
 from stagetree.nodemanager.examples.digits import DigitsMLP
 from stagetree.nodemanager.link import Assignment, BatchReport, MasterLink
-from stagetree.nodemanager.slots import LocalSlot
 
 
 class FakeLink(MasterLink):
@@ -23,7 +23,7 @@ class FakeLink(MasterLink):
     def __init__(self, heartbeat_s: float = 0.05) -> None:
         self.heartbeat_s = heartbeat_s
         self.feed: asyncio.Queue[Assignment | Exception] = asyncio.Queue()
-        self.registrations: list[tuple[str, list[LocalSlot]]] = []
+        self.registrations: list[tuple[str, list[SlotInfo]]] = []
         self.heartbeats = 0
         self.reports: list[BatchReport] = []
         self.register_errors: list[Exception] = []
@@ -31,7 +31,7 @@ class FakeLink(MasterLink):
         self.report_errors: list[Exception] = []
         self.closed = False
 
-    async def register(self, node_manager_id: str, address: str, slots: Sequence[LocalSlot]) -> float:
+    async def register(self, node_manager_id: str, address: str, slots: Sequence[SlotInfo]) -> float:
         if self.register_errors:
             raise self.register_errors.pop(0)
         self.registrations.append((node_manager_id, list(slots)))

@@ -18,6 +18,7 @@ import torch
 
 from stagetree.core.batch import BatchSpec
 from stagetree.core.errors import Unauthenticated, Unavailable
+from stagetree.core.slots import SlotInfo
 from stagetree.nodemanager.agent import NodeManager
 from stagetree.nodemanager.examples.digits import DigitsMLP, digits_batch
 from stagetree.nodemanager.examples.faults import ENTRY_POINT as FAULTY
@@ -28,7 +29,6 @@ from stagetree.nodemanager.mps import MpsDaemon
 from stagetree.nodemanager.reporting import GrpcReporter
 from stagetree.nodemanager.runtime.checkpoints import LocalCheckpointStore
 from stagetree.nodemanager.runtime.executor import BatchRun
-from stagetree.nodemanager.slots import LocalSlot
 from stagetree.nodemanager.workers import ExecLauncher, ForkserverLauncher, WorkerLauncher
 from tests.unit.nodemanager.fakes import ENV_RECORDER, FORKING, FakeLink
 
@@ -81,7 +81,7 @@ async def _start(
     nm = NodeManager(
         link,
         GrpcReporter(link, initial_backoff_s=0.01, close_timeout_s=close_timeout_s),
-        [LocalSlot(f"cpu{i}") for i in range(slots)],
+        [SlotInfo(f"cpu{i}") for i in range(slots)],
         _launcher(launcher, store, tmp),
         node_manager_id="nm-test",
         store=store,
@@ -227,7 +227,7 @@ async def _start_with_register_errors(tmp: Path, errors: list[Exception]) -> Har
     nm = NodeManager(
         link,
         GrpcReporter(link),
-        [LocalSlot("cpu0")],
+        [SlotInfo("cpu0")],
         _launcher("forkserver", store, tmp),
         node_manager_id="nm-test",
         reconnect_initial_s=0.01,
@@ -243,7 +243,7 @@ async def test_a_wrong_token_stops_the_node_manager_at_once(tmp_path: Path) -> N
     link = FakeLink()
     link.register_errors = [Unauthenticated("bad token; set STAGETREE_NM_ADMIN_TOKEN")]
     launcher = _launcher("exec", LocalCheckpointStore(tmp_path / "ckpt"), tmp_path)
-    nm = NodeManager(link, GrpcReporter(link), [LocalSlot("cpu0")], launcher, node_manager_id="nm-test")
+    nm = NodeManager(link, GrpcReporter(link), [SlotInfo("cpu0")], launcher, node_manager_id="nm-test")
     with pytest.raises(Unauthenticated, match="STAGETREE_NM_ADMIN_TOKEN"):
         await asyncio.wait_for(nm.run(asyncio.Event()), 10)
     assert link.closed and not (tmp_path / "work" / "logs").exists()  # no worker was ever started
@@ -298,7 +298,7 @@ async def test_telemetry_is_sampled_with_gpus_and_skipped_without(tmp_path: Path
     nm = NodeManager(
         link,
         reporter,
-        [LocalSlot("cpu0")],
+        [SlotInfo("cpu0")],
         launcher,
         node_manager_id="nm-tel",
         probe=StaticGpuProbe(gpus),
@@ -328,7 +328,7 @@ async def test_the_mps_daemon_lives_as_long_as_the_node_manager(
     link = FakeLink()
     launcher = _launcher("forkserver", LocalCheckpointStore(tmp_path / "ckpt"), tmp_path)
     mps = MpsDaemon(tmp_path / "w", [0])
-    nm = NodeManager(link, GrpcReporter(link), [LocalSlot("cpu0")], launcher, node_manager_id="nm-mps", mps=mps)
+    nm = NodeManager(link, GrpcReporter(link), [SlotInfo("cpu0")], launcher, node_manager_id="nm-mps", mps=mps)
     stop = asyncio.Event()
     task = asyncio.create_task(nm.run(stop))
     await until(nm.connected.is_set)

@@ -15,10 +15,10 @@ import grpc
 import pytest
 
 from stagetree.core.errors import StagetreeError, Unavailable
+from stagetree.core.slots import SlotInfo
 from stagetree.nodemanager.agent import NodeManager
 from stagetree.nodemanager.link import GrpcMasterLink
 from stagetree.nodemanager.reporting import AttemptEnd, AttemptInfo, GrpcReporter
-from stagetree.nodemanager.slots import LocalSlot
 from stagetree.nodemanager.workers import ExecLauncher
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
 from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
@@ -122,7 +122,7 @@ async def test_the_connection_backs_off_ever_longer_while_the_master_keeps_faili
     nm = NodeManager(
         link,
         GrpcReporter(link),
-        [LocalSlot("cpu0")],
+        [SlotInfo("cpu0")],
         ExecLauncher(str(tmp_path / "ckpt"), tmp_path / "work", prestart=False),
         node_manager_id="nm-test",
         heartbeat_interval_s=0.001,  # a session fails at once: only the backoff paces the loop

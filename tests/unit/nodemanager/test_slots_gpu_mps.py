@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 
 from stagetree.core.errors import FailedPrecondition, InvalidArgument
+from stagetree.core.slots import SlotInfo
 from stagetree.nodemanager.cli import KeyValueFormatter
 from stagetree.nodemanager.gpu import GpuInfo, NvmlGpuProbe, StaticGpuProbe
 from stagetree.nodemanager.mps import MpsDaemon
 from stagetree.nodemanager.settings import NodeManagerSettings
-from stagetree.nodemanager.slots import LocalSlot, build_slots, worker_env
+from stagetree.nodemanager.slots import build_slots, worker_env
 from stagetree.nodemanager.workers import ExecLauncher, ForkserverLauncher, make_launcher
 
 H100 = GpuInfo(0, "NVIDIA H100 80GB HBM3", 80 * 2**30, "9.0")
@@ -68,7 +69,7 @@ def test_bad_slot_settings_are_refused() -> None:
 
 def test_worker_env_pins_the_device_threads_and_mps_share() -> None:
     base = {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,1,2,3", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100"}
-    cpu = worker_env(LocalSlot("cpu0"), threads=2, base=base)
+    cpu = worker_env(SlotInfo("cpu0"), threads=2, base=base)
     assert cpu["CUDA_VISIBLE_DEVICES"] == "" and cpu["OMP_NUM_THREADS"] == "2" and cpu["PATH"] == "/bin"
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in cpu
 
@@ -160,7 +161,7 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_launcher_choice(tmp_path: Path) -> None:
-    cpu, gpu_slot = LocalSlot("cpu0"), build_slots([H100])[0]
+    cpu, gpu_slot = SlotInfo("cpu0"), build_slots([H100])[0]
     assert isinstance(make_launcher("auto", [cpu], "/c", tmp_path), ForkserverLauncher)
     assert isinstance(make_launcher("auto", [gpu_slot], "/c", tmp_path), ExecLauncher)
     exec_launcher = make_launcher("exec", [cpu], "/c", tmp_path, preload=["torch._dynamo"], threads=3)

@@ -8,7 +8,6 @@ from stagetree.core.errors import InvalidArgument
 from stagetree.core.policies.hermes import TimeShareJob
 from stagetree.core.policies.live import (
     Running,
-    SlotView,
     StudyPolicies,
     Work,
     eval_points,
@@ -21,9 +20,10 @@ from stagetree.core.policies.live import (
     preempt_for,
 )
 from stagetree.core.policies.pop import Verdict
+from stagetree.core.slots import Slot
 
-CPU0 = SlotView("cpu0", "nm", cpu_cores=1)
-CPU1 = SlotView("cpu1", "nm", cpu_cores=1)
+CPU0 = Slot("cpu0", "nm", cpu_cores=1)
+CPU1 = Slot("cpu1", "nm", cpu_cores=1)
 
 
 def test_parse_policies_round_trips_and_fills_defaults() -> None:
@@ -102,8 +102,8 @@ def test_packing_counts_running_work_and_plain_work_takes_first_free_slot() -> N
 
 
 def test_gpu_slots_of_one_gpu_form_one_device() -> None:
-    a, b = SlotView("gpu0.0", "nm", "A100", 0, 40), SlotView("gpu0.1", "nm", "A100", 0, 40)
-    c = SlotView("gpu1.0", "nm", "A100", 1, 40)
+    a, b = Slot("gpu0.0", "nm", "A100", 0, 40), Slot("gpu0.1", "nm", "A100", 0, 40)
+    c = Slot("gpu1.0", "nm", "A100", 1, 40)
     pols = {"s": parse_policies({"placement": "ff", "placement_params": {"compute": 50, "memory_bytes": 30}})}
     work = [Work(i, "s", str(i), 1, 0) for i in range(3)]
     got = dict(place_work(work, [a, b, c], {}, [], pols))

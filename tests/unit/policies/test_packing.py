@@ -32,7 +32,7 @@ from stagetree.core.policies.packing_sim import (
     simulate_packing,
     sp_workload,
 )
-from stagetree.core.scheduler import Slot
+from stagetree.core.slots import Slot
 
 
 def item(

@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from stagetree.core.errors import InvalidArgument
 from stagetree.core.policies import hermes, pop
 from stagetree.core.policies.curves import CurveFit
-from stagetree.core.policies.live import Running, SlotView, Work, on_reports, parse_policies, plan_round
+from stagetree.core.policies.live import Running, Work, on_reports, parse_policies, plan_round
 from stagetree.core.policies.state import Kill, PolicyState
+from stagetree.core.slots import Slot
 
 
 def round_trip(data: dict[str, Any]) -> Any:
@@ -191,8 +192,8 @@ def test_a_restored_state_plans_the_same_round() -> None:
     s, back = _state(), _restored(_state())
     work = [Work(0, "hermes", "1:2:50", 5.0, 1.0), Work(1, "pop", "2:5:30", 5.0, 2.0), Work(2, "pop", "2:9:30", 5, 3)]
     running = [Running(7, "cpu0", "hermes", "1:1:50", 5.0)]
-    free = [SlotView("cpu1", "nm", cpu_cores=1)]
-    busy = {"cpu0": SlotView("cpu0", "nm", cpu_cores=1)}
+    free = [Slot("cpu1", "nm", cpu_cores=1)]
+    busy = {"cpu0": Slot("cpu0", "nm", cpu_cores=1)}
     for now in (6.0, 8.0, 20.0):
         assert plan_round(work, free, busy, running, POLICIES, back.jobs, now, back.search) == plan_round(
             work, free, busy, running, POLICIES, s.jobs, now, s.search
