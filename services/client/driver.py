@@ -2,7 +2,8 @@
 
 This module owns ``drive(study, tuner)``, the thin loop of the tuner protocol with real I/O:
 
-* ``Submit(trial, config, step)`` -> ``study.submit(config, step)`` (a handle; no I/O at that moment);
+* ``Submit(trial, config, step)`` -> ``study.submit(config, step, label="trial-<id>")`` (a handle; no
+  I/O at that moment);
 * ``Stop(trial)`` -> ``study.cancel(handle)`` of the trial's outstanding eval, in the background;
 * a finished eval -> ``Result(trial, step, metrics)``, or ``Failed(trial, error)`` when its work failed
   or someone else cancelled it.
@@ -80,7 +81,10 @@ async def drive(
                 if evals > max_evals:
                     raise RuntimeError(f"drive: more than {max_evals} evals; is the tuner looping?")
                 out = _Outstanding(
-                    a, study.submit(a.config, a.step), progress.get(a.trial_id, 0), time.monotonic() - t0
+                    a,
+                    study.submit(a.config, a.step, label=f"trial-{a.trial_id}"),
+                    progress.get(a.trial_id, 0),
+                    time.monotonic() - t0,
                 )
                 outstanding[a.trial_id] = out
                 out.handle.add_done_callback(functools.partial(_complete, completed, out))

@@ -39,22 +39,27 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import grpc
 
+from stagetree.client.codeversion import code_digest
 from stagetree.core.config import Config, FixedPart
 from stagetree.core.errors import (
+    AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
+    NotFound,
     ResourceExhausted,
     StagetreeError,
     Unauthenticated,
     Unavailable,
 )
+from stagetree.core.lifecycle import FINISHED_REQUEST_STATES
 from stagetree.core.searchplan import check_step
 from stagetree.core.sequences import Sequence, as_sequence
+from stagetree.core.sharing import SharingStats
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
 from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
 from stagetree.status import error_class_of, error_of_code
@@ -66,7 +71,8 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 ENV_TARGET = "STAGETREE_MASTER"
 ENV_TOKEN = "STAGETREE_TOKEN"
 MAX_CONFIG_BYTES = 64 * 1024  # the master's default limit; a larger config fails here, before any RPC
-TERMINAL = frozenset({"DONE", "CANCELLED", "FAILED"})
+TERMINAL = frozenset(str(s) for s in FINISHED_REQUEST_STATES)
+_STUDY_ID = re.compile(r"[0-9a-f]{32}")
 
 # ---------------------------------------------------------------------------------------------
 # Errors
@@ -131,6 +137,7 @@ class EvalResult:
     metrics: dict[str, float]
     config: dict[str, Sequence] | None = None  # None when another client submitted it
     error: str = ""
+    label: str = ""  # the trial it belongs to, as the tuner named it
 
 
 @dataclass(frozen=True)
@@ -163,11 +170,12 @@ class Evaluation:
     """One submitted eval. ``await evaluation`` gives its metrics; ``await evaluation.result()`` the whole
     ``EvalResult``. ``request_id`` is set once the batch carrying it was answered."""
 
-    def __init__(self, study: Study, config: dict[str, Sequence], config_json: str, step: int) -> None:
+    def __init__(self, study: Study, config: dict[str, Sequence], config_json: str, step: int, label: str = "") -> None:
         self.study = study
         self.config = config
         self.config_json = config_json
         self.step = step
+        self.label = label
         self.client_request_id = uuid.uuid4().hex
         self.request_id: int | None = None
         self._future: asyncio.Future[EvalResult] = asyncio.get_running_loop().create_future()
@@ -207,16 +215,15 @@ class Evaluation:
             r.node,
             dict(r.metrics),
             self.config,
-            getattr(r, "error", ""),
+            r.error,
+            r.label,
         )
         if self._future.done():
             return None
         if state == "DONE":
             self._future.set_result(res)
         elif state == "FAILED":
-            self._future.set_exception(
-                EvalFailed(f"eval at step {self.step} failed: {res.error or 'no reason given'}; see the node log")
-            )
+            self._future.set_exception(EvalFailed(f"eval at step {self.step} failed: {res.error or 'no reason given'}"))
         else:
             why = f": {res.error}" if res.error else ""  # e.g. a search policy killed the trial
             self._future.set_exception(EvalCancelled(f"request {r.request_id} was cancelled{why}"))
@@ -488,6 +495,9 @@ class Study:
         model: str = "",
         seed: int = 0,
         values: Mapping[str, Any] | None = None,
+        code_version: str | None = None,
+        code: Iterable[str | os.PathLike[str]] = (),
+        load_if_exists: bool = False,
         tuned: Iterable[str],
         policies: Mapping[str, Any] | None = None,
     ) -> Study:
@@ -495,11 +505,33 @@ class Study:
         ``Trainer`` (``"package.module:Class"``); ``values`` are fixed hyper-parameters; ``tuned`` names
         the hyper-parameters every eval gives a sequence for; ``policies`` picks scheduling policies by
         name (``{"time_share": "hermes", "placement": "wfd", "qos": "urgent", ...}``: see
-        ``stagetree.master.policies``), validated by the master."""
+        ``docs/policies.md``), validated by the master.
+
+        Results are tied to the trainer's code: ``code_version`` defaults to a digest of the trainer's
+        module source and of the files and directories in ``code`` (``client.codeversion``); an edit gives
+        a new plan, so nothing computed by the old code is reused. Pass an explicit ``code_version`` (a
+        git commit) when the trainer lives only on the cluster. With ``load_if_exists``, a study of that
+        name that exists already is loaded instead (its fixed part is the one it was created with)."""
         names = _check_tuned(tuned)
         if not isinstance(name, str) or not name.strip():
             raise InvalidArgument(f"name: must be a non-empty string, got {name!r}")
-        fixed = FixedPart(trainer=trainer, dataset=dataset, model=model, seed=seed, values=dict(values or {}))
+        if code_version is None:
+            code_version = code_digest(trainer, code) if isinstance(trainer, str) else ""
+            if code_version is None:
+                log.warning(
+                    "cannot find the trainer's module from this process: the study's results are not tied to "
+                    "a code version; pass code_version= (e.g. your git commit) to tie them",
+                    extra={"trainer": trainer},
+                )
+                code_version = ""
+        fixed = FixedPart(
+            trainer=trainer,
+            dataset=dataset,
+            model=model,
+            seed=seed,
+            values=dict(values or {}),
+            code_version=code_version,
+        )
         clash = sorted(set(fixed.values) & set(names or ()))
         if clash:
             raise InvalidArgument(f"{clash} are both fixed values and tuned; a hyper-parameter is one or the other")
@@ -507,16 +539,54 @@ class Study:
         if policies is not None:
             fixed_obj["policies"] = dict(policies)
         req = pb.CreateStudyRequest(name=name, fixed_json=json.dumps(fixed_obj, sort_keys=True))
-        return cls(client, _study_info(await client.call("CreateStudy", req, idempotent=False)), names)
+        try:
+            return cls(client, _study_info(await client.call("CreateStudy", req, idempotent=False)), names)
+        except AlreadyExists:
+            if not load_if_exists:
+                raise
+        info = await client.call("GetStudy", pb.GetStudyRequest(name=name), idempotent=True)
+        return cls(client, _study_info(info), names)
 
     @classmethod
-    async def load(cls, client: Client, study_id: str, *, tuned: Iterable[str] | None = None) -> Study:
-        """An existing study. The master does not keep the tuned names: pass ``tuned`` to have evals
-        checked against them (otherwise any non-empty set of names is accepted)."""
-        if not isinstance(study_id, str) or not study_id:
-            raise InvalidArgument(f"study_id: must be a non-empty string, got {study_id!r}")
-        info = await client.call("GetStudy", pb.GetStudyRequest(study_id=study_id), idempotent=True)
+    async def load(cls, client: Client, study: str, *, tuned: Iterable[str] | None = None) -> Study:
+        """An existing study of the caller, by name or by id. The master does not keep the tuned names:
+        pass ``tuned`` to have evals checked against them (otherwise any non-empty set of names is
+        accepted)."""
+        if not isinstance(study, str) or not study:
+            raise InvalidArgument(f"study: must be a study's name or id, got {study!r}")
+        try:
+            info = await client.call("GetStudy", pb.GetStudyRequest(name=study), idempotent=True)
+        except NotFound:
+            if not _STUDY_ID.fullmatch(study):
+                raise
+            info = await client.call("GetStudy", pb.GetStudyRequest(study_id=study), idempotent=True)
         return cls(client, _study_info(info), _check_tuned(tuned))
+
+    async def delete(self) -> int:
+        """Delete the study: its live evals are cancelled, its requests deleted (returns how many). Its
+        plans are kept, shared within the owner's scope; ``forget_plan`` first to drop what they hold."""
+        r = await self.client.call("DeleteStudy", pb.DeleteStudyRequest(study_id=self.id), idempotent=True)
+        return int(r.requests_deleted)
+
+    async def stats(self) -> SharingStats:
+        """What sharing bought this study: steps executed, unique and trial-by-trial, the merge rate, and
+        compute seconds used and saved (``stagetree.core.sharing``)."""
+        r = await self.client.call("GetStudyStats", pb.GetStudyStatsRequest(study_id=self.id), idempotent=True)
+        return SharingStats(
+            dict(r.requests), r.steps_executed, r.unique_steps, r.trial_by_trial_steps, r.compute_seconds
+        )
+
+    async def forget_plan(self, plan_key: str = "") -> dict[str, int]:
+        """Drop the plan's checkpoints and metrics (and the finished requests they answered): ``{"checkpoints",
+        "bytes_freed", "metrics", "requests"}``. Refused while a request on it is live."""
+        req = pb.ForgetPlanRequest(study_id=self.id, plan_key=plan_key)
+        r = await self.client.call("ForgetPlan", req, idempotent=True)
+        return {
+            "checkpoints": r.checkpoints,
+            "bytes_freed": r.bytes_freed,
+            "metrics": r.metrics,
+            "requests": r.requests,
+        }
 
     # -- evals -------------------------------------------------------------------------------------
 
@@ -544,24 +614,28 @@ class Study:
             raise InvalidArgument(f"config: {len(text)} bytes of JSON is over the {MAX_CONFIG_BYTES}-byte limit")
         return seqs, text, step
 
-    def submit(self, config: Mapping[str, Any], step: int) -> Evaluation:
+    def submit(self, config: Mapping[str, Any], step: int, *, label: str = "") -> Evaluation:
         """Queue an eval of ``config`` at ``step`` and return its handle at once (no I/O here: the eval
-        goes out with the others of the same batch). Raises ``InvalidArgument`` for a bad config."""
+        goes out with the others of the same batch). ``label`` names the trial it belongs to (the tuners
+        pass ``trial-<id>``): REST and the CLI show it, and the study's stats count a trial once.
+        Raises ``InvalidArgument`` for a bad config."""
         if self.client._closed:
             raise FailedPrecondition("submit: the client is closed; open a new one with stagetree.connect()")
+        if not isinstance(label, str) or len(label) > 128:
+            raise InvalidArgument(f"label: must be a string of at most 128 characters, got {label!r}")
         seqs, text, step = self.validate(config, step)
-        ev = Evaluation(self, seqs, text, step)
+        ev = Evaluation(self, seqs, text, step, label)
         self._buffer.append(ev)
         if self._flusher is None or self._flusher.done():
             self._flusher = self._spawn(self._flush())
         return ev
 
-    async def eval(self, config: Mapping[str, Any], step: int) -> dict[str, float]:
+    async def eval(self, config: Mapping[str, Any], step: int, *, label: str = "") -> dict[str, float]:
         """Train ``config`` up to ``step`` (or reuse what is stored) and return the metrics there.
 
         Concurrent calls are batched into one RPC. Raises ``EvalFailed``, ``EvalCancelled``, or the
         error of the RPC (``Unavailable`` after retries, ...)."""
-        return await self.submit(config, step)
+        return await self.submit(config, step, label=label)
 
     async def cancel(self, evaluation: Evaluation | int) -> EvalResult | None:
         """Cancel an eval (its handle, or a request id of this study). The eval raises ``EvalCancelled``;
@@ -601,21 +675,40 @@ class Study:
             self._listeners.discard(q)
 
     async def best(self, metric: str, mode: str = "max") -> EvalResult | None:
-        """The finished eval with the best ``metric`` (``mode`` "max" or "min"), ties to the earliest;
-        None when none reported it. Covers the evals submitted through this object (the master's gRPC
-        API has no call that lists a study's requests)."""
+        """The study's finished request with the best ``metric`` (``mode`` "max" or "min"), ties to the
+        earliest; None when none reported it. Asks the master (``ListRequests``), so it covers every
+        request of the study, also on a loaded study; the config comes from the plan when another
+        client submitted it."""
         if mode not in ("max", "min"):
             raise InvalidArgument(f"mode: must be 'max' or 'min', got {mode!r}")
-        best: EvalResult | None = None
+        resp = await self.client.call("ListRequests", pb.ListRequestsRequest(study_id=self.id), idempotent=True)
+        best: pb.RequestResult | None = None
         key = -math.inf
-        for r in self._completed:
+        for r in resp.results:
             v = r.metrics.get(metric)
-            if r.state != "DONE" or v is None or math.isnan(v):
+            if _state_name(r.state) != "DONE" or v is None or math.isnan(v):
                 continue
             k = v if mode == "max" else -v
             if best is None or k > key:
                 best, key = r, k
-        return best
+        if best is None:
+            return None
+        mine = next((c for c in self._completed if c.request_id == best.request_id and c.config), None)
+        if mine is not None:
+            return mine
+        return replace(self._result_of(best), config=await self._config_at(best.node))
+
+    async def _config_at(self, node: int) -> dict[str, Sequence] | None:
+        """The config of a plan node (as sequences), from the plan this study uses."""
+        try:
+            plan = await self.plan()
+        except InvalidArgument:  # several plans: the request's node is in one of them, not named here
+            return None
+        for n in plan["nodes"]:
+            if n["id"] == node:
+                cfg = Config.from_json(n["config"])
+                return {name: cfg.sequence(name) for name in cfg.names()}
+        return None
 
     async def metrics(self, config: Mapping[str, Any], step: int) -> dict[str, float] | None:
         """Stored metrics of ``config`` at ``step`` (from any study sharing the plan), or None; never
@@ -677,7 +770,9 @@ class Study:
         req = pb.SubmitRequestsRequest(
             study_id=self.id,
             items=[
-                pb.SubmitItem(client_request_id=e.client_request_id, config_json=e.config_json, step=e.step)
+                pb.SubmitItem(
+                    client_request_id=e.client_request_id, config_json=e.config_json, step=e.step, label=e.label
+                )
                 for e in chunk
             ],
         )
@@ -787,7 +882,8 @@ class Study:
             r.node,
             dict(r.metrics),
             None,
-            getattr(r, "error", ""),
+            r.error,
+            r.label,
         )
 
     def _deliver(self, r: pb.RequestResult) -> EvalResult | None:

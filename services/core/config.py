@@ -48,13 +48,18 @@ def _check_scalar(value: Any, what: str) -> Any:
 
 @dataclass(frozen=True)
 class FixedPart:
-    """What must be equal for two trials to share anything: it names the search plan."""
+    """What must be equal for two trials to share anything: it names the search plan.
+
+    ``code_version`` names the trainer's code (the SDK defaults it to a digest of the trainer's source):
+    a change of it is a new plan, so no metric or checkpoint outlives the code that produced it.
+    """
 
     trainer: str
     dataset: str = ""
     model: str = ""
     seed: int = 0
     values: Mapping[str, Any] = field(default_factory=dict)
+    code_version: str = ""
 
     def __post_init__(self) -> None:
         _check_name(self.trainer, "fixed.trainer")
@@ -62,27 +67,34 @@ class FixedPart:
             raise InvalidArgument("fixed.dataset and fixed.model must be strings")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise InvalidArgument(f"fixed.seed: must be an int, got {self.seed!r}")
+        if not isinstance(self.code_version, str) or len(self.code_version) > MAX_NAME_LEN:
+            raise InvalidArgument(
+                f"fixed.code_version: must be a string of at most {MAX_NAME_LEN} characters, got {self.code_version!r}"
+            )
         vals = {}
         for k, v in dict(self.values).items():
             vals[_check_name(k, "fixed.values key")] = _check_scalar(v, f"fixed.values[{k!r}]")
         object.__setattr__(self, "values", dict(sorted(vals.items())))
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "trainer": self.trainer,
             "dataset": self.dataset,
             "model": self.model,
             "seed": self.seed,
             "values": dict(self.values),
         }
+        if self.code_version:  # absent when unversioned: the plan keys of earlier releases stay the same
+            out["code_version"] = self.code_version
+        return out
 
     @classmethod
     def from_json(cls, obj: Any) -> FixedPart:
         if not isinstance(obj, Mapping):
-            raise InvalidArgument("fixed: must be an object with trainer, dataset, model, seed, values")
-        unknown = set(obj) - {"trainer", "dataset", "model", "seed", "values"}
+            raise InvalidArgument("fixed: must be an object with trainer, dataset, model, seed, values, code_version")
+        unknown = set(obj) - _FIXED_FIELDS
         if unknown:
-            raise InvalidArgument(f"fixed: unknown fields {sorted(unknown)}")
+            raise InvalidArgument(f"fixed: unknown fields {sorted(unknown)}; known: {sorted(_FIXED_FIELDS)}")
         values = obj.get("values", {})
         if not isinstance(values, Mapping):
             raise InvalidArgument("fixed.values: must be an object")
@@ -92,12 +104,20 @@ class FixedPart:
             model=obj.get("model", ""),
             seed=obj.get("seed", 0),
             values=values,
+            code_version=obj.get("code_version", ""),
         )
 
-    def key(self) -> str:
-        """The plan key: equal fixed parts, and only they, share a search plan."""
-        blob = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+    def key(self, scope: str = "") -> str:
+        """The plan key: equal fixed parts in one scope (an owner, or a team), and only they, share a
+        search plan."""
+        obj = self.to_json()
+        if scope:
+            obj["scope"] = scope
+        blob = json.dumps(obj, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+_FIXED_FIELDS = frozenset({"trainer", "dataset", "model", "seed", "values", "code_version"})
 
 
 @dataclass(frozen=True)

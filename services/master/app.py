@@ -16,7 +16,7 @@ import grpc
 
 from stagetree.core.lifecycle import RetryPolicy
 from stagetree.master.api.grpc_api import MasterGrpc, start_grpc_server
-from stagetree.master.auth import Authenticator
+from stagetree.master.auth import Authenticator, team_of
 from stagetree.master.coordination import Coordination, InProcessCoordination, RedisCoordination
 from stagetree.master.plans import PlanCache
 from stagetree.master.scheduling import SchedulingLoop
@@ -44,6 +44,7 @@ class MasterApp:
         plans = PlanCache(store.plans)
         service = MasterService(store, settings.limits, coordination, plans)
         service.retry = RetryPolicy(settings.scheduling.max_attempts)
+        service.teams = team_of(settings.auth)
         instance = settings.instance_id or f"{socket.gethostname()}:{os.getpid()}"
         scheduler = SchedulingLoop(store, plans, coordination, settings.scheduling, instance)
         return cls(settings, store, coordination, Authenticator(settings.auth), service, scheduler)

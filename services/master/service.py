@@ -19,7 +19,8 @@ from stagetree.core.config import Config, FixedPart
 from stagetree.core.errors import InvalidArgument, NotFound, ResourceExhausted, StagetreeError
 from stagetree.core.lifecycle import AttemptReport, CheckpointPoint, MetricPoint, RetryPolicy
 from stagetree.core.searchplan import check_step
-from stagetree.master.auth import Principal
+from stagetree.core.sharing import SharingStats
+from stagetree.master.auth import Principal, scope_of
 from stagetree.master.plans import PlanCache, config_text
 from stagetree.master.policies import fixed_without_policies, split_policies
 from stagetree.master.settings import LimitSettings
@@ -31,6 +32,7 @@ from stagetree.master.store.records import (
     SlotInfo,
     StudyRecord,
 )
+from stagetree.master.store.retention import Forgotten
 from stagetree.master.store.store import Store
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,7 @@ class SubmitItem:
     client_request_id: str
     config_json: str
     step: int
+    label: str = ""  # the tuner's trial (shown by REST and the CLI; groups requests in the study's stats)
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,7 @@ class MasterService:
         self.wakeups: Wakeups = wakeups or NoWakeups()
         self.plans = plans or PlanCache(store.plans)
         self.retry = RetryPolicy()  # how often a request's work may fail before the request fails
+        self.teams: dict[str, str] = {}  # owner -> team: the scope its plans are shared within
 
     # -- studies --------------------------------------------------------------------------------
 
@@ -131,6 +135,32 @@ class MasterService:
 
     def list_studies(self, who: Principal) -> list[StudyRecord]:
         return self.store.studies.list_studies(who.name)
+
+    def find_study(self, who: Principal, name: str) -> StudyRecord:
+        """The caller's study named ``name``."""
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument("name: required")
+        return self.store.studies.find_study(who.name, name)
+
+    def delete_study(self, who: Principal, study_id: str) -> int:
+        """Cancel the study's live requests (aborting batches nothing else needs), then delete it and its
+        requests; returns how many requests went. Its plans stay, shared within the owner's scope: their
+        metrics and checkpoints keep answering the scope's other studies until ``forget_plan``."""
+        study = self.get_study(who, study_id)
+        for r in self.store.requests.get_requests(study.id):
+            if r.state.is_live():
+                self.cancel(who, study.id, r.id)
+        n = self.store.retention.delete_study(study.id)
+        self.store.studies.forget_study(study.id)
+        log.info("study deleted", extra={"study_id": study.id, "owner": study.owner, "requests": n})
+        return n
+
+    def study_stats(self, who: Principal, study_id: str) -> SharingStats:
+        study = self.get_study(who, study_id)
+        return self.store.stats.study_stats(study.id)
+
+    def _scope(self, study: StudyRecord) -> str:
+        return scope_of(study.owner, self.teams.get(study.owner, ""))
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -170,6 +200,8 @@ class MasterService:
                 raise InvalidArgument(f"items[{i}].client_request_id: must be a non-empty string of at most 128")
             if cid in seen:
                 raise InvalidArgument(f"items[{i}].client_request_id: {cid!r} appears twice in one batch")
+            if not isinstance(it.label, str) or len(it.label) > 128:
+                raise InvalidArgument(f"items[{i}].label: must be a string of at most 128 characters")
             seen.add(cid)
             step = check_step(it.step, f"items[{i}].step")
             got = configs.get(it.config_json)
@@ -179,16 +211,19 @@ class MasterService:
             parsed.append((cid, fixed, config, step))
         by_plan: dict[str, list[int]] = {}
         fixed_of: dict[str, FixedPart] = {}
+        scope = self._scope(study)
         for i, (_, fixed, _, _) in enumerate(parsed):
-            key = fixed.key()
+            key = fixed.key(scope)
             by_plan.setdefault(key, []).append(i)
             fixed_of[key] = fixed
         out: list[RequestRecord | None] = [None] * len(parsed)
         for key, idxs in by_plan.items():
-            plan_id = self.store.plans.ensure_plan(key, json.dumps(fixed_of[key].to_json(), sort_keys=True))
+            plan_id = self.store.plans.ensure_plan(key, json.dumps(fixed_of[key].to_json(), sort_keys=True), scope)
             points = self.plans.locate_many(plan_id, [(parsed[i][2], parsed[i][3]) for i in idxs])
             recs = self.store.requests.add_requests(
-                study.id, plan_id, [NewRequest(parsed[i][0], p.node, p.step) for i, p in zip(idxs, points, strict=True)]
+                study.id,
+                plan_id,
+                [NewRequest(parsed[i][0], p.node, p.step, items[i].label) for i, p in zip(idxs, points, strict=True)],
             )
             for i, r in zip(idxs, recs, strict=True):
                 out[i] = r
@@ -223,7 +258,8 @@ class MasterService:
         study = self.get_study(who, study_id)
         step = check_step(step)
         fixed, config = self._parse_config(study, config_json, "config")
-        plan_id = self.store.plans.plan_ids_by_key([fixed.key()]).get(fixed.key())
+        key = fixed.key(self._scope(study))
+        plan_id = self.store.plans.plan_ids_by_key([key]).get(key)
         if plan_id is None:
             return None, None
         point = self.plans.find(plan_id, config, step)
@@ -231,12 +267,12 @@ class MasterService:
             return None, None
         return point, self.store.requests.metrics_at(point.node, point.step)
 
-    def get_plan(self, who: Principal, study_id: str, plan_key: str = "") -> PlanView:
-        study = self.get_study(who, study_id)
+    def _study_plan(self, study: StudyRecord, plan_key: str) -> tuple[str, int]:
+        """(key, id) of the plan ``plan_key`` of the study, or of its only plan when no key is given."""
         plan_ids = self.store.plans.study_plan_ids(study.id)
         keys = {self.store.plans.plan_fixed(pid)[0]: pid for pid in plan_ids}
         if study.fixed_json is not None:
-            key = FixedPart.from_json(fixed_without_policies(study.fixed_json)).key()
+            key = FixedPart.from_json(fixed_without_policies(study.fixed_json)).key(self._scope(study))
             keys.update(self.store.plans.plan_ids_by_key([key]))
         if not plan_key:
             if len(keys) != 1:
@@ -245,6 +281,30 @@ class MasterService:
         pid = keys.get(plan_key)
         if pid is None:
             raise NotFound(f"plan {plan_key!r} is not used by study {study.id!r}")
+        return plan_key, pid
+
+    def forget_plan(self, who: Principal, study_id: str, plan_key: str = "") -> Forgotten:
+        """Drop what a plan of the study computed: its checkpoints (files deleted by the node managers),
+        its metrics, and the finished requests they answered, in every study of the scope. Refused while
+        a request on it is live. The next eval on it trains from scratch."""
+        study = self.get_study(who, study_id)
+        plan_key, pid = self._study_plan(study, plan_key)
+        out = self.store.retention.forget_plan(pid)
+        log.info(
+            "plan forgotten",
+            extra={
+                "study_id": study.id,
+                "plan_key": plan_key,
+                "bytes_freed": out.bytes_freed,
+                "requests": out.requests,
+            },
+        )
+        self.wakeups.notify(CH_ROUND)
+        return out
+
+    def get_plan(self, who: Principal, study_id: str, plan_key: str = "") -> PlanView:
+        study = self.get_study(who, study_id)
+        plan_key, pid = self._study_plan(study, plan_key)
         plan = self.plans.refresh(pid)
         counts, ckpts, mets = self.store.plans.plan_state(pid)
         nodes = [

@@ -15,6 +15,9 @@ class AuthSettings(BaseModel):
     tokens: dict[str, SecretStr] = Field(default_factory=dict)
     # node managers (and operators) authenticate with this one
     admin_token: SecretStr = SecretStr("")
+    # team name -> owner names: owners of one team share search plans (metrics and checkpoints); an owner
+    # in no team shares with nobody. Studies stay visible to their owner only.
+    teams: dict[str, list[str]] = Field(default_factory=dict)
 
 
 class LimitSettings(BaseModel):

@@ -98,14 +98,17 @@ def pg_store(pg_url: str) -> Iterator[Store]:
     s.dispose()
 
 
-TOKENS = {"alice": "alice-token", "bob": "bob-token"}
+TOKENS = {"alice": "alice-token", "bob": "bob-token", "carol": "carol-token", "dave": "dave-token"}
+TEAMS = {"lab": ["carol", "dave"]}  # carol and dave share plans; alice and bob share with nobody
 ADMIN_TOKEN = "admin-token"
 
 
 def master_settings(database_url: str, **overrides: object) -> MasterSettings:
     return MasterSettings(
         database_url=database_url,
-        auth=AuthSettings(tokens={k: SecretStr(v) for k, v in TOKENS.items()}, admin_token=SecretStr(ADMIN_TOKEN)),
+        auth=AuthSettings(
+            tokens={k: SecretStr(v) for k, v in TOKENS.items()}, admin_token=SecretStr(ADMIN_TOKEN), teams=TEAMS
+        ),
         limits=LimitSettings(max_batch_items=50),
         **overrides,  # type: ignore[arg-type]
     )

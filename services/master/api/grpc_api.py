@@ -16,6 +16,7 @@ import grpc
 
 from stagetree.core.errors import InvalidArgument, StagetreeError
 from stagetree.core.lifecycle import AttemptReport, CheckpointPoint, MetricPoint, Outcome
+from stagetree.core.sharing import SharingStats
 from stagetree.master.api.grouping import Grouper
 from stagetree.master.auth import Authenticator, Principal, bearer
 from stagetree.master.coordination import Coordination, Subscription
@@ -49,6 +50,20 @@ def result_pb(r: RequestRecord) -> pb.RequestResult:
         node=r.node,
         step=r.step,
         error=r.error or "",
+        label=r.label,
+    )
+
+
+def stats_pb(st: SharingStats) -> pb.StudyStats:
+    return pb.StudyStats(
+        requests=dict(st.requests),
+        steps_executed=st.steps_executed,
+        unique_steps=st.unique_steps,
+        trial_by_trial_steps=st.trial_by_trial_steps,
+        merge_rate=st.merge_rate,
+        saved_steps=st.saved_steps,
+        compute_seconds=st.compute_seconds,
+        saved_seconds=st.saved_seconds,
     )
 
 
@@ -100,7 +115,16 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
         return study_pb(rec)
 
     async def GetStudy(self, request: pb.GetStudyRequest, context: Any) -> pb.Study:
+        if request.name and not request.study_id:
+            return study_pb(await self._call(context, lambda who: self.svc.find_study(who, request.name)))
         return study_pb(await self._call(context, lambda who: self.svc.get_study(who, request.study_id)))
+
+    async def DeleteStudy(self, request: pb.DeleteStudyRequest, context: Any) -> pb.DeleteStudyResponse:
+        n = await self._call(context, lambda who: self.svc.delete_study(who, request.study_id))
+        return pb.DeleteStudyResponse(requests_deleted=n)
+
+    async def GetStudyStats(self, request: pb.GetStudyStatsRequest, context: Any) -> pb.StudyStats:
+        return stats_pb(await self._call(context, lambda who: self.svc.study_stats(who, request.study_id)))
 
     async def ListStudies(self, request: pb.ListStudiesRequest, context: Any) -> pb.ListStudiesResponse:
         recs = await self._call(context, self.svc.list_studies)
@@ -109,7 +133,7 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
     # -- requests -------------------------------------------------------------------------------
 
     async def SubmitRequests(self, request: pb.SubmitRequestsRequest, context: Any) -> pb.SubmitRequestsResponse:
-        items = [SubmitItem(i.client_request_id, i.config_json, i.step) for i in request.items]
+        items = [SubmitItem(i.client_request_id, i.config_json, i.step, i.label) for i in request.items]
         recs = await self._call(context, lambda who: self.svc.submit(who, request.study_id, items))
         return pb.SubmitRequestsResponse(results=[result_pb(r) for r in recs])
 
@@ -142,6 +166,12 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
                 )
                 for n in view.nodes
             ],
+        )
+
+    async def ForgetPlan(self, request: pb.ForgetPlanRequest, context: Any) -> pb.ForgetPlanResponse:
+        out = await self._call(context, lambda who: self.svc.forget_plan(who, request.study_id, request.plan_key))
+        return pb.ForgetPlanResponse(
+            checkpoints=out.checkpoints, bytes_freed=out.bytes_freed, metrics=out.metrics, requests=out.requests
         )
 
     async def StreamResults(self, request: pb.StreamResultsRequest, context: Any) -> AsyncIterator[pb.RequestResult]:

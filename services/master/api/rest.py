@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 PREFIX = "/api/v1"
+KEPT_PLANS = "kept: they belong to the owner's scope; 'stagetree plan forget' drops what they computed"
 MAX_WAIT_S = 60.0  # the longest a long poll may hold a request
 
 
@@ -50,6 +51,7 @@ class ItemIn(BaseModel):
     client_request_id: str
     config: dict[str, Any] = Field(description='{"fixed": {...}, "tuned": {name: sequence}}; fixed may be omitted')
     step: int
+    label: str = Field("", max_length=128, description="the tuner's trial this request belongs to")
 
 
 class SubmitIn(BaseModel):
@@ -64,6 +66,13 @@ class RequestOut(BaseModel):
     node: int
     step: int
     error: str | None = None
+    label: str = ""
+
+
+class StudyDeleted(BaseModel):
+    id: str
+    requests_deleted: int
+    plans: str = Field(description="what happened to the study's plans")
 
 
 class MetricsQuery(BaseModel):
@@ -120,6 +129,7 @@ def _request(r: RequestRecord) -> RequestOut:
         node=r.node,
         step=r.step,
         error=r.error,
+        label=r.label,
     )
 
 
@@ -163,9 +173,29 @@ def create_rest_app(master: MasterApp) -> FastAPI:
     def get_study(study_id: str, who: Who) -> StudyOut:
         return _study(svc.get_study(who, study_id))
 
+    @api.delete(f"{PREFIX}/studies/{{study_id}}")
+    def delete_study(study_id: str, who: Who) -> StudyDeleted:
+        """Cancel the study's live requests, then delete it and its requests. Its plans are kept: they
+        belong to the owner (or team) and keep answering other studies; ``POST .../plan/forget`` first
+        to drop what they computed."""
+        n = svc.delete_study(who, study_id)
+        return StudyDeleted(id=study_id, requests_deleted=n, plans=KEPT_PLANS)
+
+    @api.get(f"{PREFIX}/studies/{{study_id}}/stats")
+    def stats(study_id: str, who: Who) -> dict[str, Any]:
+        """What sharing bought the study: steps executed, unique and trial-by-trial, merge rate, compute
+        seconds used and saved (definitions: ``stagetree.core.sharing``)."""
+        return svc.study_stats(who, study_id).to_json()
+
+    @api.post(f"{PREFIX}/studies/{{study_id}}/plan/forget")
+    def forget_plan(study_id: str, who: Who, plan_key: str = "") -> dict[str, int]:
+        """Drop the plan's checkpoints and metrics and the finished requests they answered (every study of
+        the owner's scope); refused (412) while a request on it is live."""
+        return dataclasses.asdict(svc.forget_plan(who, study_id, plan_key))
+
     @api.post(f"{PREFIX}/studies/{{study_id}}/requests")
     def submit(study_id: str, body: SubmitIn, who: Who) -> list[RequestOut]:
-        items = [SubmitItem(i.client_request_id, json.dumps(i.config), i.step) for i in body.items]
+        items = [SubmitItem(i.client_request_id, json.dumps(i.config), i.step, i.label) for i in body.items]
         return [_request(r) for r in svc.submit(who, study_id, items)]
 
     @api.get(f"{PREFIX}/studies/{{study_id}}/requests")

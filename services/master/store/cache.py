@@ -1,8 +1,10 @@
 """Caches in front of the store's roles, for the rows that never change once written.
 
 Consistency rules (why a cached read is never stale):
-- a study's id, owner, name and fixed part never change after it is created;
-- a plan's id, key and fixed part never change, and plans are never deleted;
+- a study's id, owner, name and fixed part never change after it is created; a deleted study's id is
+  never reused (uuid4), and the master that deletes it drops it here (``forget_study``);
+- a plan's id, key, scope and fixed part never change, and plan rows are never deleted (``plan forget``
+  deletes what a plan computed, not the plan);
 - a batch's plan never changes.
 So each of these is read once per process and kept (bounded; the oldest half goes when full). Nothing
 that changes (request states, metrics, checkpoints, batches' states) is cached. The adapters below
@@ -33,6 +35,9 @@ class Bounded(Generic[K, V]):
     def get(self, key: K) -> V | None:
         return self._d.get(key)
 
+    def drop(self, key: K) -> None:
+        self._d.pop(key, None)
+
     def put(self, key: K, value: V) -> V:
         if len(self._d) >= self.size:
             for k in list(self._d)[: self.size // 2]:
@@ -52,6 +57,9 @@ class CachedStudyStore(StudyStore):
         got = self._studies.get(study_id)
         return got if got is not None else self._studies.put(study_id, super().get_study(study_id))
 
+    def forget_study(self, study_id: str) -> None:
+        self._studies.drop(study_id)
+
 
 class CachedPlanStore(PlanStore):
     """Plan ids by key and each plan's key and fixed part, read once."""
@@ -61,9 +69,9 @@ class CachedPlanStore(PlanStore):
         self._ids: Bounded[str, int] = Bounded(size)
         self._fixed: Bounded[int, tuple[str, str]] = Bounded(size)
 
-    def ensure_plan(self, key: str, fixed_json: str) -> int:
+    def ensure_plan(self, key: str, fixed_json: str, scope: str = "") -> int:
         got = self._ids.get(key)
-        return got if got is not None else self._ids.put(key, super().ensure_plan(key, fixed_json))
+        return got if got is not None else self._ids.put(key, super().ensure_plan(key, fixed_json, scope))
 
     def plan_fixed(self, plan_id: int) -> tuple[str, str]:
         got = self._fixed.get(plan_id)

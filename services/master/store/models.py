@@ -58,9 +58,11 @@ class Plan(Base):
     __tablename__ = "plans"
 
     id: Mapped[int] = mapped_column(Id, primary_key=True, autoincrement=True)
-    key: Mapped[str] = mapped_column(String(32), unique=True)
+    key: Mapped[str] = mapped_column(String(32), unique=True)  # FixedPart.key(scope)
     fixed_json: Mapped[str] = mapped_column(Text)
     created_at: Mapped[float] = mapped_column(Float)
+    # whose studies share it: "owner:<name>" or "team:<name>" ("" for plans of before 0006: unscoped)
+    scope: Mapped[str] = mapped_column(String(160), default="", server_default="")
 
 
 class Node(Base):
@@ -119,6 +121,7 @@ class Request(Base):
     state: Mapped[str] = mapped_column(String(16), index=True)  # each round reads the NOT_SCHED ones
     batch_id: Mapped[int | None] = mapped_column(ForeignKey("batches.id"), nullable=True, index=True)
     client_request_id: Mapped[str] = mapped_column(String(128))
+    label: Mapped[str] = mapped_column(String(128), default="", server_default="")  # the tuner's trial
     created_at: Mapped[float] = mapped_column(Float)
     done_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     failures: Mapped[int] = mapped_column(Integer, default=0)  # failed batch attempts that carried it

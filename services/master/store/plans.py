@@ -26,15 +26,15 @@ class PlanStore:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    def ensure_plan(self, key: str, fixed_json: str) -> int:
-        """The id of the plan with this key, created if needed."""
+    def ensure_plan(self, key: str, fixed_json: str, scope: str = "") -> int:
+        """The id of the plan with this key (``FixedPart.key(scope)``), created in ``scope`` if needed."""
         with self.db.tx("ensure plan") as s:
             pid = s.scalar(select(m.Plan.id).where(m.Plan.key == key))
             if pid is not None:
                 return int(pid)
             s.execute(
                 self.db.insert(table(m.Plan))
-                .values(key=key, fixed_json=fixed_json, created_at=time.time())
+                .values(key=key, fixed_json=fixed_json, created_at=time.time(), scope=scope)
                 .on_conflict_do_nothing(index_elements=["key"])
             )
             return int(s.scalar(select(m.Plan.id).where(m.Plan.key == key)))  # type: ignore[arg-type]
@@ -51,6 +51,13 @@ class PlanStore:
             if row is None:
                 raise NotFound(f"plan {plan_id} does not exist")
             return row.key, row.fixed_json
+
+    def plan_scope(self, plan_id: int) -> str:
+        with self.db.tx("plan scope") as s:
+            scope = s.scalar(select(m.Plan.scope).where(m.Plan.id == plan_id))
+            if scope is None:
+                raise NotFound(f"plan {plan_id} does not exist")
+            return str(scope)
 
     def study_plan_ids(self, study_id: str) -> list[int]:
         with self.db.tx("study plans") as s:

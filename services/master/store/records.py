@@ -83,6 +83,7 @@ class NewRequest:
     client_request_id: str
     node: int
     step: int
+    label: str = ""  # the tuner's name for the trial it belongs to
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class RequestRecord:
     batch_id: int | None
     metrics: dict[str, float] | None = None
     error: str | None = None  # why it failed, or why a policy cancelled it
+    label: str = ""
 
     def with_metrics(self, metrics: dict[str, float] | None) -> RequestRecord:
         return self if metrics is None else replace(self, metrics=dict(metrics))

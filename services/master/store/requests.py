@@ -27,7 +27,7 @@ BULK_ROWS = 64  # from this many rows a write goes through Database.bulk_insert_
 _R, _M = table(m.Request), table(m.Metric)
 _COLS = (
     _R.c.id, _R.c.study_id, _R.c.plan_id, _R.c.node_id, _R.c.step, _R.c.state, _R.c.client_request_id, _R.c.batch_id,
-    _R.c.error,
+    _R.c.error, _R.c.label,
 )  # fmt: skip
 _OF_STUDY = select(*_COLS).where(_R.c.study_id == bindparam("study")).order_by(_R.c.id)
 _BY_ID = _OF_STUDY.where(_R.c.id.in_(bindparam("ids", expanding=True)))
@@ -75,6 +75,7 @@ class RequestStore:
                     "step": it.step,
                     "state": RequestState.DONE if (it.node, it.step) in known else RequestState.NOT_SCHED,
                     "client_request_id": it.client_request_id,
+                    "label": it.label,
                     "created_at": now,
                     "done_at": now if (it.node, it.step) in known else None,
                 }
@@ -252,15 +253,24 @@ class RequestStore:
 
 
 def _request_row(
-    rid: int, study: str, plan: int, node: int, step: int, state: str, cid: str, batch: int | None, error: str | None
+    rid: int,
+    study: str,
+    plan: int,
+    node: int,
+    step: int,
+    state: str,
+    cid: str,
+    batch: int | None,
+    error: str | None,
+    label: str,
 ) -> RequestRecord:
     """A record from the columns of ``_COLS``."""
     st = RequestState(state)
     shown = error if st in (RequestState.FAILED, RequestState.CANCELLED) else None
-    return RequestRecord(int(rid), study, int(plan), int(node), int(step), st, cid, batch, None, shown)
+    return RequestRecord(int(rid), study, int(plan), int(node), int(step), st, cid, batch, None, shown, label or "")
 
 
 def _request_record(r: m.Request) -> RequestRecord:
     return _request_row(
-        r.id, r.study_id, r.plan_id, r.node_id, r.step, r.state, r.client_request_id, r.batch_id, r.error
+        r.id, r.study_id, r.plan_id, r.node_id, r.step, r.state, r.client_request_id, r.batch_id, r.error, r.label
     )

@@ -7,7 +7,9 @@
     ├── checkpoints  CheckpointCatalog   checkpoints by canonical point
     ├── ledger       BatchLedger         batches, attempts, and how an attempt's end is persisted
     ├── nodes        NodeRegistry        node managers, their slots and outboxes
-    └── rounds       RoundReader         what a scheduling round reads, in one transaction
+    ├── rounds       RoundReader         what a scheduling round reads, in one transaction
+    ├── stats        StatsReader         what sharing bought a study
+    └── retention    Retention           deleting a study, forgetting what a plan computed
 
 Each caller takes the role it uses. Rows that never change are cached in front of the roles
 (``cache``); the same contract suite runs every role on Postgres and SQLite.
@@ -26,7 +28,9 @@ from stagetree.master.store.ledger import BatchLedger
 from stagetree.master.store.nodes import NodeRegistry
 from stagetree.master.store.plans import PlanStore
 from stagetree.master.store.requests import RequestStore
+from stagetree.master.store.retention import Retention
 from stagetree.master.store.rounds import RoundReader
+from stagetree.master.store.stats import StatsReader
 from stagetree.master.store.studies import StudyStore
 
 __all__ = ["Store", "make_engine"]
@@ -42,6 +46,8 @@ class Store:
     ledger: BatchLedger
     nodes: NodeRegistry
     rounds: RoundReader
+    stats: StatsReader
+    retention: Retention
 
     @classmethod
     def open(cls, engine: Engine, *, check: bool = True, cached: bool = True) -> Store:
@@ -52,7 +58,7 @@ class Store:
         if cached:
             studies, plans, ledger = CachedStudyStore(studies), CachedPlanStore(plans), CachedBatchLedger(ledger)
         rounds = RoundReader(db, nodes, ledger, checkpoints)
-        return cls(db, studies, plans, requests, checkpoints, ledger, nodes, rounds)
+        return cls(db, studies, plans, requests, checkpoints, ledger, nodes, rounds, StatsReader(db), Retention(db))
 
     def dispose(self) -> None:
         self.db.dispose()

@@ -33,6 +33,16 @@ class StudyStore:
                 raise NotFound(f"study {study_id!r} does not exist")
             return _study(row)
 
+    def forget_study(self, study_id: str) -> None:
+        """Drop a deleted study from any cache in front of this role (none here)."""
+
+    def find_study(self, owner: str, name: str) -> StudyRecord:
+        with self.db.tx("find study") as s:
+            row = s.scalar(select(m.Study).where(m.Study.owner == owner, m.Study.name == name))
+            if row is None:
+                raise NotFound(f"study {name!r} does not exist for {owner!r}")
+            return _study(row)
+
     def list_studies(self, owner: str) -> list[StudyRecord]:
         with self.db.tx("list studies") as s:
             rows = s.scalars(select(m.Study).where(m.Study.owner == owner).order_by(m.Study.created_at)).all()

@@ -18,7 +18,7 @@ from stagetree.core.sequences import Constant, MultiStep
 from tests.integration.client.conftest import TOKENS
 from tests.integration.client.harness import Platform, free_port, noop_metrics
 
-ALICE, BOB = TOKENS["alice"], TOKENS["bob"]
+ALICE, BOB, CAROL, DAVE = TOKENS["alice"], TOKENS["bob"], TOKENS["carol"], TOKENS["dave"]
 
 
 def _unique(prefix: str) -> str:
@@ -103,20 +103,20 @@ async def test_cancel_and_results(platform: Platform) -> None:
         assert await study.metrics({"lr": 0.03}, 11) is None
 
 
-async def test_a_second_study_reuses_the_first_studies_checkpoints_and_metrics(platform: Platform) -> None:
+async def test_a_team_mates_study_reuses_the_first_studies_checkpoints_and_metrics(platform: Platform) -> None:
     nm = platform.node_manager
     trainer = _unique("pkg.train:Net")
     shared, other = {"lr": MultiStep(0.1, [5], 0.5)}, {"lr": Constant(0.1)}
-    async with stagetree.connect(platform.grpc_target, token=ALICE) as alice:
-        first = await _study(alice, trainer)
+    async with stagetree.connect(platform.grpc_target, token=CAROL) as carol:
+        first = await _study(carol, trainer)
         a = await asyncio.gather(first.eval(shared, 10), first.eval(other, 10))
     first_batches = list(nm.batches)
     assert sum(b.steps for b in first_batches if b.fixed.trainer == trainer) == 15  # [0, 5) once, then 5 + 5
-    async with stagetree.connect(platform.grpc_target, token=BOB) as bob:
-        second = await _study(bob, trainer)  # another owner, the same fixed part: the same search plan
+    async with stagetree.connect(platform.grpc_target, token=DAVE) as dave:
+        second = await _study(dave, trainer)  # carol's team mate, the same fixed part: the same search plan
         again = await second.eval(shared, 10)
         assert again == a[0]
-        assert bob.rpcs["StreamResults"] == 0  # answered from stored metrics by the submit itself
+        assert dave.rpcs["StreamResults"] == 0  # answered from stored metrics by the submit itself
         assert len(nm.batches) == len(first_batches)  # nothing trained
         branch = {"lr": MultiStep(0.1, [5], 0.2)}
         await second.eval(branch, 10)
@@ -127,6 +127,26 @@ async def test_a_second_study_reuses_the_first_studies_checkpoints_and_metrics(p
         roots = [n for n in plan["nodes"] if n["parent"] is None]
         assert len(roots) == 1 and len(plan["nodes"]) == 3  # the first config's path and two branches at step 5
         assert {n["start"] for n in plan["nodes"] if n["parent"] is not None} == {5}
+
+
+async def test_owners_outside_a_team_share_nothing(platform: Platform) -> None:
+    nm = platform.node_manager
+    trainer = _unique("pkg.train:Net")
+    cfg = {"lr": MultiStep(0.1, [5], 0.5)}
+    async with stagetree.connect(platform.grpc_target, token=ALICE) as alice:
+        first = await _study(alice, trainer)
+        await first.eval(cfg, 10)
+        alice_plan = await first.plan()
+    before = len(nm.batches)
+    async with stagetree.connect(platform.grpc_target, token=BOB) as bob:
+        second = await _study(bob, trainer)  # the same fixed part, another owner: another plan
+        assert await second.metrics(cfg, 10) is None  # alice's metrics are not visible
+        await second.eval(cfg, 10)
+        (trained,) = nm.batches[before:]
+        assert trained.source.uri is None and trained.steps == 10  # from scratch: no checkpoint of alice's
+        bob_plan = await second.plan()
+    assert bob_plan["key"] != alice_plan["key"]
+    assert all(sum(n["requests"].values()) == 1 for n in bob_plan["nodes"] if n["requests"])  # bob's request only
 
 
 async def test_asha_driven_live_matches_the_reference(platform: Platform) -> None:

@@ -74,7 +74,7 @@ def test_concurrent_submitters_make_one_node_per_configuration(pg_url: str) -> N
     for it in items:
         obj = json.loads(it.config_json)
         expected.locate(Config.of(obj["tuned"]), it.step)
-    key = FixedPart.from_json(fixed_part).key()
+    key = FixedPart.from_json(fixed_part).key(who.scope)  # plans are scoped by owner
     plan_id = setup.plans.plan_ids_by_key([key])[key]
     nodes = setup.plans.load_nodes(plan_id)
     assert len(nodes) == len(expected.nodes)

@@ -103,7 +103,8 @@ class FakeMaster:
         self.calls["GetStudy"].append(request)
         self._raise_queued("GetStudy")
         fixed = json.dumps({"trainer": "m:T", "dataset": "", "model": "", "seed": 0, "values": {}})
-        return pb.Study(id=request.study_id, name="loaded", owner="alice", fixed_json=fixed, created_at=1.0)
+        sid, name = request.study_id or "study-1", request.name or "loaded"
+        return pb.Study(id=sid, name=name, owner="alice", fixed_json=fixed, created_at=1.0)
 
     async def SubmitRequests(self, request: pb.SubmitRequestsRequest, **_: Any) -> pb.SubmitRequestsResponse:
         self.calls["SubmitRequests"].append(request)
@@ -169,6 +170,12 @@ class FakeMaster:
             )
             self._changed.set()
         return self._finished[rid]
+
+    async def ListRequests(self, request: pb.ListRequestsRequest, **_: Any) -> pb.ListRequestsResponse:
+        self.calls["ListRequests"].append(request)
+        self._raise_queued("ListRequests")
+        known = sorted(self._by_client.values(), key=lambda r: r.request_id)
+        return pb.ListRequestsResponse(results=[self._finished.get(r.request_id, r) for r in known])
 
     def StreamResults(self, request: pb.StreamResultsRequest, **_: Any) -> _Stream:
         self.calls["StreamResults"].append(request)

@@ -57,10 +57,57 @@ class CreateStudyRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., fixed_json: _Optional[str] = ...) -> None: ...
 
 class GetStudyRequest(_message.Message):
+    __slots__ = ("study_id", "name")
+    STUDY_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    study_id: str
+    name: str
+    def __init__(self, study_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class DeleteStudyRequest(_message.Message):
     __slots__ = ("study_id",)
     STUDY_ID_FIELD_NUMBER: _ClassVar[int]
     study_id: str
     def __init__(self, study_id: _Optional[str] = ...) -> None: ...
+
+class DeleteStudyResponse(_message.Message):
+    __slots__ = ("requests_deleted",)
+    REQUESTS_DELETED_FIELD_NUMBER: _ClassVar[int]
+    requests_deleted: int
+    def __init__(self, requests_deleted: _Optional[int] = ...) -> None: ...
+
+class GetStudyStatsRequest(_message.Message):
+    __slots__ = ("study_id",)
+    STUDY_ID_FIELD_NUMBER: _ClassVar[int]
+    study_id: str
+    def __init__(self, study_id: _Optional[str] = ...) -> None: ...
+
+class StudyStats(_message.Message):
+    __slots__ = ("requests", "steps_executed", "unique_steps", "trial_by_trial_steps", "merge_rate", "saved_steps", "compute_seconds", "saved_seconds")
+    class RequestsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_EXECUTED_FIELD_NUMBER: _ClassVar[int]
+    UNIQUE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TRIAL_BY_TRIAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MERGE_RATE_FIELD_NUMBER: _ClassVar[int]
+    SAVED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAVED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.ScalarMap[str, int]
+    steps_executed: int
+    unique_steps: int
+    trial_by_trial_steps: int
+    merge_rate: float
+    saved_steps: int
+    compute_seconds: float
+    saved_seconds: float
+    def __init__(self, requests: _Optional[_Mapping[str, int]] = ..., steps_executed: _Optional[int] = ..., unique_steps: _Optional[int] = ..., trial_by_trial_steps: _Optional[int] = ..., merge_rate: _Optional[float] = ..., saved_steps: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., saved_seconds: _Optional[float] = ...) -> None: ...
 
 class ListStudiesRequest(_message.Message):
     __slots__ = ()
@@ -73,14 +120,16 @@ class ListStudiesResponse(_message.Message):
     def __init__(self, studies: _Optional[_Iterable[_Union[Study, _Mapping]]] = ...) -> None: ...
 
 class SubmitItem(_message.Message):
-    __slots__ = ("client_request_id", "config_json", "step")
+    __slots__ = ("client_request_id", "config_json", "step", "label")
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
     client_request_id: str
     config_json: str
     step: int
-    def __init__(self, client_request_id: _Optional[str] = ..., config_json: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    label: str
+    def __init__(self, client_request_id: _Optional[str] = ..., config_json: _Optional[str] = ..., step: _Optional[int] = ..., label: _Optional[str] = ...) -> None: ...
 
 class SubmitRequestsRequest(_message.Message):
     __slots__ = ("study_id", "items")
@@ -91,7 +140,7 @@ class SubmitRequestsRequest(_message.Message):
     def __init__(self, study_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[SubmitItem, _Mapping]]] = ...) -> None: ...
 
 class RequestResult(_message.Message):
-    __slots__ = ("request_id", "client_request_id", "state", "metrics", "node", "step", "error")
+    __slots__ = ("request_id", "client_request_id", "state", "metrics", "node", "step", "error", "label")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +155,7 @@ class RequestResult(_message.Message):
     NODE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     client_request_id: str
     state: RequestState
@@ -113,7 +163,8 @@ class RequestResult(_message.Message):
     node: int
     step: int
     error: str
-    def __init__(self, request_id: _Optional[int] = ..., client_request_id: _Optional[str] = ..., state: _Optional[_Union[RequestState, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., node: _Optional[int] = ..., step: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    label: str
+    def __init__(self, request_id: _Optional[int] = ..., client_request_id: _Optional[str] = ..., state: _Optional[_Union[RequestState, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., node: _Optional[int] = ..., step: _Optional[int] = ..., error: _Optional[str] = ..., label: _Optional[str] = ...) -> None: ...
 
 class SubmitRequestsResponse(_message.Message):
     __slots__ = ("results",)
@@ -187,6 +238,26 @@ class GetPlanRequest(_message.Message):
     study_id: str
     plan_key: str
     def __init__(self, study_id: _Optional[str] = ..., plan_key: _Optional[str] = ...) -> None: ...
+
+class ForgetPlanRequest(_message.Message):
+    __slots__ = ("study_id", "plan_key")
+    STUDY_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_KEY_FIELD_NUMBER: _ClassVar[int]
+    study_id: str
+    plan_key: str
+    def __init__(self, study_id: _Optional[str] = ..., plan_key: _Optional[str] = ...) -> None: ...
+
+class ForgetPlanResponse(_message.Message):
+    __slots__ = ("checkpoints", "bytes_freed", "metrics", "requests")
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    checkpoints: int
+    bytes_freed: int
+    metrics: int
+    requests: int
+    def __init__(self, checkpoints: _Optional[int] = ..., bytes_freed: _Optional[int] = ..., metrics: _Optional[int] = ..., requests: _Optional[int] = ...) -> None: ...
 
 class PlanNode(_message.Message):
     __slots__ = ("id", "parent", "start", "config_json", "requests", "checkpoint_steps", "metric_steps")

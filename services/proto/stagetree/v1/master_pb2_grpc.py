@@ -50,6 +50,16 @@ class MasterServiceStub:
                 request_serializer=stagetree_dot_v1_dot_master__pb2.ListStudiesRequest.SerializeToString,
                 response_deserializer=stagetree_dot_v1_dot_master__pb2.ListStudiesResponse.FromString,
                 _registered_method=True)
+        self.DeleteStudy = channel.unary_unary(
+                '/stagetree.v1.MasterService/DeleteStudy',
+                request_serializer=stagetree_dot_v1_dot_master__pb2.DeleteStudyRequest.SerializeToString,
+                response_deserializer=stagetree_dot_v1_dot_master__pb2.DeleteStudyResponse.FromString,
+                _registered_method=True)
+        self.GetStudyStats = channel.unary_unary(
+                '/stagetree.v1.MasterService/GetStudyStats',
+                request_serializer=stagetree_dot_v1_dot_master__pb2.GetStudyStatsRequest.SerializeToString,
+                response_deserializer=stagetree_dot_v1_dot_master__pb2.StudyStats.FromString,
+                _registered_method=True)
         self.SubmitRequests = channel.unary_unary(
                 '/stagetree.v1.MasterService/SubmitRequests',
                 request_serializer=stagetree_dot_v1_dot_master__pb2.SubmitRequestsRequest.SerializeToString,
@@ -79,6 +89,11 @@ class MasterServiceStub:
                 '/stagetree.v1.MasterService/GetPlan',
                 request_serializer=stagetree_dot_v1_dot_master__pb2.GetPlanRequest.SerializeToString,
                 response_deserializer=stagetree_dot_v1_dot_master__pb2.Plan.FromString,
+                _registered_method=True)
+        self.ForgetPlan = channel.unary_unary(
+                '/stagetree.v1.MasterService/ForgetPlan',
+                request_serializer=stagetree_dot_v1_dot_master__pb2.ForgetPlanRequest.SerializeToString,
+                response_deserializer=stagetree_dot_v1_dot_master__pb2.ForgetPlanResponse.FromString,
                 _registered_method=True)
         self.RegisterNodeManager = channel.unary_unary(
                 '/stagetree.v1.MasterService/RegisterNodeManager',
@@ -128,6 +143,19 @@ class MasterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteStudy(self, request, context):
+        """Deletes the study and its requests (cancelling live ones); its plans stay with the owner's scope.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStudyStats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SubmitRequests(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -160,6 +188,13 @@ class MasterServiceServicer:
 
     def GetPlan(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForgetPlan(self, request, context):
+        """Drops a plan's checkpoints and metrics and the finished requests they answered.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -214,6 +249,16 @@ def add_MasterServiceServicer_to_server(servicer, server):
                     request_deserializer=stagetree_dot_v1_dot_master__pb2.ListStudiesRequest.FromString,
                     response_serializer=stagetree_dot_v1_dot_master__pb2.ListStudiesResponse.SerializeToString,
             ),
+            'DeleteStudy': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteStudy,
+                    request_deserializer=stagetree_dot_v1_dot_master__pb2.DeleteStudyRequest.FromString,
+                    response_serializer=stagetree_dot_v1_dot_master__pb2.DeleteStudyResponse.SerializeToString,
+            ),
+            'GetStudyStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStudyStats,
+                    request_deserializer=stagetree_dot_v1_dot_master__pb2.GetStudyStatsRequest.FromString,
+                    response_serializer=stagetree_dot_v1_dot_master__pb2.StudyStats.SerializeToString,
+            ),
             'SubmitRequests': grpc.unary_unary_rpc_method_handler(
                     servicer.SubmitRequests,
                     request_deserializer=stagetree_dot_v1_dot_master__pb2.SubmitRequestsRequest.FromString,
@@ -243,6 +288,11 @@ def add_MasterServiceServicer_to_server(servicer, server):
                     servicer.GetPlan,
                     request_deserializer=stagetree_dot_v1_dot_master__pb2.GetPlanRequest.FromString,
                     response_serializer=stagetree_dot_v1_dot_master__pb2.Plan.SerializeToString,
+            ),
+            'ForgetPlan': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForgetPlan,
+                    request_deserializer=stagetree_dot_v1_dot_master__pb2.ForgetPlanRequest.FromString,
+                    response_serializer=stagetree_dot_v1_dot_master__pb2.ForgetPlanResponse.SerializeToString,
             ),
             'RegisterNodeManager': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterNodeManager,
@@ -351,6 +401,60 @@ class MasterService:
             '/stagetree.v1.MasterService/ListStudies',
             stagetree_dot_v1_dot_master__pb2.ListStudiesRequest.SerializeToString,
             stagetree_dot_v1_dot_master__pb2.ListStudiesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteStudy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagetree.v1.MasterService/DeleteStudy',
+            stagetree_dot_v1_dot_master__pb2.DeleteStudyRequest.SerializeToString,
+            stagetree_dot_v1_dot_master__pb2.DeleteStudyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStudyStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagetree.v1.MasterService/GetStudyStats',
+            stagetree_dot_v1_dot_master__pb2.GetStudyStatsRequest.SerializeToString,
+            stagetree_dot_v1_dot_master__pb2.StudyStats.FromString,
             options,
             channel_credentials,
             insecure,
@@ -513,6 +617,33 @@ class MasterService:
             '/stagetree.v1.MasterService/GetPlan',
             stagetree_dot_v1_dot_master__pb2.GetPlanRequest.SerializeToString,
             stagetree_dot_v1_dot_master__pb2.Plan.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForgetPlan(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagetree.v1.MasterService/ForgetPlan',
+            stagetree_dot_v1_dot_master__pb2.ForgetPlanRequest.SerializeToString,
+            stagetree_dot_v1_dot_master__pb2.ForgetPlanResponse.FromString,
             options,
             channel_credentials,
             insecure,
