@@ -73,18 +73,6 @@ class Progress:
         print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", flush=True)
 
 
-def unique_steps(plan: dict[str, Any]) -> int:
-    """Steps of training the plan needed, each shared prefix counted once: per node, from its start to
-    the furthest step anything on or below it was evaluated at."""
-    nodes = {n["id"]: n for n in plan["nodes"]}
-    reach = {nid: max(n["metric_steps"], default=n["start"]) for nid, n in nodes.items()}
-    for nid in sorted(nodes, reverse=True):  # children have larger ids than their parents
-        parent = nodes[nid]["parent"]
-        if parent is not None:
-            reach[parent] = max(reach[parent], nodes[nid]["start"])
-    return sum(max(0, reach[nid] - n["start"]) for nid, n in nodes.items())
-
-
 async def run(workers: int, home: Path) -> int:
     space = search_space()
     n = space.size() or 0
@@ -108,14 +96,8 @@ async def run(workers: int, home: Path) -> int:
             result = await drive(study, tuner, on_event=progress)
             print()
             best = await study.best("accuracy", "max")
-            plan = await study.plan()
-            executed = await asyncio.to_thread(cluster.app.store.ledger.executed_steps)
+            stats = await study.stats()  # the public API: what sharing bought this study
     wall = time.monotonic() - t0
-    last: dict[int, int] = {}  # a trial-by-trial system trains each trial once, to its last rung
-    for sub in result.submits():
-        last[sub.trial_id] = max(last.get(sub.trial_id, 0), sub.step)
-    trial_by_trial = sum(last.values())
-    unique = unique_steps(plan)
     print()
     if best is None:
         print("no trial finished; see the worker logs under", home / "work")
@@ -126,8 +108,12 @@ async def run(workers: int, home: Path) -> int:
         print(f"  {name:9s} {seq!r}")
     print(f"trials             {n}")
     print(f"evaluations        {len(result.submits())}")
-    print(f"merge rate         {trial_by_trial / unique:.2f}  (trial-by-trial steps / unique steps)")
-    print(f"steps executed     {executed}  vs  {trial_by_trial} a trial-by-trial system would run")
+    print(f"merge rate         {stats.merge_rate:.2f}  (trial-by-trial steps / unique steps)")
+    print(
+        f"steps executed     {stats.steps_executed}  vs  {stats.trial_by_trial_steps} a trial-by-trial system "
+        f"would run ({stats.unique_steps} unique)"
+    )
+    print(f"compute            {stats.compute_seconds:.1f} s used, about {stats.saved_seconds:.1f} s saved by sharing")
     print(f"wall time          {wall:.1f} s")
     return 0
 

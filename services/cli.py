@@ -15,8 +15,8 @@ GROUPS: dict[str, tuple[str, bool, str]] = {
     "master": ("stagetree.master.cli", False, "master: db upgrade | db check | serve"),
     "nodemanager": ("stagetree.nodemanager.cli", False, "node manager: run"),
     "aggregator": ("stagetree.aggregator.cli", False, "aggregator: run"),
-    "study": ("stagetree.client.cli", True, "studies: list | show | best"),
-    "plan": ("stagetree.client.cli", True, "plan show: the stage tree as text"),
+    "study": ("stagetree.client.cli", True, "studies: list | show | best | stats | delete"),
+    "plan": ("stagetree.client.cli", True, "plans: show (the stage tree as text) | forget"),
     "nodes": ("stagetree.client.cli", True, "node managers and their slots"),
     "cluster": ("stagetree.cluster", False, "cluster up: master, aggregators, node managers as local processes"),
 }

@@ -30,6 +30,7 @@ ENV_URL = "STAGETREE_URL"
 ENV_TOKEN = "STAGETREE_TOKEN"
 DEFAULT_URL = "http://127.0.0.1:8080"
 API = "/api/v1"
+MAX_TRIALS_SHOWN = 20
 _ERRORS: dict[str, type[StagetreeError]] = {cls.code: cls for cls in reversed(ALL_ERRORS)}
 
 # ---------------------------------------------------------------------------------------------
@@ -50,8 +51,11 @@ class RestClient:
         self.timeout_s = timeout_s
 
     def get(self, path: str, **query: Any) -> Any:
+        return self.call("GET", path, **query)
+
+    def call(self, method: str, path: str, **query: Any) -> Any:
         q = urllib.parse.urlencode({k: v for k, v in query.items() if v not in (None, "")}, doseq=True)
-        req = urllib.request.Request(f"{self.url}{API}{path}{'?' + q if q else ''}", method="GET")
+        req = urllib.request.Request(f"{self.url}{API}{path}{'?' + q if q else ''}", method=method)
         req.add_header("Accept", "application/json")
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
@@ -162,7 +166,38 @@ def study_summary(study: Mapping[str, Any], requests: Sequence[Mapping[str, Any]
         "requests": {"total": len(requests), "by_state": dict(sorted(states.items()))},
         "metrics": names,
         "max_step": max((r["step"] for r in requests), default=None),
+        "trials": trials(requests),
     }
+
+
+def trials(requests: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The requests grouped by trial label (the tuner's trial ids), in the order trials started: evals,
+    last step asked, and the state of the latest eval. Unlabelled requests are left out."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in sorted(requests, key=lambda r: r["request_id"]):
+        label = r.get("label") or ""
+        if not label:
+            continue
+        t = out.setdefault(label, {"label": label, "evals": 0, "last_step": 0, "state": ""})
+        t["evals"] += 1
+        if r["step"] >= t["last_step"]:
+            t["last_step"], t["state"] = r["step"], r["state"]
+    return list(out.values())
+
+
+def format_stats(stats: Mapping[str, Any]) -> str:
+    reqs = ", ".join(f"{k} {v}" for k, v in sorted(stats["requests"].items())) or "none"
+    return "\n".join(
+        [
+            f"requests            {reqs}",
+            f"steps executed      {stats['steps_executed']}",
+            f"unique steps        {stats['unique_steps']}",
+            f"trial-by-trial      {stats['trial_by_trial_steps']}  (each trial trained alone to its last step)",
+            f"merge rate          {stats['merge_rate']:.2f}  (trial-by-trial / unique)",
+            f"steps saved         {stats['saved_steps']}",
+            f"compute seconds     {stats['compute_seconds']:.1f} used, {stats['saved_seconds']:.1f} saved",
+        ]
+    )
 
 
 def format_study(summary: Mapping[str, Any]) -> str:
@@ -184,6 +219,16 @@ def format_study(summary: Mapping[str, Any]) -> str:
     ]
     if summary.get("max_step") is not None:
         lines.append(f"max step  {summary['max_step']}")
+    shown = summary.get("trials", [])[:MAX_TRIALS_SHOWN]
+    if shown:
+        lines.append(f"trials    {len(summary['trials'])}")
+        table = _table(
+            ["TRIAL", "EVALS", "LAST STEP", "STATE"],
+            [(t["label"], t["evals"], t["last_step"], t["state"]) for t in shown],
+        )
+        lines.extend("  " + row for row in table.splitlines())
+        if len(summary["trials"]) > len(shown):
+            lines.append(f"  ... {len(summary['trials']) - len(shown)} more (--json lists them all)")
     return "\n".join(lines)
 
 
@@ -307,11 +352,22 @@ def _parser() -> argparse.ArgumentParser:
     best.add_argument("study_id")
     best.add_argument("--metric", required=True, help="a metric your Trainer.evaluate() reports, e.g. acc")
     best.add_argument("--mode", choices=["max", "min"], default="max")
+    stats = ssub.add_parser("stats", parents=[common], help="what sharing bought the study")
+    stats.add_argument("study_id")
+    delete = ssub.add_parser(
+        "delete", parents=[common], help="cancel the study's live requests and delete it (its plans are kept)"
+    )
+    delete.add_argument("study_id")
     plan = sub.add_parser("plan", help="search plans")
     psub = plan.add_subparsers(dest="command", required=True)
     pshow = psub.add_parser("show", parents=[common], help="a study's search plan as a tree")
     pshow.add_argument("study_id")
     pshow.add_argument("--plan-key", default="", help="which plan, when the study uses several")
+    forget = psub.add_parser(
+        "forget", parents=[common], help="drop a plan's checkpoints and metrics (and the requests they answered)"
+    )
+    forget.add_argument("study_id")
+    forget.add_argument("--plan-key", default="", help="which plan, when the study uses several")
     sub.add_parser("nodes", parents=[common], help="node managers and their slots (admin token)")
     return p
 
@@ -321,12 +377,25 @@ def run(ns: argparse.Namespace, rest: RestClient) -> tuple[Any, str, int]:
     if ns.group == "nodes":
         nodes = rest.get("/nodes")
         return nodes, format_nodes(nodes), 0
+    if ns.group == "plan" and ns.command == "forget":
+        out = rest.call("POST", f"/studies/{_quote(ns.study_id)}/plan/forget", plan_key=ns.plan_key)
+        text = (
+            f"forgot {out['checkpoints']} checkpoints ({out['bytes_freed']} bytes freed), {out['metrics']} metric "
+            f"points and {out['requests']} finished requests"
+        )
+        return out, text, 0
     if ns.group == "plan":
         plan = rest.get(f"/studies/{_quote(ns.study_id)}/plan", plan_key=ns.plan_key)
         return plan, format_plan(plan), 0
     if ns.command == "list":
         studies = rest.get("/studies")
         return studies, format_studies(studies), 0
+    if ns.command == "stats":
+        stats = rest.get(f"/studies/{_quote(ns.study_id)}/stats")
+        return stats, format_stats(stats), 0
+    if ns.command == "delete":
+        out = rest.call("DELETE", f"/studies/{_quote(ns.study_id)}")
+        return out, f"deleted study {out['id']} and {out['requests_deleted']} requests; plans {out['plans']}", 0
     study = rest.get(f"/studies/{_quote(ns.study_id)}")
     requests = rest.get(f"/studies/{_quote(ns.study_id)}/requests")
     if ns.command == "show":

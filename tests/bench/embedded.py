@@ -51,6 +51,7 @@ from stagetree.client.tuners import SHA
 from stagetree.client.tuners.base import Action, Result, Start, Submit
 from stagetree.core.config import Config
 from stagetree.core.scheduler import steps_cost
+from stagetree.core.sharing import unique_steps
 from stagetree.core.simulator import Ask, Simulator
 from stagetree.embedded import Embedded, EmbeddedSettings
 from stagetree.master.settings import SchedulingSettings
@@ -90,6 +91,13 @@ class EmbeddedFigures:
     def overhead_same_cost_model(self) -> float:
         """The same with equal step costs in the simulated scheduler (the master before it learns)."""
         return statistics.median(w / p for w, p in zip(self.walls_s, self.pures_s, strict=True))
+
+
+def plan_unique_steps(plan: dict[str, Any]) -> int:
+    """Unique steps of a plan as the REST/SDK plan view gives it: per node, up to the furthest step
+    anything on or below it has metrics at (``core.sharing.unique_steps``)."""
+    nodes = {n["id"]: (n["parent"], n["start"]) for n in plan["nodes"]}
+    return unique_steps(nodes, [(n["id"], st) for n in plan["nodes"] for st in n["metric_steps"]])
 
 
 def plain_costs(batch_sizes: Sequence[int], steps: int = 40) -> tuple[dict[int, float], float]:
@@ -271,7 +279,7 @@ def embedded_figures(home: Path | None = None, runs: int = RUNS) -> EmbeddedFigu
         studies, startup = asyncio.run(_run_studies(home or Path(tmp), runs))
     return EmbeddedFigures(
         executed=max(s.executed for s in studies),
-        unique=digits_sha.unique_steps(studies[0].plan),
+        unique=plan_unique_steps(studies[0].plan),
         walls_s=[s.wall_s for s in studies],
         pures_s=[pure_makespan(s) for s in studies],
         oracle_pures_s=[pure_makespan(s, oracle=True) for s in studies],

@@ -158,7 +158,11 @@ class NoopNodeManager:
         ]
         ckpts = [
             pb.CheckpointPoint(
-                node=p.node, step=p.step, uri=f"noop://{spec.plan_key}/{p.node}/{p.step}", kind="central"
+                node=p.node,
+                step=p.step,
+                uri=f"noop://{spec.plan_key}/{p.node}/{p.step}",
+                bytes=CHECKPOINT_BYTES,
+                kind="central",
             )
             for p in sorted(spec.saves)
         ]
@@ -194,6 +198,9 @@ class Platform:
     admin_token: str
     node_manager: NoopNodeManager
     app: MasterApp | None = None
+
+
+CHECKPOINT_BYTES = 4096  # what each no-op checkpoint claims to hold
 
 
 def free_port() -> int:
