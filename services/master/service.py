@@ -20,6 +20,7 @@ from stagetree.core.errors import InvalidArgument, NotFound, ResourceExhausted, 
 from stagetree.core.lifecycle import AttemptReport, CheckpointPoint, MetricPoint, RetryPolicy
 from stagetree.core.searchplan import check_step
 from stagetree.core.sharing import SharingStats
+from stagetree.core.text import INT64_MAX, check_id, check_text
 from stagetree.master.auth import Principal, scope_of
 from stagetree.master.plans import PlanCache, config_text
 from stagetree.master.policies import fixed_without_policies, split_policies
@@ -36,6 +37,10 @@ from stagetree.master.store.retention import Forgotten
 from stagetree.master.store.store import Store
 
 log = logging.getLogger(__name__)
+
+MAX_ID_LEN = 128  # client request ids, labels, node manager and slot ids, plan keys, study ids
+MAX_CORES = 1 << 16
+MAX_GPU_INDEX = 1 << 10
 
 CH_ROUND = "round"  # something a scheduling round should look at happened
 CH_RESULTS = "results"  # some requests finished
@@ -107,8 +112,9 @@ class MasterService:
     # -- studies --------------------------------------------------------------------------------
 
     def create_study(self, who: Principal, name: str, fixed_json: str = "") -> StudyRecord:
-        if not isinstance(name, str) or not name.strip() or len(name) > self.limits.max_name_len:
-            raise InvalidArgument(f"study name: must be a non-empty string of at most {self.limits.max_name_len}")
+        check_text(name, "study name", self.limits.max_name_len)
+        if not name.strip():
+            raise InvalidArgument("study name: must not be blank")
         stored = None
         if fixed_json:
             # a "policies" key picks the study's scheduling policies (master.policies); the rest names the plan
@@ -122,8 +128,7 @@ class MasterService:
         return rec
 
     def get_study(self, who: Principal, study_id: str) -> StudyRecord:
-        if not isinstance(study_id, str) or not study_id:
-            raise InvalidArgument("study_id: required")
+        check_text(study_id, "study_id", MAX_ID_LEN)
         try:
             rec = self.store.studies.get_study(study_id)
         except NotFound:
@@ -138,8 +143,7 @@ class MasterService:
 
     def find_study(self, who: Principal, name: str) -> StudyRecord:
         """The caller's study named ``name``."""
-        if not isinstance(name, str) or not name:
-            raise InvalidArgument("name: required")
+        check_text(name, "name", self.limits.max_name_len)
         return self.store.studies.find_study(who.name, name)
 
     def delete_study(self, who: Principal, study_id: str) -> int:
@@ -195,13 +199,10 @@ class MasterService:
         seen: set[str] = set()
         configs: dict[str, tuple[FixedPart, Config]] = {}  # a trial asked at several steps is parsed once
         for i, it in enumerate(items):
-            cid = it.client_request_id
-            if not isinstance(cid, str) or not cid or len(cid) > 128:
-                raise InvalidArgument(f"items[{i}].client_request_id: must be a non-empty string of at most 128")
+            cid = check_text(it.client_request_id, f"items[{i}].client_request_id", MAX_ID_LEN)
             if cid in seen:
                 raise InvalidArgument(f"items[{i}].client_request_id: {cid!r} appears twice in one batch")
-            if not isinstance(it.label, str) or len(it.label) > 128:
-                raise InvalidArgument(f"items[{i}].label: must be a string of at most 128 characters")
+            check_text(it.label, f"items[{i}].label", MAX_ID_LEN, empty=True)
             seen.add(cid)
             step = check_step(it.step, f"items[{i}].step")
             got = configs.get(it.config_json)
@@ -232,6 +233,7 @@ class MasterService:
         return [r for r in out if r is not None]
 
     def cancel(self, who: Principal, study_id: str, request_id: int) -> RequestRecord:
+        check_id(request_id, "request_id")
         study = self.get_study(who, study_id)
         rec, abort = self.store.requests.cancel_request(study.id, request_id)
         if abort is not None:
@@ -244,10 +246,14 @@ class MasterService:
         return rec
 
     def get_requests(self, who: Principal, study_id: str, request_ids: Sequence[int] | None) -> list[RequestRecord]:
+        for rid in request_ids or ():
+            check_id(rid, "request_ids")
         study = self.get_study(who, study_id)
         return self.store.requests.get_requests(study.id, request_ids)
 
     def finished(self, who: Principal, study_id: str, request_ids: Sequence[int]) -> list[RequestRecord]:
+        for rid in request_ids:
+            check_id(rid, "request_ids")
         study = self.get_study(who, study_id)
         return self.store.requests.done_since(study.id, request_ids)
 
@@ -269,6 +275,7 @@ class MasterService:
 
     def _study_plan(self, study: StudyRecord, plan_key: str) -> tuple[str, int]:
         """(key, id) of the plan ``plan_key`` of the study, or of its only plan when no key is given."""
+        check_text(plan_key, "plan_key", MAX_ID_LEN, empty=True)
         plan_ids = self.store.plans.study_plan_ids(study.id)
         keys = {self.store.plans.plan_fixed(pid)[0]: pid for pid in plan_ids}
         if study.fixed_json is not None:
@@ -336,16 +343,23 @@ class MasterService:
         runs or recently ended; its other sent, running attempts are requeued (see
         ``BatchLedger.requeue_unknown``). None (a node manager that does not say) requeues nothing."""
         who.require_admin()
-        if not nm_id or len(nm_id) > 128:
-            raise InvalidArgument("node_manager_id: must be a non-empty string of at most 128 characters")
+        check_text(nm_id, "node_manager_id", MAX_ID_LEN)
+        check_text(address, "address", 256, empty=True)
         infos = [s if isinstance(s, SlotInfo) else SlotInfo(s[0], s[1]) for s in slots]
         if not infos:
             raise InvalidArgument("slots: a node manager needs at least one slot")
         for i, info in enumerate(infos):
             if not 0.0 <= info.share <= 1.0:
                 raise InvalidArgument(f"slots[{i}].share: must be in [0, 1] (0 = the whole GPU), got {info.share}")
-            if info.memory_bytes < 0 or info.cpu_cores < 0:
-                raise InvalidArgument(f"slots[{i}]: memory_bytes and cpu_cores must not be negative")
+            check_text(info.id, f"slots[{i}].id", MAX_ID_LEN)
+            check_text(info.gpu_type, f"slots[{i}].gpu_type", 64)
+            check_text(info.compute_capability, f"slots[{i}].compute_capability", 16, empty=True)
+            if not (0 <= info.memory_bytes <= INT64_MAX and 0 <= info.cpu_cores <= MAX_CORES):
+                raise InvalidArgument(
+                    f"slots[{i}]: memory_bytes must be in [0, {INT64_MAX}] and cpu_cores in [0, {MAX_CORES}]"
+                )
+            if not -1 <= info.gpu_index <= MAX_GPU_INDEX:
+                raise InvalidArgument(f"slots[{i}].gpu_index: must be in [-1, {MAX_GPU_INDEX}] (-1: a CPU slot)")
         slots = infos
         ids = [s.id for s in infos]
         if len(set(ids)) != len(ids) or any(not s for s in ids):

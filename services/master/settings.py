@@ -24,6 +24,7 @@ class LimitSettings(BaseModel):
     max_batch_items: int = Field(default=1000, ge=1)
     max_config_bytes: int = Field(default=64 * 1024, ge=256)
     max_name_len: int = Field(default=256, ge=1)
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)  # a REST body over it: 413 before it is read
 
 
 class SchedulingSettings(BaseModel):

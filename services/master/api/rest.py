@@ -15,11 +15,14 @@ import logging
 import time
 from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi import Depends, FastAPI, Header, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from stagetree.core.errors import StagetreeError
+from stagetree.core.text import INT64_MAX
+from stagetree.master.api.guard import BodyGuard
 from stagetree.master.auth import Principal, bearer
 from stagetree.master.service import CH_RESULTS, SubmitItem
 from stagetree.master.store.records import RequestRecord, SlotInfo, StudyRecord
@@ -90,11 +93,11 @@ class MetricsOut(BaseModel):
 class SlotIn(BaseModel):
     id: str = Field(min_length=1, max_length=128)
     gpu_type: str = Field(default="cpu", max_length=64)
-    memory_bytes: int = Field(default=0, ge=0)
+    memory_bytes: int = Field(default=0, ge=0, le=INT64_MAX)
     compute_capability: str = Field(default="", max_length=16)
-    share: float = Field(default=0.0, ge=0.0, le=1.0)
-    cpu_cores: int = Field(default=0, ge=0)
-    gpu_index: int = -1
+    share: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    cpu_cores: int = Field(default=0, ge=0, le=1 << 16)
+    gpu_index: int = Field(default=-1, ge=-1, le=1 << 10)
 
 
 class NodeManagerIn(BaseModel):
@@ -108,6 +111,7 @@ def _principal(request: Request, authorization: Annotated[str | None, Header()] 
 
 
 Who = Annotated[Principal, Depends(_principal)]
+RequestId = Annotated[int, Path(ge=1, le=INT64_MAX)]
 
 
 def _study(s: StudyRecord) -> StudyOut:
@@ -143,6 +147,19 @@ def create_rest_app(master: MasterApp) -> FastAPI:
         redoc_url=None,
     )
     api.state.master = master
+    api.add_middleware(BodyGuard, max_bytes=master.settings.limits.max_body_bytes)
+
+    @api.exception_handler(RequestValidationError)
+    async def _bad_shape(_req: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own answer echoes each bad input, which may not be JSON-serializable: say where and why
+        detail = [
+            {"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+            for e in exc.errors()
+        ]
+        message = "; ".join(f"{'.'.join(str(x) for x in d['loc'])}: {d['msg']}" for d in detail[:5])
+        return JSONResponse(
+            status_code=422, content={"error": "INVALID_ARGUMENT", "message": message, "detail": detail}
+        )
 
     @api.exception_handler(StagetreeError)
     async def _domain_error(_req: Request, exc: StagetreeError) -> JSONResponse:
@@ -202,7 +219,7 @@ def create_rest_app(master: MasterApp) -> FastAPI:
     async def get_requests(
         study_id: str,
         who: Who,
-        ids: Annotated[list[int] | None, Query()] = None,
+        ids: Annotated[list[Annotated[int, Field(ge=1, le=INT64_MAX)]] | None, Query()] = None,
         wait_s: Annotated[
             float,
             Query(ge=0, le=MAX_WAIT_S, description="long poll: answer once every listed request has finished"),
@@ -224,7 +241,7 @@ def create_rest_app(master: MasterApp) -> FastAPI:
                 await wakeups.close()
 
     @api.delete(f"{PREFIX}/studies/{{study_id}}/requests/{{request_id}}")
-    def cancel(study_id: str, request_id: int, who: Who) -> RequestOut:
+    def cancel(study_id: str, request_id: RequestId, who: Who) -> RequestOut:
         return _request(svc.cancel(who, study_id, request_id))
 
     @api.post(f"{PREFIX}/studies/{{study_id}}/metrics/query")

@@ -1,0 +1,88 @@
+"""The REST boundary against inputs that once reached a 500 or wrote: NaN and Infinity, lone surrogates,
+NUL, integers past 64 bits, oversized bodies. Each gets a clear 4xx and changes nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from stagetree.master.app import MasterApp
+from tests.integration.master.helpers import fixed, unique
+from tests.integration.master.test_rest_api import ADMIN, ALICE
+
+BIG = "100000000000000000000"  # past 2**63
+
+
+@pytest.fixture
+def study(http: httpx.Client) -> Iterator[str]:
+    r = http.post("/studies", json={"name": unique("bounds"), "fixed": fixed()}, headers=ALICE)
+    assert r.status_code == 201
+    yield r.json()["id"]
+
+
+def _raw(http: httpx.Client, method: str, path: str, body: str, headers: dict[str, str]) -> httpx.Response:
+    return http.request(method, path, content=body.encode(), headers={**headers, "Content-Type": "application/json"})
+
+
+def _nothing_written(http: httpx.Client, study: str) -> None:
+    assert http.get(f"/studies/{study}/requests", headers=ALICE).json() == []
+    assert http.get(f"/studies/{study}/plan", headers=ALICE).status_code in (404, 422)
+
+
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_numbers_are_refused_before_any_route(http: httpx.Client, study: str, number: str) -> None:
+    body = '{"items": [{"client_request_id": "a", "config": {"tuned": {"lr": 0.1}}, "step": @}]}'.replace("@", number)
+    r = _raw(http, "POST", f"/studies/{study}/requests", body, ALICE)
+    assert (
+        r.status_code == 422 and r.json()["error"] == "INVALID_ARGUMENT" and number.lstrip("-") in r.json()["message"]
+    )
+    slot = '{"node_manager_id": "nm-x", "address": "a", "slots": [{"id": "g0", "share": @}]}'.replace("@", number)
+    assert _raw(http, "POST", "/nodes", slot, ADMIN).status_code == 422
+    _nothing_written(http, study)
+
+
+def test_lone_surrogates_and_control_characters_are_refused(http: httpx.Client, study: str) -> None:
+    for cid in ('"x\\ud800"', '"x\\u0000y"', '"a\\nb"'):
+        body = '{"items": [{"client_request_id": @, "config": {"tuned": {"lr": 0.1}}, "step": 3}]}'.replace("@", cid)
+        r = _raw(http, "POST", f"/studies/{study}/requests", body, ALICE)
+        assert r.status_code == 422, (cid, r.text)
+    r = _raw(http, "POST", "/studies", '{"name": "bad\\ud800", "fixed": null}', ALICE)
+    assert r.status_code == 422
+    r = _raw(http, "POST", "/studies", '{"name": "nul\\u0000name"}', ALICE)
+    assert r.status_code == 422 and "control characters" in r.json()["message"]
+    assert http.get(f"/studies/{study}%00x", headers=ALICE).status_code == 422
+    _nothing_written(http, study)
+
+
+def test_integers_past_64_bits_are_a_4xx(http: httpx.Client, study: str) -> None:
+    assert http.delete(f"/studies/{study}/requests/{BIG}", headers=ALICE).status_code == 422
+    assert http.get(f"/studies/{study}/requests?ids={BIG}", headers=ALICE).status_code == 422
+    assert http.get(f"/studies/{study}/requests?ids=9223372036854775808", headers=ALICE).status_code == 422
+    step = '{"items": [{"client_request_id": "a", "config": {"tuned": {"lr": 0.1}}, "step": @}]}'.replace("@", BIG)
+    assert _raw(http, "POST", f"/studies/{study}/requests", step, ALICE).status_code == 422
+    node = '{"node_manager_id": "nm-y", "address": "a", "slots": [{"id": "g0", "memory_bytes": @}]}'.replace("@", BIG)
+    assert _raw(http, "POST", "/nodes", node, ADMIN).status_code == 422
+    node = '{"node_manager_id": "nm-y", "address": "a", "slots": [{"id": "g0", "gpu_index": @}]}'.replace("@", BIG)
+    assert _raw(http, "POST", "/nodes", node, ADMIN).status_code == 422
+    _nothing_written(http, study)
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(app: MasterApp, http: httpx.Client, study: str) -> None:
+    limit = app.settings.limits.max_body_bytes
+    name = "n" * (limit + 10)
+    r = http.post("/studies", json={"name": name}, headers=ALICE)
+    assert (
+        r.status_code == 413 and r.json()["error"] == "RESOURCE_EXHAUSTED" and "MAX_BODY_BYTES" in r.json()["message"]
+    )
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: refused while it streams in
+        yield b'{"name": "'
+        for _ in range(limit // 65536 + 2):
+            yield b"n" * 65536
+        yield b'"}'
+
+    r = http.post("/studies", content=chunks(), headers={**ALICE, "Content-Type": "application/json"})
+    assert r.status_code == 413
+    assert [s["name"] for s in http.get("/studies", headers=ALICE).json() if len(s["name"]) > 1000] == []
