@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from stagetree.core.batch import Point
-from stagetree.core.config import Config, FixedPart
-from stagetree.core.errors import InvalidArgument, NotFound, ResourceExhausted, StagetreeError
+from stagetree.core.config import Config, FixedPart, divergence
+from stagetree.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, StagetreeError
 from stagetree.core.lifecycle import AttemptReport, CheckpointPoint, MetricPoint, RetryPolicy
 from stagetree.core.searchplan import check_step
 from stagetree.core.sharing import SharingStats
@@ -217,6 +217,7 @@ class MasterService:
             key = fixed.key(scope)
             by_plan.setdefault(key, []).append(i)
             fixed_of[key] = fixed
+        self._check_resends(study, parsed, by_plan)
         out: list[RequestRecord | None] = [None] * len(parsed)
         for key, idxs in by_plan.items():
             plan_id = self.store.plans.ensure_plan(key, json.dumps(fixed_of[key].to_json(), sort_keys=True), scope)
@@ -231,6 +232,40 @@ class MasterService:
         log.debug("requests submitted", extra={"study_id": study.id, "items": len(items)})
         self.wakeups.notify(CH_ROUND)
         return [r for r in out if r is not None]
+
+    def _check_resends(
+        self, study: StudyRecord, parsed: Sequence[tuple[str, FixedPart, Config, int]], by_plan: dict[str, list[int]]
+    ) -> None:
+        """A client request id sent again must carry the same item (then the first request answers it):
+        one that differs is refused, before anything is written, naming the difference."""
+        known = self.store.requests.by_client_ids(study.id, [cid for cid, _, _, _ in parsed])
+        if not known:
+            return
+        plan_of = {i: key for key, idxs in by_plan.items() for i in idxs}
+        plan_ids = self.store.plans.plan_ids_by_key(set(plan_of.values()))
+        for i, (cid, _, config, step) in enumerate(parsed):
+            first = known.get(cid)
+            if first is None:
+                continue
+            plan_id = plan_ids.get(plan_of[i])
+            if first.step != step:
+                why = f"step {first.step}, now {step}"
+            elif plan_id != first.plan_id:
+                why = "another fixed part"
+            elif not self._same_path(plan_id, first.node, config, step):
+                why = "another config"
+            else:
+                continue
+            raise AlreadyExists(
+                f"items[{i}].client_request_id: {cid!r} was used for request {first.id} with {why}; a resend "
+                "must repeat the item exactly (use a new client_request_id for a new request)"
+            )
+
+    def _same_path(self, plan_id: int, node_id: int, config: Config, step: int) -> bool:
+        """Whether ``config`` trained to ``step`` is the model at ``(node_id, step)``: its values agree with
+        the node's config on every step before (the plan's own test, ``core.config.divergence``)."""
+        node = self.plans.ensure(plan_id, [node_id]).nodes.get(node_id)
+        return node is not None and divergence(node.config, config, 0, step) >= step
 
     def cancel(self, who: Principal, study_id: str, request_id: int) -> RequestRecord:
         check_id(request_id, "request_id")

@@ -31,6 +31,7 @@ _COLS = (
 )  # fmt: skip
 _OF_STUDY = select(*_COLS).where(_R.c.study_id == bindparam("study")).order_by(_R.c.id)
 _BY_ID = _OF_STUDY.where(_R.c.id.in_(bindparam("ids", expanding=True)))
+_BY_CLIENT = _OF_STUDY.where(_R.c.client_request_id.in_(bindparam("cids", expanding=True)))
 _FINISHED = _BY_ID.where(_R.c.state.in_(FINISHED_REQUEST_STATES))
 _METRICS_AT = select(_M.c.node_id, _M.c.step, _M.c["values"]).where(
     tuple_(_M.c.node_id, _M.c.step).in_(bindparam("keys", expanding=True))
@@ -104,6 +105,12 @@ class RequestStore:
         if request_ids is None:
             return self._read("get requests", _OF_STUDY, {"study": study_id})
         return self._read("get requests", _BY_ID, {"study": study_id, "ids": list(request_ids)})
+
+    def by_client_ids(self, study_id: str, client_request_ids: Sequence[str]) -> dict[str, RequestRecord]:
+        """The study's requests with these client request ids (without metrics)."""
+        with self.db.tx("requests by client id") as s:
+            rows = self.db.rows(s, _BY_CLIENT, {"study": study_id, "cids": list(client_request_ids)})
+            return {r.client_request_id: r for r in (_request_row(*row) for row in rows)}
 
     def done_since(self, study_id: str, request_ids: Sequence[int]) -> list[RequestRecord]:
         """The requests among ``request_ids`` that are finished (DONE, CANCELLED or FAILED), with metrics."""

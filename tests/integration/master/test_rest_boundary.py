@@ -86,3 +86,26 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(app: MasterApp, http: ht
     r = http.post("/studies", content=chunks(), headers={**ALICE, "Content-Type": "application/json"})
     assert r.status_code == 413
     assert [s["name"] for s in http.get("/studies", headers=ALICE).json() if len(s["name"]) > 1000] == []
+
+
+def test_a_resend_must_repeat_the_item_exactly(http: httpx.Client, study: str) -> None:
+    def lr(gamma: float) -> dict[str, object]:
+        return {"tuned": {"lr": {"kind": "multistep", "init": 0.1, "milestones": [5], "gamma": gamma}}}
+
+    item = {"client_request_id": "r1", "config": lr(0.5), "step": 10}
+    (first,) = http.post(f"/studies/{study}/requests", json={"items": [item]}, headers=ALICE).json()
+    nodes = http.get(f"/studies/{study}/plan", headers=ALICE).json()["nodes"]
+    (again,) = http.post(f"/studies/{study}/requests", json={"items": [item]}, headers=ALICE).json()
+    assert again["request_id"] == first["request_id"]  # an equal resend stays idempotent
+    for changed, why in (
+        ({**item, "step": 12}, "step 10, now 12"),
+        ({**item, "config": {"tuned": {"lr": 0.3}}}, "another config"),
+        ({**item, "config": lr(0.9)}, "another config"),
+    ):
+        fresh = {"client_request_id": "r2", "config": {"tuned": {"lr": 0.7}}, "step": 4}
+        r = http.post(f"/studies/{study}/requests", json={"items": [fresh, changed]}, headers=ALICE)
+        assert r.status_code == 409 and r.json()["error"] == "ALREADY_EXISTS" and why in r.json()["message"], r.text
+    assert [x["request_id"] for x in http.get(f"/studies/{study}/requests", headers=ALICE).json()] == [
+        first["request_id"]
+    ]  # the fresh item of a refused call was not written either
+    assert http.get(f"/studies/{study}/plan", headers=ALICE).json()["nodes"] == nodes  # nor any plan node
