@@ -679,26 +679,43 @@ def segments_to_json(segments: Segments) -> list[list[Any]]:
 # Comparing sequences
 
 
-def first_divergence(a: Segments, b: Segments, start: int, limit: int) -> int:
-    """The first step in [start, limit) where ``a`` and ``b`` may differ, or ``limit`` if none.
+LOOKAHEAD = 64  # steps compared value by value where two sequences' pieces differ
 
-    Assumes they agree on [0, start). Comparison is by segment, so a step where one sequence starts
-    a new elementary piece counts as a divergence even if the values happen to coincide there
-    (conservative: it can only cost sharing, never correctness).
+
+def first_divergence(a: Segments, b: Segments, start: int, limit: int) -> int:
+    """The first step in [start, limit) where ``a`` and ``b`` may differ in value, or ``limit`` if none.
+
+    Assumes they agree on [0, start). Equal pieces are skipped whole. Where the pieces differ (a cosine
+    and an exponential that both start at 0.1), values are compared step by step, so the sequences
+    diverge where their values first do, not where their pieces do; at most ``LOOKAHEAD`` steps are
+    compared in all, and a search that runs out of them stops there (conservative: it can only cost
+    sharing, never exactness). Values are equal when ``==`` and of the same type, as the runtime applies
+    them (``1`` and ``1.0`` differ).
     """
     if a is b:
         return limit
     ia = _index(a, start)
     ib = _index(b, start)
     pos = start
+    budget = LOOKAHEAD
     while pos < limit:
         sa, sb = a[ia], b[ib]
-        if sa.start != sb.start or sa.kind != sb.kind or sa.params != sb.params:
-            return pos
         ends = [e for e in (sa.end, sb.end) if e is not None]
-        if not ends:
-            return limit
-        pos = min(ends)
+        end = min(ends) if ends else limit
+        if sa.start == sb.start and sa.kind == sb.kind and sa.params == sb.params:
+            if not ends:
+                return limit
+            pos = end
+        else:
+            stop = min(end, limit, pos + budget)
+            for s in range(pos, stop):
+                va, vb = segment_value(sa, s), segment_value(sb, s)
+                if va != vb or type(va) is not type(vb):
+                    return s
+            budget -= stop - pos
+            pos = stop
+            if pos < min(end, limit):  # out of look-ahead inside the differing pieces
+                return pos
         if sa.end == pos:
             ia += 1
         if sb.end == pos:

@@ -9,7 +9,6 @@ refreshed, and the walk is repeated: whichever master wrote first, every master 
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import itertools
 import json
@@ -33,13 +32,9 @@ def config_text(config: Config) -> str:
 
 
 def branch_digest(config: Config, step: int) -> str:
-    """Digest of the segments in force at ``step``: two configs that agree before ``step`` take the same
-    child at ``step`` exactly when these agree (the core's ``divergence`` compares the same fields)."""
-    parts = []
-    for name, segs in config.items:
-        i = bisect.bisect_right([s.start for s in segs], step) - 1
-        seg = segs[max(i, 0)]
-        parts.append([name, seg.start, seg.kind, list(seg.params)])
+    """Digest of the values in force at ``step`` (with their types): two configs that agree before ``step``
+    take the same child at ``step`` exactly when these agree (the core's ``divergence`` compares values)."""
+    parts = [[name, type(v).__name__, v] for name, v in sorted(config.values_at(step).items())]
     blob = json.dumps(parts, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
