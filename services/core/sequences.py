@@ -35,7 +35,7 @@ import itertools
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, NamedTuple, TypeAlias
 
 from stagetree.core.errors import SequenceError
@@ -281,8 +281,24 @@ class Sequence(ABC):
     def __hash__(self) -> int:
         return hash(self.segments())
 
+    def __repr__(self) -> str:
+        """As the constructor call that builds it: ``Warmup(0.02, 5, then=Exponential(0.2, 0.98))``.
+        Required parameters by position (a nested schedule by name), optional ones only when set."""
+        args = []
+        for f in fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            if isinstance(v, tuple):
+                v = list(v)
+            if f.default is MISSING and f.default_factory is MISSING:
+                args.append(f"{f.name}={v!r}" if isinstance(v, Sequence) else repr(v))
+            elif v != f.default:
+                args.append(f"{f.name}={v!r}")
+        return f"{type(self).__name__}({', '.join(args)})"
 
-@dataclass(frozen=True, eq=False)
+    __str__ = __repr__
+
+
+@dataclass(frozen=True, eq=False, repr=False)
 class Constant(Sequence):
     value_: Value
 
@@ -303,7 +319,7 @@ class Constant(Sequence):
         return {"kind": "constant", "value": self.value_}
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class Linear(Sequence):
     """``init + slope * step``."""
 
@@ -324,7 +340,7 @@ class Linear(Sequence):
         return {"kind": "linear", "init": self.init, "slope": self.slope}
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class Exponential(Sequence):
     """``init * gamma ** step``."""
 
@@ -345,7 +361,7 @@ class Exponential(Sequence):
         return {"kind": "exponential", "init": self.init, "gamma": self.gamma}
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class Step(Sequence):
     """``init * gamma ** (step // step_size)`` (PyTorch's StepLR)."""
 
@@ -369,7 +385,7 @@ class Step(Sequence):
         return {"kind": "step", "init": self.init, "step_size": self.step_size, "gamma": self.gamma}
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class MultiStep(Sequence):
     """``init``, multiplied by ``gamma`` at each milestone (PyTorch's MultiStepLR)."""
 
@@ -413,7 +429,7 @@ class MultiStep(Sequence):
         }
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class Cosine(Sequence):
     """Cosine annealing from ``init`` to ``min_value`` over ``period`` steps, then a warm restart;
     each restart multiplies the period by ``gamma`` (SGDR's T_mult)."""
@@ -451,7 +467,7 @@ class Cosine(Sequence):
         }
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class CyclicLR(Sequence):
     """Triangular cycles: ``init`` up to ``max_value`` in ``period_up`` steps, back in ``period_down``."""
 
@@ -482,7 +498,7 @@ class CyclicLR(Sequence):
         }
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class Warmup(Sequence):
     """Linear from ``init`` to ``then``'s first value over ``period`` steps, then ``then`` (which starts
     its own step 0 at step ``period``)."""
@@ -511,7 +527,7 @@ class Warmup(Sequence):
         return {"kind": "warmup", "init": self.init, "period": self.period, "then": self.then.to_json()}
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class Piecewise(Sequence):
     """Concatenation: ``pieces[0]`` on [0, boundaries[0]), ``pieces[1]`` from ``boundaries[0]`` (starting
     its own step 0 there), ...; the last piece runs forever."""
@@ -565,6 +581,11 @@ class _FromSegments(Sequence):
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "segments", "segments": [s.to_json() for s in self.segments()]}
+
+    def __repr__(self) -> str:
+        return f"Segments({[s.to_json() for s in self.segments()]!r})"
+
+    __str__ = __repr__
 
 
 # ---------------------------------------------------------------------------------------------
