@@ -219,6 +219,7 @@ class BatchFailed(BatchMessage):
     error: str
     traceback: str
     oom: bool
+    user_error: bool = False  # the trainer's own code raised: a retry would raise again
 
 
 @pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=_SCHEMA)

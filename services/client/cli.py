@@ -167,6 +167,11 @@ def study_summary(study: Mapping[str, Any], requests: Sequence[Mapping[str, Any]
         "metrics": names,
         "max_step": max((r["step"] for r in requests), default=None),
         "trials": trials(requests),
+        "failures": [
+            {k: r.get(k) for k in ("request_id", "label", "step", "error")}
+            for r in sorted(requests, key=lambda r: r["request_id"])
+            if r["state"] == "FAILED"
+        ],
     }
 
 
@@ -229,6 +234,14 @@ def format_study(summary: Mapping[str, Any]) -> str:
         lines.extend("  " + row for row in table.splitlines())
         if len(summary["trials"]) > len(shown):
             lines.append(f"  ... {len(summary['trials']) - len(shown)} more (--json lists them all)")
+    failures = summary.get("failures", [])
+    if failures:
+        first = failures[0]
+        lines.append(f"failed    {len(failures)} request(s); the first, {first['request_id']} at step {first['step']}:")
+        lines.extend("  " + ln for ln in str(first.get("error") or "no reason given").splitlines())
+        for f in failures[1:MAX_TRIALS_SHOWN]:
+            head = (str(f.get("error") or "").splitlines() or [""])[0]
+            lines.append(f"  request {f['request_id']} at step {f['step']}: {head}")
     return "\n".join(lines)
 
 

@@ -148,14 +148,16 @@ class StudyInfo:
     fixed: FixedPart | None
     created_at: float
     policies: dict[str, Any] | None = None  # the scheduling policies it chose (stagetree.master.policies)
+    retry_user_errors: bool = False
 
 
 def _study_info(s: pb.Study) -> StudyInfo:
     if not s.fixed_json:
-        return StudyInfo(s.id, s.name, s.owner, None, s.created_at)
+        return StudyInfo(s.id, s.name, s.owner, None, s.created_at, retry_user_errors=s.retry_user_errors)
     obj = json.loads(s.fixed_json)
     policies = obj.pop("policies", None) if isinstance(obj, dict) else None
-    return StudyInfo(s.id, s.name, s.owner, FixedPart.from_json(obj), s.created_at, policies)
+    fixed = FixedPart.from_json(obj)
+    return StudyInfo(s.id, s.name, s.owner, fixed, s.created_at, policies, s.retry_user_errors)
 
 
 _STATE_NAMES = {v.number: v.name for v in pb.RequestState.DESCRIPTOR.values}  # Name() is a slow lookup
@@ -500,6 +502,7 @@ class Study:
         load_if_exists: bool = False,
         tuned: Iterable[str],
         policies: Mapping[str, Any] | None = None,
+        retry_user_errors: bool = False,
     ) -> Study:
         """Create a study named ``name`` (unique per owner). ``trainer`` is the entry point of the user's
         ``Trainer`` (``"package.module:Class"``); ``values`` are fixed hyper-parameters; ``tuned`` names
@@ -511,7 +514,11 @@ class Study:
         module source and of the files and directories in ``code`` (``client.codeversion``); an edit gives
         a new plan, so nothing computed by the old code is reused. Pass an explicit ``code_version`` (a
         git commit) when the trainer lives only on the cluster. With ``load_if_exists``, a study of that
-        name that exists already is loaded instead (its fixed part is the one it was created with)."""
+        name that exists already is loaded instead (its fixed part is the one it was created with).
+
+        An eval whose trainer raised fails at once with the traceback (``EvalFailed``): a retry would
+        raise again. ``retry_user_errors`` retries those too (up to the master's attempt limit), for
+        trainers whose failures are transient (a flaky data source)."""
         names = _check_tuned(tuned)
         if not isinstance(name, str) or not name.strip():
             raise InvalidArgument(f"name: must be a non-empty string, got {name!r}")
@@ -538,7 +545,9 @@ class Study:
         fixed_obj = fixed.to_json()
         if policies is not None:
             fixed_obj["policies"] = dict(policies)
-        req = pb.CreateStudyRequest(name=name, fixed_json=json.dumps(fixed_obj, sort_keys=True))
+        req = pb.CreateStudyRequest(
+            name=name, fixed_json=json.dumps(fixed_obj, sort_keys=True), retry_user_errors=bool(retry_user_errors)
+        )
         try:
             return cls(client, _study_info(await client.call("CreateStudy", req, idempotent=False)), names)
         except AlreadyExists:

@@ -66,7 +66,8 @@ class Outcome(StrEnum):
     """How an attempt ended, as its reporter or the master saw it."""
 
     SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
+    FAILED = "FAILED"  # the worker failed for a reason a retry may cure (it was killed, a disk filled up)
+    USER_ERROR = "USER_ERROR"  # the trainer's own code raised: a retry would raise again
     OUT_OF_MEMORY = "OUT_OF_MEMORY"
     PREEMPTED = "PREEMPTED"
     LOST = "LOST"
@@ -74,24 +75,28 @@ class Outcome(StrEnum):
 
     def counts_as_failure(self) -> bool:
         """An end that counts against the retry budget of the requests the attempt carried."""
-        return self in (Outcome.FAILED, Outcome.OUT_OF_MEMORY)
+        return self in (Outcome.FAILED, Outcome.USER_ERROR, Outcome.OUT_OF_MEMORY)
 
     def batch_state(self) -> BatchState:
         return _BATCH_STATE_OF[self]
 
     @classmethod
-    def of_report(cls, ok: bool, *, preempted: bool = False, oom: bool = False) -> Outcome:
-        """The outcome a node manager's report flags say (``ok`` wins; a preemption is no failure)."""
+    def of_report(cls, ok: bool, *, preempted: bool = False, oom: bool = False, user_error: bool = False) -> Outcome:
+        """The outcome a node manager's report flags say (``ok`` wins; a preemption is no failure; out of
+        memory is retried with more GPUs even when user code hit it)."""
         if ok:
             return cls.SUCCEEDED
         if preempted:
             return cls.PREEMPTED
-        return cls.OUT_OF_MEMORY if oom else cls.FAILED
+        if oom:
+            return cls.OUT_OF_MEMORY
+        return cls.USER_ERROR if user_error else cls.FAILED
 
 
 _BATCH_STATE_OF = {
     Outcome.SUCCEEDED: BatchState.DONE,
     Outcome.FAILED: BatchState.FAILED,
+    Outcome.USER_ERROR: BatchState.FAILED,
     Outcome.OUT_OF_MEMORY: BatchState.FAILED,
     Outcome.PREEMPTED: BatchState.PREEMPTED,
     Outcome.LOST: BatchState.LOST,
@@ -115,7 +120,9 @@ class AssignmentKind(StrEnum):
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """``max_failures``: failed attempts a request's work may have before the request fails."""
+    """``max_failures``: failed attempts a request's work may have before the request fails. An error
+    of the user's code fails its requests at once, unless their study asked to retry those too
+    (``CarriedRequest.retry_user_errors``)."""
 
     max_failures: int = 3
 
@@ -181,10 +188,12 @@ class BatchHead:
 
 @dataclass(frozen=True)
 class CarriedRequest:
-    """A request the batch still carries (SCHED on it), with its failed attempts so far."""
+    """A request the batch still carries (SCHED on it), with its failed attempts so far, and whether its
+    study retries errors of the user's code."""
 
     id: int
     failures: int = 0
+    retry_user_errors: bool = False
 
 
 @dataclass(frozen=True)
@@ -205,14 +214,18 @@ class AttemptDecision:
 
 
 def failure_text(outcome: Outcome, error: str) -> str:
-    """The error a failed attempt leaves on its requests: the worker's words (their tail), prefixed so
-    an out-of-memory failure reads as one."""
+    """The error a failed attempt leaves on its requests: the worker's words, prefixed so an
+    out-of-memory failure reads as one. A long one keeps its first line (what was raised) and its tail
+    (where: a traceback's end says the most)."""
     error = error.replace("\x00", "")
     if outcome is Outcome.OUT_OF_MEMORY:
         error = f"out of memory: {error}" if error else "out of memory"
     elif not error:
         error = "the batch failed"
-    return error[-MAX_ERROR_CHARS:]
+    if len(error) <= MAX_ERROR_CHARS:
+        return error
+    head = error.split("\n", 1)[0][:500]
+    return f"{head}\n...\n{error[-(MAX_ERROR_CHARS - len(head) - 5) :]}"
 
 
 def end_attempt(
@@ -230,7 +243,10 @@ def end_attempt(
             batch_state=end.outcome.batch_state(),
             requeued=tuple(r.id for r in carried),
         )
-    failed = tuple(r.id for r in carried if r.failures + 1 >= policy.max_failures)
+    final = end.outcome is Outcome.USER_ERROR
+    failed = tuple(
+        r.id for r in carried if r.failures + 1 >= policy.max_failures or (final and not r.retry_user_errors)
+    )
     gone = set(failed)
     return AttemptDecision(
         end.batch_id,

@@ -111,7 +111,11 @@ class MasterService:
 
     # -- studies --------------------------------------------------------------------------------
 
-    def create_study(self, who: Principal, name: str, fixed_json: str = "") -> StudyRecord:
+    def create_study(
+        self, who: Principal, name: str, fixed_json: str = "", *, retry_user_errors: bool = False
+    ) -> StudyRecord:
+        """A new study of the caller. ``retry_user_errors``: retry its requests' work when the user's
+        code raised (off by default: such an error fails the request on its first attempt)."""
         check_text(name, "study name", self.limits.max_name_len)
         if not name.strip():
             raise InvalidArgument("study name: must not be blank")
@@ -123,7 +127,7 @@ class MasterService:
             if policies is not None:
                 stored["policies"] = policies.to_json()
         fixed = None if stored is None else json.dumps(stored, sort_keys=True)
-        rec = self.store.studies.create_study(who.name, name, fixed)
+        rec = self.store.studies.create_study(who.name, name, fixed, retry_user_errors=bool(retry_user_errors))
         log.info("study created", extra={"study_id": rec.id, "owner": who.name})
         return rec
 

@@ -35,7 +35,7 @@ import random
 import signal
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from stagetree.core.batch import BatchSpec
@@ -87,7 +87,11 @@ def classify_end(attempt: _Attempt, returncode: int, stderr_tail: str) -> Attemp
         if kind == "batch_preempted":
             return AttemptEnd("preempted")
         return AttemptEnd(
-            "failed", error=str(payload["error"]), traceback=str(payload["traceback"]), oom=bool(payload["oom"])
+            "failed",
+            error=str(payload["error"]),
+            traceback=str(payload["traceback"]),
+            oom=bool(payload["oom"]),
+            user_error=bool(payload.get("user_error", False)),
         )
     if attempt.aborted:
         return AttemptEnd("aborted", error="aborted by the master", by_worker=False)
@@ -422,6 +426,8 @@ class NodeManager:
                 worker.kill()
             rc = await self._watch(att, worker)
             end = classify_end(att, rc, worker.stderr_tail() if att.terminal is None else "")
+            if end.status == "failed" and not end.by_worker:
+                end = replace(end, error=f"{end.error}\n{self._log_note(worker)}")
             log.info(
                 "worker exited",
                 extra={**ids, "pid": worker.pid, "returncode": rc, "status": end.status, "error": end.error},
@@ -474,8 +480,13 @@ class NodeManager:
                 if att.terminal is not None:
                     log.warning("second terminal event ignored", extra={"batch_id": info.batch_id, "kind": kind})
                     continue
+                if kind == "batch_failed":  # say where the whole story is: the worker's log
+                    payload = {**payload, "error": f"{payload['error']}\n{self._log_note(worker)}"}
                 att.terminal = (kind, payload)
             await self.reporter.event(info, kind, payload)
+
+    def _log_note(self, worker: WorkerProcess) -> str:
+        return f"worker log: {worker.log_path} on node manager {self.id}"
 
     # -- telemetry and shutdown ---------------------------------------------------------------------
 

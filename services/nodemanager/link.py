@@ -59,6 +59,7 @@ class BatchReport:
     error: str = ""
     oom: bool = False
     preempted: bool = False
+    user_error: bool = False  # the trainer's own code raised
 
 
 class MasterLink(ABC):
@@ -212,6 +213,7 @@ class GrpcMasterLink(MasterLink):
             error=report.error,
             oom=report.oom,
             preempted=report.preempted,
+            user_error=report.user_error,
         )
         try:
             resp = await self._get_stub().ReportBatch(req, metadata=self._metadata, timeout=self._timeout)

@@ -78,6 +78,7 @@ class AttemptEnd:
     traceback: str = ""
     oom: bool = False
     by_worker: bool = True
+    user_error: bool = False  # the trainer's own code raised (the worker says so)
 
 
 class RecentKeys:
@@ -338,6 +339,7 @@ class GrpcReporter(BatchReporter):
             error="" if end.status == "finished" else error,
             oom=end.oom and end.status == "failed",
             preempted=end.status == "preempted",
+            user_error=end.user_error and end.status == "failed",
         )
 
     async def _finish(self, info: AttemptInfo, end: AttemptEnd) -> None:

@@ -38,7 +38,14 @@ POLL_S = 1.0  # a stream re-checks at least this often even when a wake-up is mi
 
 
 def study_pb(s: StudyRecord) -> pb.Study:
-    return pb.Study(id=s.id, name=s.name, owner=s.owner, fixed_json=s.fixed_json or "", created_at=s.created_at)
+    return pb.Study(
+        id=s.id,
+        name=s.name,
+        owner=s.owner,
+        fixed_json=s.fixed_json or "",
+        created_at=s.created_at,
+        retry_user_errors=s.retry_user_errors,
+    )
 
 
 def result_pb(r: RequestRecord) -> pb.RequestResult:
@@ -111,7 +118,12 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
     # -- studies --------------------------------------------------------------------------------
 
     async def CreateStudy(self, request: pb.CreateStudyRequest, context: Any) -> pb.Study:
-        rec = await self._call(context, lambda who: self.svc.create_study(who, request.name, request.fixed_json))
+        rec = await self._call(
+            context,
+            lambda who: self.svc.create_study(
+                who, request.name, request.fixed_json, retry_user_errors=request.retry_user_errors
+            ),
+        )
         return study_pb(rec)
 
     async def GetStudy(self, request: pb.GetStudyRequest, context: Any) -> pb.Study:
@@ -292,7 +304,7 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
         report = AttemptReport(
             request.batch_id,
             request.attempt,
-            Outcome.of_report(request.ok, preempted=request.preempted, oom=request.oom),
+            Outcome.of_report(request.ok, preempted=request.preempted, oom=request.oom, user_error=request.user_error),
             [MetricPoint(m.node, m.step, dict(m.values)) for m in request.metrics],
             [CheckpointPoint(c.node, c.step, c.uri, c.bytes, c.kind or "central") for c in request.checkpoints],
             error=request.error,

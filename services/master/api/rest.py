@@ -40,6 +40,9 @@ MAX_WAIT_S = 60.0  # the longest a long poll may hold a request
 class StudyIn(BaseModel):
     name: str
     fixed: dict[str, Any] | None = None
+    retry_user_errors: bool = Field(
+        False, description="retry work whose failure was the user's code raising (default: it fails at once)"
+    )
 
 
 class StudyOut(BaseModel):
@@ -48,6 +51,7 @@ class StudyOut(BaseModel):
     owner: str
     fixed: dict[str, Any] | None
     created_at: float
+    retry_user_errors: bool = False
 
 
 class ItemIn(BaseModel):
@@ -121,6 +125,7 @@ def _study(s: StudyRecord) -> StudyOut:
         owner=s.owner,
         fixed=None if s.fixed_json is None else json.loads(s.fixed_json),
         created_at=s.created_at,
+        retry_user_errors=s.retry_user_errors,
     )
 
 
@@ -180,7 +185,7 @@ def create_rest_app(master: MasterApp) -> FastAPI:
     @api.post(f"{PREFIX}/studies", status_code=201)
     def create_study(body: StudyIn, who: Who) -> StudyOut:
         fixed = "" if body.fixed is None else json.dumps(body.fixed)
-        return _study(svc.create_study(who, body.name, fixed))
+        return _study(svc.create_study(who, body.name, fixed, retry_user_errors=body.retry_user_errors))
 
     @api.get(f"{PREFIX}/studies")
     def list_studies(who: Who) -> list[StudyOut]:

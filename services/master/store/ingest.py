@@ -260,7 +260,9 @@ def _end_of(msg: _Terminal) -> AttemptEnd:
         return AttemptEnd(msg.batch_id, msg.attempt, Outcome.SUCCEEDED)
     if isinstance(msg, BatchPreempted):
         return AttemptEnd(msg.batch_id, msg.attempt, Outcome.PREEMPTED)
-    return AttemptEnd(msg.batch_id, msg.attempt, Outcome.of_report(False, oom=msg.oom), msg.error)
+    return AttemptEnd(
+        msg.batch_id, msg.attempt, Outcome.of_report(False, oom=msg.oom, user_error=msg.user_error), msg.error
+    )
 
 
 def _invalid(msg: BatchMessage) -> str:

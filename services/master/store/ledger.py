@@ -51,8 +51,10 @@ _HEADS = (
     .order_by(_B.c.id)
     .with_for_update()
 )
-_CARRIED = select(_R.c.batch_id, _R.c.id, _R.c.failures).where(
-    _R.c.batch_id.in_(bindparam("ids", expanding=True)), _R.c.state == RequestState.SCHED
+_CARRIED = (
+    select(_R.c.batch_id, _R.c.id, _R.c.failures, table(m.Study).c.retry_user_errors)
+    .join(table(m.Study), table(m.Study).c.id == _R.c.study_id)
+    .where(_R.c.batch_id.in_(bindparam("ids", expanding=True)), _R.c.state == RequestState.SCHED)
 )
 _END_BATCHES = (
     update(_B)
@@ -121,8 +123,8 @@ class BatchLedger:
         heads = self.heads_in(s, [e.batch_id for e in ends]) if heads is None else dict(heads)
         live = [b for b, h in heads.items() if h is not None and h.state is BatchState.RUNNING]
         carried: dict[int, list[CarriedRequest]] = {}
-        for bid, rid, failures in self.db.rows(s, _CARRIED, {"ids": live}) if live else ():
-            carried.setdefault(int(bid), []).append(CarriedRequest(int(rid), int(failures or 0)))
+        for bid, rid, failures, retry in self.db.rows(s, _CARRIED, {"ids": live}) if live else ():
+            carried.setdefault(int(bid), []).append(CarriedRequest(int(rid), int(failures or 0), bool(retry)))
         decisions = []
         for e in ends:
             d = end_attempt(heads[e.batch_id], e, sorted(carried.pop(e.batch_id, []), key=lambda r: r.id), policy)

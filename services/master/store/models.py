@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     Float,
     ForeignKey,
     Index,
@@ -25,6 +26,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
 )
+from sqlalchemy import false as sa_false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # Explicit constraint names so that Alembic migrations are stable across dialects.
@@ -52,6 +54,8 @@ class Study(Base):
     name: Mapped[str] = mapped_column(String(256))
     fixed_json: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[float] = mapped_column(Float)
+    # retry its requests' work when the user's code raised (off: such a failure is final at once)
+    retry_user_errors: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_false())
 
 
 class Plan(Base):

@@ -36,6 +36,7 @@ class StudyRecord:
     name: str
     fixed_json: str | None
     created_at: float
+    retry_user_errors: bool = False
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,22 @@ class StudyStore:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    def create_study(self, owner: str, name: str, fixed_json: str | None) -> StudyRecord:
-        rec = StudyRecord(uuid.uuid4().hex, owner, name, fixed_json, time.time())
+    def create_study(
+        self, owner: str, name: str, fixed_json: str | None, *, retry_user_errors: bool = False
+    ) -> StudyRecord:
+        rec = StudyRecord(uuid.uuid4().hex, owner, name, fixed_json, time.time(), retry_user_errors)
         try:
             with self.db.tx("create study") as s:
-                s.add(m.Study(id=rec.id, owner=owner, name=name, fixed_json=fixed_json, created_at=rec.created_at))
+                s.add(
+                    m.Study(
+                        id=rec.id,
+                        owner=owner,
+                        name=name,
+                        fixed_json=fixed_json,
+                        created_at=rec.created_at,
+                        retry_user_errors=retry_user_errors,
+                    )
+                )
         except Conflict as e:
             raise AlreadyExists(f"study {name!r} already exists for {owner!r}; pick another name") from e
         return rec
@@ -50,4 +61,4 @@ class StudyStore:
 
 
 def _study(row: m.Study) -> StudyRecord:
-    return StudyRecord(row.id, row.owner, row.name, row.fixed_json, row.created_at)
+    return StudyRecord(row.id, row.owner, row.name, row.fixed_json, row.created_at, bool(row.retry_user_errors))

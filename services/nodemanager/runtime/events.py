@@ -24,7 +24,7 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
     "checkpoint_saved": frozenset({"batch_id", "attempt", "node", "step", "uri", "bytes", "kind"}),
     "batch_finished": frozenset({"batch_id", "attempt", "steps"}),
     "batch_preempted": frozenset({"batch_id", "attempt", "node", "step", "uri"}),
-    "batch_failed": frozenset({"batch_id", "attempt", "error", "traceback", "oom"}),
+    "batch_failed": frozenset({"batch_id", "attempt", "error", "traceback", "oom", "user_error"}),
 }
 
 CHECKPOINT_KINDS = frozenset({"central", "peripheral"})

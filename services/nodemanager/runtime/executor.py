@@ -10,8 +10,11 @@ the step, save, stop). Checkpoints of trainers with ``state_dict`` are snapshott
 written by a background thread; a failed write fails the batch.
 
 Everything the master learns goes through ``emit(kind, payload)`` (see ``events.EVENT_FIELDS``).
-A user error becomes ``batch_failed`` with its traceback; an out-of-memory error is flagged ``oom``
-so the scheduler can retry with more resources.
+A failure becomes ``batch_failed``: its ``error`` is what was raised and the last ``TRACEBACK_LINES``
+lines of the traceback (the whole traceback goes to the worker's log). It is flagged ``user_error``
+when the user's code raised (a frame of the trainer's own files is on the traceback, or a metric came
+back NaN or infinite), which the master does not retry; an out-of-memory error is flagged ``oom`` so the
+scheduler can retry with more resources.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import os
 import re
+import sys
 import time
 import traceback
 from collections import deque
@@ -59,6 +64,7 @@ class BatchOutcome:
     uri: str | None = None  # the checkpoint a preempted batch resumes from
     error: str | None = None
     oom: bool = False
+    user_error: bool = False
 
 
 @dataclass
@@ -81,6 +87,45 @@ def is_oom(exc: BaseException) -> bool:
             return True
         e = e.__cause__ or e.__context__
     return False
+
+
+TRACEBACK_LINES = 40
+
+
+class NonFiniteMetric(ValueError):
+    """``evaluate()`` returned NaN or an infinity: the training diverged (the user's run, not ours)."""
+
+
+def user_files(trainer_cls: type) -> tuple[str, ...]:
+    """Where the user's code lives: the trainer's module file and, for a trainer in a package of its
+    own, that package's directory (its helpers)."""
+    module = sys.modules.get(trainer_cls.__module__)
+    path = getattr(module, "__file__", None)
+    if not path:
+        return ()
+    out = [os.path.abspath(path)]
+    top = sys.modules.get(trainer_cls.__module__.split(".")[0])
+    top_path = getattr(top, "__file__", None)
+    if top is not module and top_path and not trainer_cls.__module__.startswith("stagetree."):
+        out.append(os.path.dirname(os.path.abspath(top_path)) + os.sep)
+    return tuple(out)
+
+
+def raised_in_user_code(exc: BaseException, files: tuple[str, ...]) -> bool:
+    """Whether ``exc`` came from the user's code: a retry would raise it again."""
+    if isinstance(exc, NonFiniteMetric):
+        return True
+    if not files:
+        return False
+    return any(os.path.abspath(f.filename).startswith(files) for f in traceback.extract_tb(exc.__traceback__))
+
+
+def error_text(exc: BaseException, tb: str) -> str:
+    """What was raised, then the end of its traceback (where)."""
+    lines = tb.rstrip().splitlines()
+    tail = lines[-TRACEBACK_LINES:]
+    cut = f"(traceback: its last {len(tail)} of {len(lines)} lines)\n" if len(lines) > len(tail) else ""
+    return f"{type(exc).__name__}: {exc}\n{cut}" + "\n".join(tail)
 
 
 def constant_until(config: Config, step: int) -> float:
@@ -138,6 +183,8 @@ class BatchRun:
     ) -> None:
         self.spec = spec
         self._factory = trainer_factory
+        # the user's files: a traceback through them is the user's error (factories in tests are classes too)
+        self._user_files = user_files(trainer_factory) if isinstance(trainer_factory, type) else ()
         self._store = store
         self._emit = emit
         self._should_preempt = should_preempt
@@ -288,6 +335,13 @@ class BatchRun:
             rng = capture_rng_state()
             metrics = {str(k): float(v) for k, v in trainer.evaluate().items()}
             restore_rng_state(rng)  # evaluation must not shift the training trajectory
+            bad = sorted(k for k, v in metrics.items() if not math.isfinite(v))
+            if bad:
+                shown = ", ".join(f"{k}={metrics[k]}" for k in bad)
+                raise NonFiniteMetric(
+                    f"evaluate() returned {shown} at step {step}: the training diverged (a learning rate too "
+                    "high, or a loss that overflowed)"
+                )
             for p in evals:
                 self._emit("metrics", {**self._ids, "node": p.node, "step": step, "metrics": metrics})
         return bool(saves)
@@ -356,15 +410,23 @@ class BatchRun:
     def _fail(self, exc: Exception, step: int, trained: int) -> BatchOutcome:
         tb = traceback.format_exc()
         oom = is_oom(exc)
+        user = not oom and raised_in_user_code(exc, self._user_files)
         try:  # checkpoints snapshotted before the failure are still good: report them
             self._drain(block=True)
         except Exception:
             log.exception("checkpoint write failed while failing batch", extra={"batch_id": self.spec.batch_id})
         self._pending.clear()
-        error = f"{type(exc).__name__}: {exc}"
-        log.warning("batch failed: %s", error, extra={"batch_id": self.spec.batch_id, "oom": oom})
-        self._emit("batch_failed", {**self._ids, "error": error, "traceback": tb, "oom": oom})
-        return BatchOutcome("failed", step, trained, error=error, oom=oom)
+        error = error_text(exc, tb)
+        log.error(
+            "batch failed at step %d: %s: %s\n%s",
+            step,
+            type(exc).__name__,
+            exc,
+            tb.rstrip(),
+            extra={**self._ids, "step": step, "oom": oom, "user_error": user},
+        )
+        self._emit("batch_failed", {**self._ids, "error": error, "traceback": tb, "oom": oom, "user_error": user})
+        return BatchOutcome("failed", step, trained, error=error, oom=oom, user_error=user)
 
 
 def run_batch(

@@ -50,7 +50,7 @@ from stagetree.core.config import FixedPart
 from stagetree.core.errors import StagetreeError
 from stagetree.nodemanager.runtime.checkpoints import LocalCheckpointStore
 from stagetree.nodemanager.runtime.events import encode_event
-from stagetree.nodemanager.runtime.executor import BatchRun, device_for, new_trainer
+from stagetree.nodemanager.runtime.executor import BatchRun, device_for, error_text, new_trainer
 from stagetree.nodemanager.runtime.trainer import Trainer, load_trainer_class
 
 log = logging.getLogger(__name__)
@@ -175,11 +175,10 @@ def main(argv: list[str] | None = None, spec_input: TextIO | None = None) -> int
     ids = {"batch_id": spec.batch_id, "attempt": spec.attempt}
     try:
         trainer_cls = load_trainer_class(spec.fixed.trainer)
-    except Exception as e:
-        emit(
-            "batch_failed",
-            {**ids, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(), "oom": False},
-        )
+    except Exception as e:  # the user's entry point does not import: a retry would fail the same way
+        tb = traceback.format_exc()
+        log.error("cannot load the trainer %s: %s\n%s", spec.fixed.trainer, e, tb.rstrip(), extra=ids)
+        emit("batch_failed", {**ids, "error": error_text(e, tb), "traceback": tb, "oom": False, "user_error": True})
         return EXIT_FAILED
 
     trainer = None

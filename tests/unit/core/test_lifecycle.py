@@ -21,7 +21,9 @@ from stagetree.core.lifecycle import (
 
 outcomes = st.sampled_from(list(Outcome))
 carried_lists = st.lists(
-    st.builds(CarriedRequest, st.integers(1, 10_000), st.integers(0, 5)), max_size=8, unique_by=lambda r: r.id
+    st.builds(CarriedRequest, st.integers(1, 10_000), st.integers(0, 5), st.booleans()),
+    max_size=8,
+    unique_by=lambda r: r.id,
 )
 policies = st.builds(RetryPolicy, st.integers(1, 5))
 
@@ -36,7 +38,10 @@ def test_every_carried_request_is_failed_or_requeued_exactly_once(
     assert not set(d.failed) & set(d.requeued)
     if outcome.counts_as_failure():
         assert sorted(d.counted) == sorted(r.id for r in carried) and d.error
-        assert set(d.failed) == {r.id for r in carried if r.failures + 1 >= policy.max_failures}
+        final = outcome is Outcome.USER_ERROR  # the user's code raised: a retry would raise again
+        assert set(d.failed) == {
+            r.id for r in carried if r.failures + 1 >= policy.max_failures or (final and not r.retry_user_errors)
+        }
     else:
         assert d.failed == d.counted == () and d.error == ""
 
@@ -103,3 +108,23 @@ def test_states_answer_their_questions() -> None:
     assert Outcome.of_report(False, preempted=True, oom=True) is Outcome.PREEMPTED
     assert Outcome.of_report(False, oom=True) is Outcome.OUT_OF_MEMORY
     assert Outcome.of_report(False) is Outcome.FAILED
+
+
+@given(carried_lists, policies)
+def test_a_user_error_fails_its_requests_at_once_unless_their_study_retries_them(
+    carried: list[CarriedRequest], policy: RetryPolicy
+) -> None:
+    head = BatchHead(1, BatchState.RUNNING)
+    d = end_attempt(head, AttemptEnd(3, 1, Outcome.USER_ERROR, "ValueError: bad"), carried, policy)
+    assert set(d.failed) == {r.id for r in carried if not r.retry_user_errors or r.failures + 1 >= policy.max_failures}
+    # what a retry can cure keeps its retries
+    d = end_attempt(head, AttemptEnd(3, 1, Outcome.FAILED, "worker killed by SIGKILL"), carried, policy)
+    assert set(d.failed) == {r.id for r in carried if r.failures + 1 >= policy.max_failures}
+
+
+def test_a_long_error_keeps_what_was_raised_and_where() -> None:
+    tb = "RuntimeError: exploded\n" + "".join(f'  File "t.py", line {i}, in f{i}\n' for i in range(400))
+    text = failure_text(Outcome.USER_ERROR, tb)
+    assert (
+        len(text) <= MAX_ERROR_CHARS and text.startswith("RuntimeError: exploded\n...") and text.endswith("in f399\n")
+    )

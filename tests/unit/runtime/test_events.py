@@ -27,7 +27,14 @@ def test_fast_path_is_byte_identical_to_json(batch: int, attempt: int, node: int
 
 
 def test_other_payloads_take_the_json_path() -> None:
-    payload = {"batch_id": 1, "attempt": 1, "error": 'a "quoted"\nerror', "traceback": "", "oom": True}
+    payload = {
+        "batch_id": 1,
+        "attempt": 1,
+        "error": 'a "quoted"\nerror',
+        "traceback": "",
+        "oom": True,
+        "user_error": False,
+    }
     line = encode_event("batch_failed", payload, 2.0)
     assert decode_event(line) == ("batch_failed", 2.0, payload)
     assert encode_event("progress", {"batch_id": True, "attempt": 1, "node": 1, "step": 1}, 1.0).count("true") == 1
