@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+from stagetree import logs
+
 log = logging.getLogger(__name__)
 
 PG_ADMIN_URL = "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
@@ -541,7 +543,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logs.configure(logging.WARNING)
     config = ClusterConfig(
         root=Path(ns.root),
         node_managers=ns.node_managers,

@@ -27,6 +27,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+from stagetree import logs
+
 log = logging.getLogger(__name__)
 
 EMBEDDED_OWNER = "local"
@@ -249,7 +251,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
-    logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logs.configure(ns.log_level)
     if ns.workers < 1 or ns.slots_per_gpu < 1:
         print("error: --workers and --slots-per-gpu must be at least 1", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ import socket
 import sys
 from types import FrameType
 
+from stagetree import logs
 from stagetree.aggregator.settings import AggregatorSettings
 from stagetree.core.errors import StagetreeError
 
@@ -31,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
-    logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logs.configure(ns.log_level)
     try:
         return run(AggregatorSettings())
     except StagetreeError as e:

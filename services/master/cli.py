@@ -12,6 +12,7 @@ import logging
 import signal
 import sys
 
+from stagetree import logs
 from stagetree.core.errors import StagetreeError
 
 
@@ -31,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logs.configure(logging.INFO)
     from stagetree.master.store.schema import check_schema, head_revision, upgrade
     from stagetree.master.store.store import make_engine
 

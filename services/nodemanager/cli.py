@@ -11,27 +11,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
 import sys
 from typing import Any
 
 from pydantic import ValidationError
 
+from stagetree import logs
 from stagetree.core.errors import StagetreeError
-
-_STANDARD_ATTRS = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
-
-
-class KeyValueFormatter(logging.Formatter):
-    """The standard line plus the record's ``extra={...}`` fields as ``key=value``."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
-        extras = {k: v for k, v in record.__dict__.items() if k not in _STANDARD_ATTRS and not k.startswith("_")}
-        if extras:
-            line += " " + " ".join(f"{k}={v}" for k, v in extras.items())
-        return line
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -72,9 +59,7 @@ def _overrides(ns: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(KeyValueFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=ns.log_level.upper(), handlers=[handler], force=True)
+    logs.configure(ns.log_level)
 
     from stagetree.nodemanager.app import build_node_manager
     from stagetree.nodemanager.settings import NodeManagerSettings

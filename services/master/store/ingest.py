@@ -177,10 +177,6 @@ class Ingestor:
                 out.finished.append(d.batch_id)
                 out.failed_requests.extend(d.failed)
                 out.requeued.extend(d.requeued)
-                log.info(
-                    "batch attempt ended",
-                    extra={"batch_id": d.batch_id, "attempt": d.attempt, "state": str(d.batch_state)},
-                )
         if out.applied or out.rejected:
             log.debug(
                 "applied bus messages",

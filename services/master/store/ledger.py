@@ -153,6 +153,17 @@ class BatchLedger:
                 log.info("stale batch report ignored", extra={"batch_id": d.batch_id, "attempt": d.attempt})
                 continue
             assert d.batch_state is not None
+            log.info(
+                "batch attempt ended",
+                extra={
+                    "batch_id": d.batch_id,
+                    "attempt": d.attempt,
+                    "state": str(d.batch_state),
+                    "failed": len(d.failed),
+                    "requeued": len(d.requeued),
+                    "error": d.error.split("\n", 1)[0][:200],
+                },
+            )
             ended.setdefault(d.batch_state, []).append(d.batch_id)
             if d.counted:
                 by_error.setdefault(d.error, []).extend(d.counted)

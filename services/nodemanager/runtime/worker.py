@@ -45,6 +45,7 @@ from typing import Any, TextIO
 
 import torch
 
+from stagetree import logs
 from stagetree.core.batch import BatchSpec
 from stagetree.core.config import FixedPart
 from stagetree.core.errors import StagetreeError
@@ -127,11 +128,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None, spec_input: TextIO | None = None) -> int:
     args = _parse_args(argv)
-    logging.basicConfig(
-        level=os.environ.get("STAGETREE_LOG_LEVEL", "INFO"),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logs.configure(os.environ.get("STAGETREE_LOG_LEVEL", "INFO"))
     threads = args.threads if args.threads is not None else int(os.environ.get(THREADS_ENV, "1"))
     torch.set_num_threads(max(1, threads))
 

@@ -16,7 +16,6 @@ import pytest
 
 from stagetree.core.errors import FailedPrecondition, InvalidArgument
 from stagetree.core.slots import SlotInfo
-from stagetree.nodemanager.cli import KeyValueFormatter
 from stagetree.nodemanager.gpu import GpuInfo, NvmlGpuProbe, StaticGpuProbe
 from stagetree.nodemanager.mps import MpsDaemon
 from stagetree.nodemanager.settings import NodeManagerSettings
@@ -171,14 +170,6 @@ def test_launcher_choice(tmp_path: Path) -> None:
     assert cmd[-2:] == ["--preload", "torch._dynamo"] and "3" in cmd
     with pytest.raises(InvalidArgument, match="known"):
         make_launcher("thread", [cpu], "/c", tmp_path)  # type: ignore[arg-type]
-
-
-def test_cli_log_lines_carry_the_extra_fields() -> None:
-    fmt = KeyValueFormatter("%(levelname)s %(message)s")
-    record = logging.LogRecord("x", logging.INFO, __file__, 1, "worker exited", None, None)
-    record.batch_id = 7
-    record.returncode = -9
-    assert fmt.format(record) == "INFO worker exited batch_id=7 returncode=-9"
 
 
 # -- on a GPU machine -----------------------------------------------------------------------------------
