@@ -9,6 +9,15 @@ from __future__ import annotations
 import importlib
 import sys
 
+# command -> the extra whose packages it needs beyond the base install (the client SDK)
+EXTRAS = {
+    "up": "embedded",
+    "master": "master",
+    "nodemanager": "nodemanager",
+    "aggregator": "aggregator",
+    "cluster": "all",
+}
+
 # command -> (module, whether the command word itself is passed on, one-line help)
 GROUPS: dict[str, tuple[str, bool, str]] = {
     "up": ("stagetree.embedded", False, "run master, aggregator and one node manager in this process (no servers)"),
@@ -41,10 +50,17 @@ def main(argv: list[str] | None = None) -> int:
     module, keep_word, _ = GROUPS[name]
     try:
         mod = importlib.import_module(module)
-    except ImportError as e:
-        print(f"stagetree {name}: not available in this install ({e}); install the matching extra", file=sys.stderr)
-        return 1
-    result: int = mod.main([name, *rest] if keep_word else rest)
+        result: int = mod.main([name, *rest] if keep_word else rest)
+    except ModuleNotFoundError as e:
+        if (e.name or "stagetree").split(".")[0] == "stagetree":
+            raise  # our own module missing: a broken install, not a missing extra
+        extra = EXTRAS.get(name, "all")
+        print(
+            f"stagetree {name}: this install lacks the package {e.name!r}, which the {extra!r} extra brings:\n"
+            f"    pip install 'stagetree[{extra}]'",
+            file=sys.stderr,
+        )
+        return 2
     return result
 
 

@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TextIO
 
 from stagetree import logs
 
@@ -245,6 +245,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=2, help="CPU worker slots when there is no GPU")
     p.add_argument("--slots-per-gpu", type=int, default=1)
     p.add_argument("--token", default="", help="the owner token clients use (default: a random one)")
+    p.add_argument("--admin-token", default="", help="the admin token, for `stagetree nodes` (default: a random one)")
+    p.add_argument("--status-every", type=float, default=5.0, help="seconds between status lines (0: none)")
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -262,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         grpc_port=ns.port,
         http_port=None if ns.http_port < 0 else ns.http_port,
         token=ns.token,
+        admin_token=ns.admin_token,
     )
 
     async def run() -> None:
@@ -272,11 +275,16 @@ def main(argv: list[str] | None = None) -> int:
         async with Embedded(settings) as cluster:
             print(f"stagetree embedded: gRPC {cluster.target}", flush=True)
             if cluster.http_url:
-                print(f"  REST {cluster.http_url}/api/v1 (OpenAPI at {cluster.http_url}/api/v1/docs)", flush=True)
-            print(f"  token {cluster.token}   (export STAGETREE_TOKEN={cluster.token})", flush=True)
+                print(f"  REST   {cluster.http_url}/api/v1   docs {cluster.http_url}/api/v1/docs", flush=True)
+            print(f"  token  {cluster.token}   (export STAGETREE_TOKEN={cluster.token})", flush=True)
+            print(
+                f"  admin  {cluster.admin_token}   (stagetree nodes --token ...; set it with --admin-token)", flush=True
+            )
             print(f"  data under {cluster.settings.home}; Ctrl-C stops", flush=True)
+            status = asyncio.create_task(_status_lines(cluster, ns.status_every, sys.stdout))
             await done.wait()
-            print("stopping ...", flush=True)
+            status.cancel()
+            print("\nstopping ...", flush=True)
 
     try:
         asyncio.run(run())
@@ -284,6 +292,38 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}; is another stagetree using port {ns.port}? pass --port 0", file=sys.stderr)
         return 1
     return 0
+
+
+def status_line(cluster: Embedded) -> str:
+    """``studies 2 | requests 3 waiting, 1 running, 40 done, 1 failed | slots 1/2 busy``, from the
+    service layer (as the admin)."""
+    from stagetree.master.auth import ADMIN, Principal
+
+    o = cluster.app.service.overview(Principal(ADMIN, admin=True))
+    r = o.requests
+    return (
+        f"studies {o.studies} | requests {r.get('NOT_SCHED', 0)} waiting, {r.get('SCHED', 0)} running, "
+        f"{r.get('DONE', 0)} done, {r.get('FAILED', 0)} failed, {r.get('CANCELLED', 0)} cancelled | "
+        f"slots {o.slots_busy}/{o.slots} busy"
+    )
+
+
+async def _status_lines(cluster: Embedded, every_s: float, out: TextIO) -> None:
+    """The status line every ``every_s`` seconds: rewritten in place on a terminal, else printed when it
+    changes (one greppable line each)."""
+    if every_s <= 0:
+        return
+    tty = out.isatty()
+    last = ""
+    while True:
+        line = await asyncio.to_thread(status_line, cluster)
+        if tty:
+            out.write(f"\r\x1b[2K{line}")
+            out.flush()
+        elif line != last:
+            print(line, file=out, flush=True)
+        last = line
+        await asyncio.sleep(every_s)
 
 
 if __name__ == "__main__":

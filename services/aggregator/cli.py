@@ -18,6 +18,7 @@ from types import FrameType
 from stagetree import logs
 from stagetree.aggregator.settings import AggregatorSettings
 from stagetree.core.errors import StagetreeError
+from stagetree.envcheck import unknown_variables
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
     logs.configure(ns.log_level)
+    bad = unknown_variables(AggregatorSettings, "STAGETREE_AGG_", os.environ)
+    if bad:
+        print("error: " + "\n       ".join(bad), file=sys.stderr)
+        return 2
     try:
         return run(AggregatorSettings())
     except StagetreeError as e:

@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
 from stagetree import logs
 from stagetree.core.errors import StagetreeError
+from stagetree.envcheck import unknown_variables
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,6 +61,10 @@ def _serve() -> int:
     from stagetree.master.app import MasterApp
     from stagetree.master.settings import MasterSettings
 
+    bad = unknown_variables(MasterSettings, "STAGETREE_MASTER_", os.environ)
+    if bad:
+        print("error: " + "\n       ".join(bad), file=sys.stderr)
+        return 2
     app = MasterApp.build(MasterSettings())
 
     async def run() -> None:

@@ -34,6 +34,7 @@ from stagetree.master.store.records import (
     StudyRecord,
 )
 from stagetree.master.store.retention import Forgotten
+from stagetree.master.store.stats import Overview
 from stagetree.master.store.store import Store
 
 log = logging.getLogger(__name__)
@@ -162,6 +163,11 @@ class MasterService:
         self.store.studies.forget_study(study.id)
         log.info("study deleted", extra={"study_id": study.id, "owner": study.owner, "requests": n})
         return n
+
+    def overview(self, who: Principal) -> Overview:
+        """Studies, requests by state and slots busy, over every owner (admin token)."""
+        who.require_admin()
+        return self.store.stats.overview()
 
     def study_stats(self, who: Principal, study_id: str) -> SharingStats:
         study = self.get_study(who, study_id)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 from typing import Any
@@ -19,6 +20,7 @@ from pydantic import ValidationError
 
 from stagetree import logs
 from stagetree.core.errors import StagetreeError
+from stagetree.envcheck import unknown_variables
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     from stagetree.nodemanager.app import build_node_manager
     from stagetree.nodemanager.settings import NodeManagerSettings
 
+    bad = unknown_variables(NodeManagerSettings, "STAGETREE_NM_", os.environ)
+    if bad:
+        print("error: " + "\n       ".join(bad), file=sys.stderr)
+        return 2
     try:
         settings = NodeManagerSettings(**_overrides(ns))
     except ValidationError as e:

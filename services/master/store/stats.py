@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import dataclass
 
 from sqlalchemy import func, select
 
-from stagetree.core.lifecycle import BatchState, RequestState
+from stagetree.core.lifecycle import BatchState, NodeManagerState, RequestState
 from stagetree.core.sharing import SharingStats, trial_by_trial_steps, unique_steps
 from stagetree.master.store import models as m
 from stagetree.master.store.database import Database, table
@@ -15,9 +16,42 @@ from stagetree.master.store.database import Database, table
 _R, _N, _B, _A = table(m.Request), table(m.Node), table(m.Batch), table(m.BatchAttempt)
 
 
+@dataclass(frozen=True)
+class Overview:
+    """The whole installation at a glance (what ``stagetree up`` shows on its status line)."""
+
+    studies: int
+    requests: dict[str, int]  # by state
+    slots: int
+    slots_busy: int
+
+
 class StatsReader:
     def __init__(self, db: Database) -> None:
         self.db = db
+
+    def overview(self) -> Overview:
+        with self.db.tx("overview") as s:
+            studies = int(s.scalar(select(func.count()).select_from(m.Study)) or 0)
+            states = {str(st): int(n) for st, n in s.execute(select(_R.c.state, func.count()).group_by(_R.c.state))}
+            slots = int(
+                s.scalar(
+                    select(func.count())
+                    .select_from(m.Slot)
+                    .join(m.NodeManager, m.NodeManager.id == m.Slot.node_manager_id)
+                    .where(m.NodeManager.state == NodeManagerState.ALIVE)
+                )
+                or 0
+            )
+            busy = int(
+                s.scalar(
+                    select(func.count())
+                    .select_from(_B)
+                    .where(_B.c.state == BatchState.RUNNING, _B.c.slot_id.is_not(None))
+                )
+                or 0
+            )
+        return Overview(studies, states, slots, busy)
 
     def study_stats(self, study_id: str) -> SharingStats:
         with self.db.tx("study stats") as s:
