@@ -54,9 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as e:
         if (e.name or "stagetree").split(".")[0] == "stagetree":
             raise  # our own module missing: a broken install, not a missing extra
-        extra = EXTRAS.get(name, "all")
+        extra, package = EXTRAS.get(name, "all"), (e.name or "").split(".")[0]
         print(
-            f"stagetree {name}: this install lacks the package {e.name!r}, which the {extra!r} extra brings:\n"
+            f"stagetree {name}: this install lacks the package {package!r}, which the {extra!r} extra brings:\n"
             f"    pip install 'stagetree[{extra}]'",
             file=sys.stderr,
         )
