@@ -10,10 +10,21 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-# Reinstall when the dependency list changes. torch is pinned to the CPU wheel this machine ships.
+# Reinstall when the dependency list changes. torch comes first, pinned (TORCH): pyproject asks for a
+# range, which the pinned CPU wheel satisfies, so pip keeps it instead of fetching another build.
+TORCH ?= torch==2.13.0
+DEMO_STAMP := $(VENV)/.installed-embedded
+
 $(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(STAMP)
+
+# What `make demo` needs: the embedded extra, no dev tools.
+$(DEMO_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[embedded]"
+	touch $(DEMO_STAMP)
 
 venv: $(STAMP)
 
@@ -40,7 +51,7 @@ proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py
 
 # A real study end to end in embedded mode (no servers): SHA over 27 schedules of an MLP on digits.
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/python examples/digits_sha.py
 
 # The cluster mode as local processes (master, two aggregators, two node managers, a Tansu broker)

@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
+import os
 import secrets
 import signal
 import sys
@@ -51,6 +53,11 @@ class EmbeddedSettings:
     prestart_workers: bool = True
     database_url: str = ""  # "" -> SQLite under home
     node_manager_id: str = "embedded"
+    # where workers import the user's trainer from: the running script's directory and the working directory
+    user_path: tuple[str, ...] = field(default_factory=lambda: script_paths())
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "home", Path(self.home))  # a str is fine too
 
     def resolved(self) -> EmbeddedSettings:
         home = self.home.resolve()
@@ -68,7 +75,20 @@ class EmbeddedSettings:
             prestart_workers=self.prestart_workers,
             database_url=self.database_url or f"sqlite:///{home / 'stagetree.db'}",
             node_manager_id=self.node_manager_id,
+            user_path=self.user_path,
         )
+
+
+def script_paths() -> tuple[str, ...]:
+    """The directories this process imports the user's modules from that a worker process would not:
+    the running script's (``sys.path[0]``) and the working directory."""
+    out = []
+    first = sys.path[0] if sys.path else ""
+    for p in (first, os.getcwd()):
+        p = os.path.abspath(p) if p else os.getcwd()
+        if os.path.isdir(p) and p not in out:
+            out.append(p)
+    return tuple(out)
 
 
 class Embedded:
@@ -107,6 +127,7 @@ class Embedded:
         from stagetree.master.store.schema import upgrade
         from stagetree.master.store.store import make_engine
         from stagetree.nodemanager.app import build_node_manager
+        from stagetree.nodemanager.runtime.trainer import trainer_import_problem
         from stagetree.nodemanager.settings import NodeManagerSettings
 
         s = self.settings
@@ -131,6 +152,8 @@ class Embedded:
         )
         coordination = InProcessCoordination()
         self.app = app = MasterApp.build(master_settings, coordination=coordination)
+        # the workers run here: a trainer they could not import is refused at study creation
+        app.service.trainer_check = functools.partial(trainer_import_problem, path=list(s.user_path))
         self._server, port = await app.start_grpc(port=s.grpc_port)
         self.target = f"127.0.0.1:{port}"
         if s.http_port is not None:
@@ -160,6 +183,7 @@ class Embedded:
             threads_per_worker=s.threads_per_worker,
             prestart_workers=s.prestart_workers,
             progress_interval_s=0.5,
+            user_path=os.pathsep.join(s.user_path),
         )
         self.node_manager = build_node_manager(nm_settings, bus=bus)
         self._tasks.append(asyncio.create_task(self.node_manager.run(self._stop), name="stagetree-node-manager"))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -109,6 +109,9 @@ class MasterService:
         self.plans = plans or PlanCache(store.plans)
         self.retry = RetryPolicy()  # how often a request's work may fail before the request fails
         self.teams: dict[str, str] = {}  # owner -> team: the scope its plans are shared within
+        # where the master can see the workers' code (embedded mode): trainer entry point -> why it does
+        # not import (None: it does), checked at study creation instead of at the first batch
+        self.trainer_check: Callable[[str], str | None] | None = None
 
     # -- studies --------------------------------------------------------------------------------
 
@@ -124,7 +127,11 @@ class MasterService:
         if fixed_json:
             # a "policies" key picks the study's scheduling policies (master.policies); the rest names the plan
             fixed_obj, policies = split_policies(_json_object(fixed_json, "fixed", self.limits.max_config_bytes))
-            stored = FixedPart.from_json(fixed_obj).to_json()
+            fixed_part = FixedPart.from_json(fixed_obj)
+            problem = self.trainer_check(fixed_part.trainer) if self.trainer_check is not None else None
+            if problem is not None:
+                raise InvalidArgument(f"fixed.trainer: {problem}")
+            stored = fixed_part.to_json()
             if policies is not None:
                 stored["policies"] = policies.to_json()
         fixed = None if stored is None else json.dumps(stored, sort_keys=True)

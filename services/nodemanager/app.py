@@ -17,7 +17,7 @@ from stagetree.nodemanager.mps import MpsDaemon
 from stagetree.nodemanager.reporting import BatchReporter, BusReporter, GrpcReporter
 from stagetree.nodemanager.runtime.checkpoints import LocalCheckpointStore
 from stagetree.nodemanager.settings import NodeManagerSettings
-from stagetree.nodemanager.slots import build_slots
+from stagetree.nodemanager.slots import USER_PATH_ENV, build_slots
 from stagetree.nodemanager.workers import make_launcher
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,7 @@ def build_node_manager(
         progress_interval_s=settings.progress_interval_s,
         preload=[m.strip() for m in settings.worker_preload.split(",")],
         mps_env=mps.client_env() if mps is not None else None,
+        extra_env={USER_PATH_ENV: settings.user_path} if settings.user_path else None,
     )
     if link is None:
         link = GrpcMasterLink(

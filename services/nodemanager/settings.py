@@ -46,6 +46,9 @@ class NodeManagerSettings(BaseSettings):
     worker_start: Literal["auto", "exec", "forkserver"] = "auto"
     prestart_workers: bool = True  # keep one worker per slot started (imports done), waiting for a batch
     worker_preload: str = "torch._dynamo"  # modules imported ahead of the spec (comma-separated; trainers too)
+    # directories the workers import the user's trainer from, before PYTHONPATH (``os.pathsep``-separated;
+    # the embedded mode passes the user's script directory and working directory)
+    user_path: str = ""
     reconnect_initial_s: float = Field(default=0.5, gt=0)
     reconnect_max_s: float = Field(default=10.0, gt=0)
     rpc_timeout_s: float = Field(default=10.0, gt=0)

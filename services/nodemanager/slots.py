@@ -52,6 +52,9 @@ def build_slots(
     return out
 
 
+USER_PATH_ENV = "STAGETREE_USER_PATH"  # directories a worker imports the user's trainer from (runtime.trainer)
+
+
 def worker_env(
     slot: SlotInfo,
     *,

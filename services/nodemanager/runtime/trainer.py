@@ -17,10 +17,14 @@ The runtime, not the user, seeds and checkpoints the RNGs of python ``random``, 
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
 import logging
+import os
 import random
+import sys
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -30,6 +34,7 @@ import torch
 
 from stagetree.core.errors import InvalidArgument
 from stagetree.core.sequences import Value
+from stagetree.nodemanager.slots import USER_PATH_ENV
 
 log = logging.getLogger(__name__)
 
@@ -111,12 +116,56 @@ class Trainer(ABC):
         return cls.save is Trainer.save and cls.state_dict is not Trainer.state_dict
 
 
+def user_search_path(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Where a worker looks for the user's modules before its own path: ``STAGETREE_USER_PATH`` (the
+    embedded mode's script and working directories), then ``PYTHONPATH`` (read here too, as a worker
+    forked from a fork server started before it was set would not see it)."""
+    env = os.environ if environ is None else environ
+    out: list[str] = []
+    for var in (USER_PATH_ENV, "PYTHONPATH"):
+        for p in env.get(var, "").split(os.pathsep):
+            if p and p not in out:
+                out.append(p)
+    return out
+
+
+def trainer_import_problem(entry_point: str, path: Sequence[str]) -> str | None:
+    """Why the workers could not import ``entry_point``'s module from ``path`` then ``sys.path``, or None
+    (found: whether it imports cleanly is for the first batch to say). Imports nothing of the user's."""
+    module_name = entry_point.partition(":")[0]
+    top = module_name.split(".")[0]
+    search = [*path, *(p for p in sys.path if p not in path)]
+    if not top or importlib.machinery.PathFinder.find_spec(top, search) is not None:
+        return None
+    if top in sys.modules or importlib.util.find_spec(top) is not None:
+        return None  # installed another way (a namespace or a zip): leave it to the workers
+    return (
+        f"no module named {top!r} on the workers' search path {[p for p in search if p][:8]}...; put the "
+        "module's directory on PYTHONPATH (or next to the script that runs stagetree in embedded mode), or "
+        "install its package"
+    )
+
+
 def load_trainer_class(entry_point: str) -> type[Trainer]:
-    """The class named by ``"package.module:ClassName"`` (the fixed part's ``trainer``)."""
+    """The class named by ``"package.module:ClassName"`` (the fixed part's ``trainer``), imported from
+    the user's search path first (``user_search_path``)."""
     module_name, sep, attr = entry_point.partition(":")
     if not sep or not module_name or not attr:
         raise InvalidArgument(f"trainer entry point {entry_point!r}: expected 'package.module:ClassName'")
-    module = importlib.import_module(module_name)
+    for p in reversed(user_search_path()):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not module_name.startswith(e.name):
+            raise  # the user's module imports something missing: its own traceback says what
+        raise ModuleNotFoundError(
+            f"trainer entry point {entry_point!r}: no module named {e.name!r} on the worker's search path "
+            f"{[p for p in sys.path if p]}; put the module's directory on PYTHONPATH (or next to the script "
+            "that runs stagetree in embedded mode), or install its package where the node manager runs",
+            name=e.name,
+        ) from None
     obj: Any = module
     for part in attr.split("."):
         obj = getattr(obj, part, None)

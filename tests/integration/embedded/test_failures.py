@@ -112,3 +112,16 @@ async def test_a_diverging_metric_is_reported_with_its_step(user_dir: Path, tmp_
         with pytest.raises(EvalFailed, match=r"evaluate\(\) returned loss=nan at step 3: the training diverged"):
             await study.eval(CFG, 3)
         assert _failures(cluster, study.id) == [1]
+
+
+async def test_a_trainer_the_workers_cannot_import_is_refused_at_creation(user_dir: Path, tmp_path: Path) -> None:
+    async with (
+        Embedded(EmbeddedSettings(home=tmp_path / "home", workers=1)) as cluster,
+        stagetree.connect(cluster.target, token=cluster.token) as client,
+    ):
+        with pytest.raises(stagetree.InvalidArgument) as err:
+            await stagetree.Study.create(client, "typo", trainer="flaky_trainerz:Exploding", tuned=["lr", "bs"])
+        assert "no module named 'flaky_trainerz' on the workers' search path" in err.value.message
+        assert "PYTHONPATH" in err.value.message
+        ok = await stagetree.Study.create(client, "fine", trainer="flaky_trainers:Exploding", tuned=["lr", "bs"])
+        assert ok.fixed is not None and ok.fixed.code_version.startswith("src-")  # digested from user_dir
