@@ -52,10 +52,25 @@ async def test_the_ci_script_runs_against_a_live_master(http_platform: Platform)
         "step": 30,
         "acc": noop_metrics(Config.of({"lr": lr}), 30)["acc"],
     }
-    # the three schedules agree on [0, 20): trained once, then 10 steps each
-    mine = [b for b in http_platform.node_manager.batches if b.fixed.trainer == "my_project.train:Net"]
-    assert sum(b.steps for b in mine) == 20 + 3 * 10
     rest = RestClient(http_platform.http_url, TOKENS["alice"])
     study = next(s for s in await asyncio.to_thread(rest.get, "/studies") if s["name"].startswith("ci-lr-sweep-"))
     states = {r["state"] for r in await asyncio.to_thread(rest.get, f"/studies/{study['id']}/requests")}
     assert states == {"DONE"}
+    # the three schedules agree on [0, 20): trained once, then 10 steps each
+    key = (await asyncio.to_thread(rest.get, f"/studies/{study['id']}/plan"))["key"]
+    assert sum(b.steps for b in http_platform.node_manager.batches if b.plan_key == key) == 20 + 3 * 10
+
+
+@pytest.mark.skipif(shutil.which("curl") is None or shutil.which("jq") is None, reason="needs curl and jq")
+async def test_the_ci_script_fails_the_job_when_no_request_succeeded(http_platform: Platform) -> None:
+    assert http_platform.http_url is not None
+    http_platform.node_manager.fail_if = lambda _config: "RuntimeError: the trainer raised"
+    script = ci_script(http_platform.http_url, TOKENS["bob"])  # bob's own plan: nothing trained before
+    proc = await asyncio.create_subprocess_exec(
+        "bash", "-euo", "pipefail", "-c", script, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode != 0, out.decode()
+    assert "jq: error (at <stdin>" in err.decode() and "no request finished with an acc metric" in err.decode()
+    assert "compile error" not in err.decode()
+    assert "null" not in out.decode().splitlines()[-1]  # no null winner printed
