@@ -33,7 +33,8 @@ class KeyValueFormatter(logging.Formatter):
 
 
 def configure(level: str | int = "INFO") -> None:
-    """Log to stderr through ``KeyValueFormatter`` (replacing any handler set before)."""
+    """Log to stderr through ``KeyValueFormatter``. A process whose logging is set up already (a test
+    runner, an application embedding stagetree) keeps its own handlers."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(KeyValueFormatter(FORMAT))
-    logging.basicConfig(level=level.upper() if isinstance(level, str) else level, handlers=[handler], force=True)
+    logging.basicConfig(level=level.upper() if isinstance(level, str) else level, handlers=[handler])

@@ -18,7 +18,7 @@ from stagetree.nodemanager.examples.faults import ENTRY_POINT
 LRS = (0.05, 0.1, 0.2, 0.4, 0.02, 0.3, 0.15, 0.25)
 
 
-async def new_study(client: Client, name: str, **values: Any) -> Study:
+async def new_study(client: Client, name: str, *, retry_user_errors: bool = False, **values: Any) -> Study:
     """A study of ``FaultyDigits`` whose fixed part is its own (a unique tag): nothing is shared with
     another test's plan, so no eval is answered from another test's metrics."""
     tag = f"{name}-{uuid.uuid4().hex[:6]}"
@@ -29,6 +29,7 @@ async def new_study(client: Client, name: str, **values: Any) -> Study:
         dataset="sklearn-digits",
         values={"tag": tag, **values},
         tuned=["lr"],
+        retry_user_errors=retry_user_errors,
     )
 
 

@@ -176,13 +176,22 @@ async def test_node_manager_joining_mid_study_gets_work_at_once(cluster: Process
         del cluster.services[name]
 
 
-async def test_user_error_is_retried_a_bounded_number_of_times_then_the_eval_fails_with_it(
+async def test_a_user_error_fails_on_its_first_attempt_unless_the_study_retries_it(
     cluster: ProcessCluster, client: Client
 ) -> None:
     study = await new_study(client, "user-error", fault="raise", fault_step=2)
-    with pytest.raises(EvalFailed, match="injected fault in user code"):
+    with pytest.raises(EvalFailed, match="injected fault in user code") as err:
         await asyncio.wait_for(study.eval({"lr": 0.1}, 5), STUDY_TIMEOUT_S)
+    assert "Traceback" in err.value.message or "File " in err.value.message
+    assert "worker log: " in err.value.message  # where the whole traceback is, over the Kafka path too
     ((_, state, failures, error, _, _),) = requests(cluster, study)
-    assert state == "FAILED" and failures == cluster.config.max_attempts and "ValueError" in error
-    tries = batches(cluster, plan_of(cluster, study))
+    assert state == "FAILED" and failures == 1 and "ValueError" in error
+    assert [b.state for b in batches(cluster, plan_of(cluster, study))] == ["FAILED"]
+
+    retried = await new_study(client, "user-error-retried", fault="raise", fault_step=2, retry_user_errors=True)
+    with pytest.raises(EvalFailed, match="injected fault in user code"):
+        await asyncio.wait_for(retried.eval({"lr": 0.1}, 5), STUDY_TIMEOUT_S)
+    ((_, state, failures, _, _, _),) = requests(cluster, retried)
+    assert state == "FAILED" and failures == cluster.config.max_attempts
+    tries = batches(cluster, plan_of(cluster, retried))
     assert [b.state for b in tries] == ["FAILED"] * cluster.config.max_attempts
