@@ -12,7 +12,8 @@ The public SDK, re-exported here::
 
 Every name is imported on first use (``__getattr__``), so ``import stagetree`` (and every
 ``import stagetree.<service>``, which runs this file first) stays cheap: no gRPC until the SDK is used,
-and no torch until ``stagetree.Trainer`` is.
+and no torch until ``stagetree.Trainer`` (or ``TorchTrainer``, ``ResumableLoader``) is: a user's
+trainer module needs only ``import stagetree``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "EvalResult": "stagetree.client.sdk",
     "EvalFailed": "stagetree.client.sdk",
     "EvalCancelled": "stagetree.client.sdk",
+    "ClientTls": "stagetree.tls",
     "drive": "stagetree.client.driver",
     # search spaces
     "GridSearchSpace": "stagetree.client.spaces",
@@ -77,6 +79,8 @@ _EXPORTS: dict[str, str] = {
     "Unavailable": "stagetree.core.errors",
     # the user's training logic (imports torch)
     "Trainer": "stagetree.nodemanager.runtime.trainer",
+    "TorchTrainer": "stagetree.nodemanager.runtime.torch_trainer",
+    "ResumableLoader": "stagetree.nodemanager.runtime.dataloader",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -153,4 +157,7 @@ if TYPE_CHECKING:
         Step,
         Warmup,
     )
+    from stagetree.nodemanager.runtime.dataloader import ResumableLoader
+    from stagetree.nodemanager.runtime.torch_trainer import TorchTrainer
     from stagetree.nodemanager.runtime.trainer import Trainer
+    from stagetree.tls import ClientTls

@@ -9,11 +9,13 @@ the node manager's "registered with the master" log line, the aggregator's "owns
 
 Several clusters can run at once against the same Postgres and Redis: each gets its own database
 (``stagetree_cluster_<id>``, dropped by ``stop``), its own Redis database number (claimed with a key,
-released by ``stop``), its own ports, broker and node-manager ids.
+released by ``stop``), its own ports, broker and node-manager ids. ``ClusterConfig.tls`` runs it over mutual
+TLS (a throwaway CA, ``stagetree.tls``); ``token_files`` hands tokens over as ``*_FILE`` secret files.
 
 ``ProcessCluster`` is what the e2e tests and ``tests.bench.cluster`` drive: ``start``, ``stop``,
 ``kill(name, signal)`` (a node manager's workers go with it by default, as on a crashed machine),
-``restart(name)``, ``add_node_manager()``, ``wait_ready(name)``, ``log(name)``.
+``restart(name)``, ``add_node_manager()``, ``wait_ready(name)``, ``log(name)``, and for the broker
+``stop_broker()`` / ``start_broker()`` (on the same address; durable only with ``broker_storage``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from stagetree import logs
+from stagetree.tls import ClientTls, IssuedFiles, issue_certificates
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +73,21 @@ class ClusterConfig:
     stop_grace_s: float = 5.0
     keep_database: bool = False
     extra_env: dict[str, str] = field(default_factory=dict)
+    # the broker's --storage-engine: in memory by default (its log goes with it); a durable one
+    # ("s3://bucket/", with the AWS_* variables in broker_env) keeps the log across restart_broker()
+    broker_storage: str = "memory://tansu/"
+    broker_env: dict[str, str] = field(default_factory=dict)
+    # the address the master and the broker listen on and advertise: loopback, or a bridge's address when
+    # node managers run on other hosts (tests: network namespaces); Postgres and Redis stay on loopback
+    host: str = "127.0.0.1"
+    # the node managers' (and the master's eviction's) checkpoint store: "" is a directory under root that
+    # they share; or s3://bucket/prefix on s3_endpoint_url (credentials from the AWS_* environment)
+    checkpoint_root: str = ""
+    s3_endpoint_url: str = ""
+    # mutual TLS: a throwaway CA under <root>/tls signs the master's certificate and one client certificate
+    # the node managers and ``client_tls`` present (stagetree.tls); REST is https
+    tls: bool = False
+    token_files: bool = False  # tokens reach the services as *_FILE secret files, not variables
 
 
 @dataclass
@@ -106,17 +124,26 @@ class ProcessCluster:
         self._db_created = False
         self._nm_count = 0
         self._agg_count = 0
+        self._certs: IssuedFiles | None = None
 
     # -- addresses --------------------------------------------------------------------------------
 
     @property
     def target(self) -> str:
         """The master's gRPC address for ``stagetree.connect``."""
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{self.config.host}:{self.grpc_port}"
 
     @property
     def rest_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}/api/v1"
+        return f"{'https' if self.config.tls else 'http'}://{self.config.host}:{self.http_port}/api/v1"
+
+    @property
+    def client_tls(self) -> ClientTls | None:
+        """What ``stagetree.connect(..., tls=)`` needs with ``tls`` on (mutual TLS: the client certificate too)."""
+        if self._certs is None:
+            return None
+        c = self._certs
+        return ClientTls(ca_file=str(c.ca_cert), cert_file=str(c.client_cert), key_file=str(c.client_key))
 
     @property
     def redis_url(self) -> str:
@@ -146,10 +173,14 @@ class ProcessCluster:
 
         self.logs.mkdir(parents=True, exist_ok=True)
         self.checkpoints.mkdir(parents=True, exist_ok=True)
+        if self.config.tls:
+            self._certs = issue_certificates(self.root / "tls")
         try:
             self._claim_redis_db()
             self._create_database()
-            self._broker = start_tansu()
+            self._broker = start_tansu(
+                storage=self.config.broker_storage, env=self.config.broker_env, host=self.config.host
+            )
             self.bootstrap = self._broker.bootstrap
             self._create_topics()
             self.grpc_port, self.http_port = free_loopback_port(), free_loopback_port()
@@ -242,9 +273,26 @@ class ProcessCluster:
         if wait:
             self.wait_ready(name, timeout_s)
 
-    def add_node_manager(self, *, wait: bool = True, timeout_s: float = 60.0) -> str:
-        """Start one more node manager; returns its service name."""
-        name = self._define_node_manager()
+    def stop_broker(self) -> float:
+        """Kill the broker (SIGKILL: as a crash); returns the time (``time.time()``) it was killed."""
+        at = time.time()
+        self._broker.process.kill()
+        self._broker.process.wait(10)
+        log.info("broker killed", extra={"bootstrap": self.bootstrap})
+        return at
+
+    def start_broker(self) -> None:
+        """Start the broker again on the same address (what every service was configured with)."""
+        from stagetree.bus.tansu import start_tansu
+
+        port = int(self.bootstrap.rsplit(":", 1)[1])
+        c = self.config
+        self._broker = start_tansu(port=port, storage=c.broker_storage, env=c.broker_env, host=c.host)
+
+    def add_node_manager(self, *, wait: bool = True, timeout_s: float = 60.0, wrap: tuple[str, ...] = ()) -> str:
+        """Start one more node manager; returns its service name. ``wrap`` prefixes its command line
+        (``("ip", "netns", "exec", ns)`` starts it on another network host)."""
+        name = self._define_node_manager(wrap)
         self._launch(name)
         if wait:
             self.wait_ready(name, timeout_s)
@@ -265,8 +313,10 @@ class ProcessCluster:
 
     def _is_ready(self, svc: Service) -> bool:
         if svc.kind == MASTER:
+            tls = self.client_tls
             try:
-                with urllib.request.urlopen(f"{self.rest_url}/health", timeout=1) as r:
+                ctx = tls.ssl_context() if tls is not None else None
+                with urllib.request.urlopen(f"{self.rest_url}/health", timeout=1, context=ctx) as r:
                     return bool(r.status == 200)
             except OSError:
                 return False
@@ -309,20 +359,28 @@ class ProcessCluster:
         env.update(
             STAGETREE_MASTER_DATABASE_URL=self.database_url,
             STAGETREE_MASTER_REDIS_URL=self.redis_url,
-            STAGETREE_MASTER_GRPC_HOST="127.0.0.1",
+            STAGETREE_MASTER_GRPC_HOST=c.host,
             STAGETREE_MASTER_GRPC_PORT=str(self.grpc_port),
-            STAGETREE_MASTER_HTTP_HOST="127.0.0.1",
+            STAGETREE_MASTER_HTTP_HOST=c.host,
             STAGETREE_MASTER_HTTP_PORT=str(self.http_port),
             STAGETREE_MASTER_INSTANCE_ID=f"{self.id}-master",
-            STAGETREE_MASTER_AUTH__ADMIN_TOKEN=self.admin_token,
-            STAGETREE_MASTER_AUTH__TOKENS=json.dumps({OWNER: self.token}),
             STAGETREE_MASTER_SCHEDULING__HEARTBEAT_TTL_S=str(c.heartbeat_ttl_s),
             STAGETREE_MASTER_SCHEDULING__ROUND_INTERVAL_S=str(c.round_interval_s),
             STAGETREE_MASTER_SCHEDULING__LEASE_TTL_S=str(c.lease_ttl_s),
             STAGETREE_MASTER_SCHEDULING__MAX_ATTEMPTS=str(c.max_attempts),
             STAGETREE_MASTER_SCHEDULING__PERIPHERAL_EVERY_STEPS=str(c.peripheral_every_steps),
             STAGETREE_MASTER_SCHEDULING__PERIPHERAL_EVERY_S=str(c.peripheral_every_s),
+            STAGETREE_MASTER_S3_ENDPOINT_URL=c.s3_endpoint_url,
         )
+        env.update(self._secret("STAGETREE_MASTER_AUTH__ADMIN_TOKEN", self.admin_token))
+        env.update(self._secret("STAGETREE_MASTER_AUTH__TOKENS", json.dumps({OWNER: self.token})))
+        if self._certs is not None:
+            env.update(
+                STAGETREE_MASTER_TLS__CERT_FILE=str(self._certs.server_cert),
+                STAGETREE_MASTER_TLS__KEY_FILE=str(self._certs.server_key),
+                STAGETREE_MASTER_TLS__CA_FILE=str(self._certs.ca_cert),
+                STAGETREE_MASTER_TLS__CLIENT_AUTH="true",
+            )
         self.services[MASTER] = Service(MASTER, MASTER, self._cmd("master", "serve"), env, "")
 
     def _define_aggregator(self) -> str:
@@ -344,7 +402,7 @@ class ProcessCluster:
         self.services[name] = Service(name, AGGREGATOR, self._cmd("aggregator", "run"), env, " owns ")
         return name
 
-    def _define_node_manager(self) -> str:
+    def _define_node_manager(self, wrap: tuple[str, ...] = ()) -> str:
         c = self.config
         self._nm_count += 1
         name = f"nm-{self._nm_count}"
@@ -353,10 +411,10 @@ class ProcessCluster:
         env = self._base_env()
         env.update(
             STAGETREE_NM_MASTER_TARGET=self.target,
-            STAGETREE_NM_ADMIN_TOKEN=self.admin_token,
             STAGETREE_NM_NODE_MANAGER_ID=f"{self.id}-{name}",  # unique: wake-up channels are server-wide
             STAGETREE_NM_ADDRESS=name,
-            STAGETREE_NM_CHECKPOINT_ROOT=str(self.checkpoints),  # shared, like the compose volume
+            STAGETREE_NM_CHECKPOINT_ROOT=c.checkpoint_root or str(self.checkpoints),  # shared, like the compose volume
+            STAGETREE_NM_S3_ENDPOINT_URL=c.s3_endpoint_url,
             STAGETREE_NM_WORK_DIR=str(work),
             STAGETREE_NM_CPU_SLOTS=str(c.cpu_slots),
             STAGETREE_NM_RECONNECT_MAX_S=str(c.reconnect_max_s),
@@ -364,10 +422,27 @@ class ProcessCluster:
             STAGETREE_NM_BUS__KAFKA_BOOTSTRAP_SERVERS=self.bootstrap,
             STAGETREE_NM_BUS__BATCH_MAX_AGE_S="0.1",
         )
+        env.update(self._secret("STAGETREE_NM_ADMIN_TOKEN", self.admin_token))
+        if self._certs is not None:
+            env.update(
+                STAGETREE_NM_TLS__CA_FILE=str(self._certs.ca_cert),
+                STAGETREE_NM_TLS__CERT_FILE=str(self._certs.client_cert),
+                STAGETREE_NM_TLS__KEY_FILE=str(self._certs.client_key),
+            )
         self.services[name] = Service(
-            name, NODE_MANAGER, self._cmd("nodemanager", "run"), env, "registered with the master"
+            name, NODE_MANAGER, [*wrap, *self._cmd("nodemanager", "run")], env, "registered with the master"
         )
         return name
+
+    def _secret(self, variable: str, value: str) -> dict[str, str]:
+        """``variable=value``, or with ``token_files`` ``variable_FILE=<a file only we can read>``."""
+        if not self.config.token_files:
+            return {variable: value}
+        path = self.root / "secrets" / variable.lower()
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        path.write_text(value + "\n")
+        path.chmod(0o600)
+        return {f"{variable}_FILE": str(path)}
 
     def _launch(self, name: str) -> None:
         svc = self.services[name]
@@ -484,6 +559,11 @@ class ProcessCluster:
             f"  redis         {self.redis_url}",
             f"  kafka         {self.bootstrap} (tansu)",
             f"  checkpoints   {self.checkpoints}",
+            *(
+                [f"  mutual TLS    CA {c.ca_cert}, client {c.client_cert} (key {c.client_key})"]
+                if (c := self._certs)
+                else []
+            ),
             f"  logs          {self.logs}/",
         ]
         for name in self.services:
@@ -538,6 +618,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--pg-url", default=PG_ADMIN_URL, help="an existing database on the Postgres server")
     up.add_argument("--redis-url", default=REDIS_URL, help="the Redis server (a free database number is claimed)")
     up.add_argument("--keep-database", action="store_true", help="do not drop the cluster's database on exit")
+    up.add_argument("--tls", action="store_true", help="mutual TLS with a throwaway CA (under --root/tls)")
     return p
 
 
@@ -552,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         pg_admin_url=ns.pg_url,
         redis_url=ns.redis_url,
         keep_database=ns.keep_database,
+        tls=ns.tls,
         heartbeat_ttl_s=15.0,
         round_interval_s=5.0,
         lease_ttl_s=10.0,

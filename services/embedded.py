@@ -53,6 +53,9 @@ class EmbeddedSettings:
     prestart_workers: bool = True
     database_url: str = ""  # "" -> SQLite under home
     node_manager_id: str = "embedded"
+    # learning curves: a point every this many steps, at most this many a second per batch (0: no limit)
+    curve_every_steps: int = 1
+    curve_max_per_s: float = 20.0
     # where workers import the user's trainer from: the running script's directory and the working directory
     user_path: tuple[str, ...] = field(default_factory=lambda: script_paths())
 
@@ -75,6 +78,8 @@ class EmbeddedSettings:
             prestart_workers=self.prestart_workers,
             database_url=self.database_url or f"sqlite:///{home / 'stagetree.db'}",
             node_manager_id=self.node_manager_id,
+            curve_every_steps=self.curve_every_steps,
+            curve_max_per_s=self.curve_max_per_s,
             user_path=self.user_path,
         )
 
@@ -147,7 +152,12 @@ class Embedded:
             instance_id="embedded",
             auth=AuthSettings(tokens={EMBEDDED_OWNER: SecretStr(s.token)}, admin_token=SecretStr(s.admin_token)),
             scheduling=SchedulingSettings(
-                policy=s.policy, default_step_seconds=s.step_seconds, round_interval_s=1.0, lease_ttl_s=3.0
+                policy=s.policy,
+                default_step_seconds=s.step_seconds,
+                round_interval_s=1.0,
+                lease_ttl_s=3.0,
+                curve_every_steps=s.curve_every_steps,
+                curve_max_per_s=s.curve_max_per_s,
             ),
         )
         coordination = InProcessCoordination()
@@ -170,6 +180,8 @@ class Embedded:
             name="embedded-aggregator",
         )
         self.aggregator.start()
+        aggregator = self.aggregator
+        app.telemetry = lambda: [t.to_json() for t in aggregator.telemetry().values()]
 
         nm_settings = NodeManagerSettings(
             master_target=self.target,
@@ -300,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stagetree embedded: gRPC {cluster.target}", flush=True)
             if cluster.http_url:
                 print(f"  REST   {cluster.http_url}/api/v1   docs {cluster.http_url}/api/v1/docs", flush=True)
+                print(f"  dashboard  {cluster.http_url}/dashboard/#token={cluster.token}   (signs you in)", flush=True)
             print(f"  token  {cluster.token}   (export STAGETREE_TOKEN={cluster.token})", flush=True)
             print(
                 f"  admin  {cluster.admin_token}   (stagetree nodes --token ...; set it with --admin-token)", flush=True

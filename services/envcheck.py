@@ -4,7 +4,8 @@ The services read their settings with pydantic-settings (``STAGETREE_MASTER_``, 
 ``STAGETREE_NM_``; nested groups after ``__``), which ignores a variable it has no field for: a
 ``STAGETREE_MASTER_AUTH_TOKENS`` (one underscore where two are meant) would start a master with no
 tokens. ``unknown_variables`` names every variable under a service's prefix that maps to no field,
-with the closest real name; each service's entry point refuses to start on one.
+with the closest real name; each service's entry point refuses to start on one. ``<NAME>_FILE`` (the
+setting read from a file, ``stagetree.filevars``) is known whenever ``<NAME>`` is.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ def unknown_variables(model: type[BaseModel], prefix: str, environ: Mapping[str,
     for var in sorted(environ):
         upper = var.upper()
         if not upper.startswith(prefix) or upper in known:
+            continue
+        base = upper.removesuffix("_FILE")  # the file variant of a setting (stagetree.filevars)
+        if base in known or any(base.startswith(k + "__") for k in known):
             continue
         if any(upper.startswith(k + "__") for k in known):
             continue  # a key inside a dict field (STAGETREE_MASTER_AUTH__TOKENS__alice)

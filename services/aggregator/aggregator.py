@@ -7,7 +7,8 @@
    keeps the latest ``gpu_telemetry`` per GPU in memory (:meth:`Aggregator.telemetry`);
 3. applies the rest with :class:`~stagetree.master.store.ingest.Ingestor` in one database transaction;
 4. commits that batch's offsets only after that transaction committed;
-5. notifies ``CH_RESULTS`` / ``CH_ROUND`` when requests finished or the scheduler has something new.
+5. notifies ``CH_RESULTS`` / ``CH_ROUND`` when requests finished or the scheduler has something new,
+   and ``CH_CURVES`` when learning-curve points were stored (the dashboard draws them live).
 
 Steps 1-2 of the next batch overlap step 3 of the current one: a writer thread applies (mostly waiting
 on the database, without the GIL) while the consumer's thread polls and decodes. The consumer's
@@ -40,10 +41,11 @@ from dataclasses import dataclass
 
 from sqlalchemy.exc import DataError, DBAPIError, StatementError
 
+from stagetree.aggregator import metrics
 from stagetree.bus.base import BusConsumer, Malformed, MetricBus, Record, next_offsets
 from stagetree.bus.messages import ALL_TOPICS, GpuTelemetry, Message
 from stagetree.core.errors import Conflict, FailedPrecondition, InvalidArgument, StagetreeError, Unavailable
-from stagetree.master.service import CH_RESULTS, CH_ROUND, Wakeups
+from stagetree.master.service import CH_CURVES, CH_RESULTS, CH_ROUND, Wakeups
 from stagetree.master.store.ingest import Ingestor, IngestResult
 
 log = logging.getLogger(__name__)
@@ -87,6 +89,7 @@ class AggregatorStats:
     commits: int = 0  # offset commits that succeeded
     commit_conflicts: int = 0  # offset commits refused after a rebalance (the new owner redelivers)
     retries: int = 0  # applies retried after a busy or unreachable database
+    lag: int | None = None  # the consumer's lag when last polled (``BusConsumer.lag``); None: unknown
 
 
 class Aggregator:
@@ -130,6 +133,7 @@ class Aggregator:
         self._next_prune = time.monotonic() + PRUNE_EVERY_S
         self.name = name
         self.stats = AggregatorStats()
+        metrics.track(self)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._consumer: BusConsumer | None = None
@@ -189,6 +193,7 @@ class Aggregator:
             while not self._stop.is_set():
                 records = self._gather(consumer, self.poll_timeout_s if pending is None else _BUSY_POLL_S)
                 self._watch_assignment(consumer)
+                self.stats.lag = consumer.lag()
                 if pending is not None and (records or pending.future.done()):
                     self._finish(consumer, pending)
                     pending = None
@@ -371,7 +376,11 @@ class Aggregator:
             log.warning("offset commit failed; the next commit covers it", extra={"error": e.message})
 
     def _notify(self, result: IngestResult) -> None:
-        wanted = ((CH_RESULTS, result.results_changed), (CH_ROUND, result.round_needed))
+        wanted = (
+            (CH_RESULTS, result.results_changed),
+            (CH_ROUND, result.round_needed),
+            (CH_CURVES, result.curve_points > 0),
+        )
         for channel in [c for c, needed in wanted if needed]:
             try:
                 self.wakeups.notify(channel)

@@ -101,6 +101,11 @@ def run(settings: AggregatorSettings) -> int:
     aggregator.on_assignment = _assigned
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    if settings.metrics_port is not None:
+        from stagetree.aggregator import metrics
+
+        port = metrics.serve(settings.metrics_port, settings.metrics_host)
+        print(f"aggregator {name} metrics at http://{settings.metrics_host}:{port}/metrics", flush=True)
     # Readiness line for process supervisors and tests (logs may be configured away).
     print(f"aggregator {name} consuming {','.join(settings.topics)} as group {settings.group_id}", flush=True)
     try:

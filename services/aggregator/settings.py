@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from stagetree.bus.messages import ALL_TOPICS
+from stagetree.filevars import FileVariablesSettings
 
 DAY_S = 86_400.0
 
@@ -39,7 +40,7 @@ class BatchSettings(BaseModel):
     poll_timeout_ms: int = Field(default=500, ge=1)
 
 
-class AggregatorSettings(BaseSettings):
+class AggregatorSettings(FileVariablesSettings):
     model_config = SettingsConfigDict(env_prefix="STAGETREE_AGG_", env_nested_delimiter="__", extra="ignore")
 
     database_url: str = "sqlite:///stagetree.db"
@@ -51,6 +52,8 @@ class AggregatorSettings(BaseSettings):
     instance_id: str = ""  # a name for logs; defaults to host:pid
     max_failures: int = Field(default=3, ge=1)  # the master's scheduling.max_attempts
     applied_retention_s: float = Field(default=7 * DAY_S, ge=0)  # 0 keeps applied ids forever
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)  # Prometheus /metrics; None: off, 0: a free port
+    metrics_host: str = "0.0.0.0"
     batch: BatchSettings = Field(default_factory=lambda: BatchSettings())
     kafka: KafkaSettings = Field(default_factory=lambda: KafkaSettings())
 

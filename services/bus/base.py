@@ -106,6 +106,11 @@ class BusConsumer(abc.ABC):
     def malformed_count(self) -> int:
         """How many undecodable records this consumer has met."""
 
+    def lag(self) -> int | None:
+        """The most records past this member's position on any of its partitions (not yet polled), as far
+        as it knows without asking the broker; None when unknown. Call it from the polling thread."""
+        return None
+
     @abc.abstractmethod
     def close(self) -> None:
         """Leave the group without committing; uncommitted records go to the next owner."""

@@ -215,6 +215,10 @@ class InProcessConsumer(BusConsumer):
     def malformed_count(self) -> int:
         return self._malformed
 
+    def lag(self) -> int | None:
+        with self._bus._cond:
+            return max((len(self._bus._logs[t][p]) - pos for (t, p), pos in self._positions.items()), default=0)
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True

@@ -301,6 +301,14 @@ class KafkaBusConsumer(BusConsumer):
     def malformed_count(self) -> int:
         return self._malformed
 
+    def lag(self) -> int | None:
+        # kafka-python's own fetch metric (from the high-water marks of recent fetches): no broker request
+        fetch = self._consumer.metrics().get("consumer-fetch-manager-metrics", {})
+        value = fetch.get("records-lag-max")
+        if not isinstance(value, int | float) or value != value or value in (float("inf"), float("-inf")):
+            return None
+        return max(0, int(value))
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True

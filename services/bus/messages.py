@@ -20,12 +20,12 @@ message of a bundle is validated on its own, so one bad message does not spoil i
 Topics and order: a topic per audience, every record keyed by batch id (telemetry by node manager).
 
 - the metrics topic carries everything that decides a batch's outcome, in the order the batch produced
-  it: ``progress``, ``metrics``, ``checkpoint_saved`` and the terminal ``batch_finished`` /
-  ``batch_preempted`` / ``batch_failed``. Kafka keeps order within one partition only, and one key is one
-  partition, so an aggregator always applies a batch's last ``metrics`` before (or in the same database
-  transaction as) its ``batch_finished``. Were they on two topics, two aggregators could apply the
-  finish first, and the finish would send the requests still waiting for those metrics back to the
-  queue to be trained again;
+  it: ``progress``, ``metrics``, ``curve`` (learning-curve points), ``checkpoint_saved`` and the
+  terminal ``batch_finished`` / ``batch_preempted`` / ``batch_failed``. Kafka keeps order within one
+  partition only, and one key is one partition, so an aggregator always applies a batch's last
+  ``metrics`` before (or in the same database transaction as) its ``batch_finished``. Were they on two
+  topics, two aggregators could apply the finish first, and the finish would send the requests still
+  waiting for those metrics back to the queue to be trained again;
 - the events topic carries lifecycle notices with no effect on the outcome (``batch_started``), for
   observers;
 - the telemetry topic carries ``gpu_telemetry``.
@@ -182,6 +182,26 @@ class Metrics(BatchMessage):
 
 
 @pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=_SCHEMA)
+class Curve(BatchMessage):
+    """Learning-curve points of one plan node, in step order: ``values[i]`` are the step metrics the
+    trainer reported after ``steps[i]`` steps (finite values only: a curve point is stored as JSON)."""
+
+    TYPE: ClassVar[str] = "curve"
+    TOPIC: ClassVar[str] = TOPIC_METRICS
+
+    node: Count
+    steps: list[Annotated[int, Field(ge=1)]]
+    values: list[dict[NonEmpty, Annotated[float, Field(allow_inf_nan=False)]]]
+
+    def __post_init__(self) -> None:
+        if not self.steps or len(self.steps) != len(self.values):
+            raise MalformedMessage(
+                f"curve.steps and curve.values must be non-empty and of one length, got {len(self.steps)} "
+                f"and {len(self.values)}"
+            )
+
+
+@pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=_SCHEMA)
 class CheckpointSaved(BatchMessage):
     TYPE: ClassVar[str] = "checkpoint_saved"
     TOPIC: ClassVar[str] = TOPIC_METRICS
@@ -255,6 +275,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         BatchStarted,
         Progress,
         Metrics,
+        Curve,
         CheckpointSaved,
         BatchFinished,
         BatchPreempted,

@@ -1,7 +1,9 @@
 """Start and stop a throw-away Tansu broker (a Kafka-protocol broker in one binary) for tests and demos.
 
 This module owns finding the binary, picking a free loopback port, waiting until the broker answers
-Kafka requests, and stopping it. Storage is Tansu's in-memory engine, so every start is empty.
+Kafka requests, and stopping it. Storage is Tansu's in-memory engine, so every start is empty, unless
+the caller names a durable one (``storage="s3://bucket/"``, with the ``AWS_*`` variables in ``env``) and
+a fixed ``port``: a broker started again so keeps its log and its consumer groups' offsets.
 Tansu speaks the standard Kafka protocol; the cluster mode runs Apache Kafka, so nothing here is needed
 in production.
 
@@ -21,6 +23,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -99,11 +102,23 @@ def free_loopback_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_tansu(binary: str | None = None, timeout_s: float = 15.0, attempts: int = 3) -> TansuBroker:
-    """Start Tansu on a free 127.0.0.1 port and return once it answers a Kafka metadata request.
+def start_tansu(
+    binary: str | None = None,
+    timeout_s: float = 15.0,
+    attempts: int = 3,
+    *,
+    port: int | None = None,
+    storage: str = "memory://tansu/",
+    env: dict[str, str] | None = None,
+    host: str = "127.0.0.1",
+) -> TansuBroker:
+    """Start Tansu on a free port of ``host`` (or ``port``; loopback unless a test's hosts must reach it
+    over a bridge) and return once it answers a Kafka metadata request. ``storage`` is its
+    ``--storage-engine``; ``env`` is added to its environment.
 
-    Retries on a fresh port when the chosen one was taken between choosing and binding.
-    Raises FailedPrecondition when no binary is found, Unavailable when it does not come up."""
+    Retries on a fresh port when the chosen one was taken between choosing and binding (on ``port``
+    itself when one is given). Raises FailedPrecondition when no binary is found, Unavailable when it
+    does not come up."""
     exe = binary or find_tansu_binary()
     if exe is None:
         raise FailedPrecondition(
@@ -111,7 +126,7 @@ def start_tansu(binary: str | None = None, timeout_s: float = 15.0, attempts: in
         )
     last = ""
     for _ in range(attempts):
-        broker = _launch(exe)
+        broker = _launch(exe, port or free_loopback_port(), storage, env, host)
         if _wait_ready(broker, timeout_s):
             logger.info("tansu ready", extra={"pid": broker.process.pid, "bootstrap": broker.bootstrap})
             return broker
@@ -120,20 +135,27 @@ def start_tansu(binary: str | None = None, timeout_s: float = 15.0, attempts: in
     raise Unavailable(f"tansu ({exe}) did not become ready in {timeout_s} s; its log ends with:\n{last}")
 
 
-def _launch(exe: str) -> TansuBroker:
-    url = f"tcp://127.0.0.1:{free_loopback_port()}"
+def _launch(exe: str, port: int, storage: str, env: dict[str, str] | None, host: str = "127.0.0.1") -> TansuBroker:
+    url = f"tcp://{host}:{port}"
     fd, log_name = tempfile.mkstemp(prefix="tansu-", suffix=".log")
     with os.fdopen(fd, "wb") as log:
         process = subprocess.Popen(
-            [exe, "broker", "--listener-url", url, "--advertised-listener-url", url],
+            [exe, "broker", "--listener-url", url, "--advertised-listener-url", url, "--storage-engine", storage],
+            env={**os.environ, **env} if env else None,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             # Its own process group: a Ctrl-C in the test terminal should not race our stop().
             start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            # only from the main thread: the signal follows the creating thread (a pool thread's exit
+            # would kill the broker), and a fork of a threaded process may not run Python code safely
+            preexec_fn=_die_with_parent if sys.platform == "linux" and _on_main_thread() else None,
         )
     return TansuBroker(process, url.removeprefix("tcp://"), Path(log_name))
+
+
+def _on_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
 
 
 def _die_with_parent() -> None:

@@ -1,7 +1,9 @@
 """The client commands of the ``stagetree`` CLI: ``study list|show|best``, ``plan show``, ``nodes``.
 
 They talk to the master's REST API (``--url``, default ``$STAGETREE_URL`` or ``http://127.0.0.1:8080``)
-with a bearer token (``--token``, default ``$STAGETREE_TOKEN``), using only the standard library, and
+with a bearer token (``--token`` or ``--token-file``, default ``$STAGETREE_TOKEN`` or the file
+``$STAGETREE_TOKEN_FILE`` names) over http or https (``--ca-file``, default ``$STAGETREE_TLS_CA_FILE``,
+verifies the master's certificate), using only the standard library, and
 print text for people or, with ``--json``, one JSON document for scripts. ``main(argv)`` is dispatched
 from ``stagetree.cli`` with the command word first (``["study", "list"]``, ``["plan", "show", ID]``,
 ``["nodes"]``); it prints and returns an exit status (0 ok, 1 an error, 2 bad usage) instead of raising.
@@ -15,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import ssl
 import sys
 import time
 import urllib.error
@@ -25,6 +28,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from stagetree.core.errors import ALL_ERRORS, InvalidArgument, StagetreeError, Unavailable
+from stagetree.filevars import env_or_file, read_secret_file
+from stagetree.tls import ENV_CLIENT_PREFIX, ClientTls
 
 ENV_URL = "STAGETREE_URL"
 ENV_TOKEN = "STAGETREE_TOKEN"
@@ -40,7 +45,9 @@ _ERRORS: dict[str, type[StagetreeError]] = {cls.code: cls for cls in reversed(AL
 class RestClient:
     """A minimal JSON client of the master's REST API (``urllib``; no dependency)."""
 
-    def __init__(self, url: str, token: str | None, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, url: str, token: str | None, timeout_s: float = 30.0, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
         url = url.rstrip("/")
         if url.endswith(API):
             url = url[: -len(API)]
@@ -49,6 +56,7 @@ class RestClient:
         self.url = url
         self.token = token
         self.timeout_s = timeout_s
+        self.ssl_context = ssl_context  # https: verify the master with this CA bundle (None: system roots)
 
     def get(self, path: str, **query: Any) -> Any:
         return self.call("GET", path, **query)
@@ -60,7 +68,7 @@ class RestClient:
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            with urllib.request.urlopen(req, timeout=self.timeout_s, context=self.ssl_context) as resp:
                 return json.loads(resp.read() or b"null")
         except urllib.error.HTTPError as e:
             raise http_error(e.code, e.read()) from None
@@ -351,7 +359,13 @@ def format_nodes(nodes: Sequence[Mapping[str, Any]], now: float | None = None) -
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", default=None, help=f"the master's REST API (default ${ENV_URL} or {DEFAULT_URL})")
-    common.add_argument("--token", default=None, help=f"bearer token (default ${ENV_TOKEN})")
+    common.add_argument("--token", default=None, help=f"bearer token (default ${ENV_TOKEN}, or ${ENV_TOKEN}_FILE)")
+    common.add_argument("--token-file", default=None, help="read the bearer token from this file (a mounted secret)")
+    common.add_argument(
+        "--ca-file",
+        default=None,
+        help=f"CA bundle that signed the master's certificate, for https URLs (default ${ENV_CLIENT_PREFIX}CA_FILE)",
+    )
     common.add_argument("--json", action="store_true", help="print one JSON document (for scripts)")
 
     p = argparse.ArgumentParser(prog="stagetree", description="stagetree client commands")
@@ -439,6 +453,22 @@ def _quote(s: str) -> str:
     return urllib.parse.quote(s, safe="")
 
 
+def _token(ns: argparse.Namespace) -> str | None:
+    """--token, --token-file, $STAGETREE_TOKEN or the file $STAGETREE_TOKEN_FILE names (never printed)."""
+    if ns.token and ns.token_file:
+        raise InvalidArgument("--token and --token-file: give one")
+    if ns.token_file:
+        return read_secret_file(ns.token_file, "--token-file") or None
+    return ns.token or env_or_file(ENV_TOKEN) or None
+
+
+def _ssl_context(ca_file: str | None) -> ssl.SSLContext | None:
+    tls = ClientTls.from_env()
+    if ca_file:
+        tls = tls.model_copy(update={"ca_file": ca_file, "cert_file": "", "key_file": ""})
+    return tls.ssl_context() if tls.ca_file else None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -446,7 +476,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse printed the usage
         return int(e.code or 0)
     try:
-        rest = RestClient(ns.url or os.environ.get(ENV_URL) or DEFAULT_URL, ns.token or os.environ.get(ENV_TOKEN))
+        rest = RestClient(
+            ns.url or os.environ.get(ENV_URL) or DEFAULT_URL, _token(ns), ssl_context=_ssl_context(ns.ca_file)
+        )
         doc, text, status = run(ns, rest)
     except StagetreeError as e:
         if ns.json:

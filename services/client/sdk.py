@@ -34,6 +34,7 @@ import json
 import logging
 import math
 import os
+import random
 import re
 import time
 import uuid
@@ -60,9 +61,11 @@ from stagetree.core.lifecycle import FINISHED_REQUEST_STATES
 from stagetree.core.searchplan import check_step
 from stagetree.core.sequences import Sequence, as_sequence
 from stagetree.core.sharing import SharingStats
+from stagetree.filevars import env_or_file
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
 from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
 from stagetree.status import error_class_of, error_of_code
+from stagetree.tls import ENV_CLIENT_PREFIX, ClientTls, is_loopback, open_channel
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -92,8 +95,22 @@ class EvalCancelled(StagetreeError):
 
 _HINTS: dict[type[StagetreeError], str] = {
     Unauthenticated: f"pass the token your operator gave you: stagetree.connect(url, token=...) or ${ENV_TOKEN}",
-    Unavailable: "check that the master is running and reachable at this address, then retry",
+    Unavailable: "check that the master is running and reachable at this address, and that TLS matches its "
+    "(tls=ClientTls(ca_file=...) for a master with a certificate), then retry",
 }
+
+
+def retry_after_s(exc: grpc.RpcError) -> float | None:
+    """When the master shed a call as overloaded (RESOURCE_EXHAUSTED with ``retry-after-ms``, see
+    ``stagetree.master.api.admission``), the seconds it asks the caller to wait; else None."""
+    code_fn, trailers_fn = getattr(exc, "code", None), getattr(exc, "trailing_metadata", None)
+    if not callable(code_fn) or not callable(trailers_fn) or code_fn() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    for key, value in trailers_fn() or ():
+        if key == "retry-after-ms":
+            with contextlib.suppress(ValueError):
+                return min(60.0, max(0.0, int(value) / 1000))
+    return None
 
 
 def error_of(exc: BaseException, rpc: str = "", target: str = "") -> StagetreeError:
@@ -255,6 +272,8 @@ class Client:
     ``timeout_s``: the deadline of each unary call; ``reconnect_s``: once the master has answered, how
     long an idempotent call or a result stream keeps retrying past ``retries`` while it is unavailable
     (a master restart), with backoff capped at 2 s. A master that never answered fails after ``retries``.
+    A call the master sheds as overloaded (RESOURCE_EXHAUSTED with a retry-after) is retried after the
+    time it asks for, idempotent or not (nothing of it was done), for up to ``reconnect_s``.
     """
 
     def __init__(
@@ -268,6 +287,7 @@ class Client:
         timeout_s: float = 60.0,
         reconnect_s: float = 120.0,
         channel: grpc.aio.Channel | None = None,
+        tls: ClientTls | None = None,
     ) -> None:
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
             raise InvalidArgument(f"max_batch: must be an int >= 1, got {max_batch!r}")
@@ -281,10 +301,19 @@ class Client:
         self.reconnect_s = float(reconnect_s)
         self.reached = False  # the master answered once: Unavailable from now on is a restart, waited for
         self.rpcs: Counter[str] = Counter()
+        self.shed = 0  # calls the master refused as overloaded (each retried after its retry-after)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._channel = channel or grpc.aio.insecure_channel(
+        self.tls = tls if tls is not None and tls.on else None
+        if self.tls is None and not is_loopback(target.rsplit(":", 1)[0]):
+            log.warning(
+                "connecting to %s in plaintext: pass tls=... to stagetree.connect (or set %sCA_FILE)",
+                target,
+                ENV_CLIENT_PREFIX,
+            )
+        self._channel = channel or open_channel(
             target,
-            options=[
+            self.tls,
+            [
                 ("grpc.max_receive_message_length", 64 << 20),
                 ("grpc.max_send_message_length", 64 << 20),
                 # reconnect soon after a master restart (the default backoff grows to minutes)
@@ -352,7 +381,7 @@ class Client:
             raise FailedPrecondition(f"{method}: the client is closed; open a new one with stagetree.connect()")
         fn = getattr(self.stub, method)
         attempts = self.retries if idempotent else 1
-        first_failure = 0.0
+        first_failure = shed_since = 0.0
         i = 0
         while True:
             self.rpcs[method] += 1
@@ -361,6 +390,15 @@ class Client:
                 self.reached = True
                 return resp
             except grpc.RpcError as exc:
+                shed_for = retry_after_s(exc)
+                if shed_for is not None:
+                    shed_since = shed_since or time.monotonic()
+                    if time.monotonic() - shed_since < self.reconnect_s:
+                        # shed before anything of it was done: any call may retry, after the time asked for
+                        # (jittered, so that the shed clients do not come back together)
+                        self.shed += 1
+                        await asyncio.sleep(shed_for * (0.5 + random.random()))
+                        continue
                 err = error_of(exc, method, self.target)
                 first_failure = first_failure or time.monotonic()
                 i += 1
@@ -392,15 +430,32 @@ def connect(
     retries: int = 6,
     timeout_s: float = 60.0,
     reconnect_s: float = 120.0,
+    tls: ClientTls | bool | None = None,
 ) -> Client:
     """A client for the master's gRPC API at ``url`` (``host:port`` or ``grpc://host:port``; default
     ``$STAGETREE_MASTER`` or ``127.0.0.1:50051``), authenticated by ``token`` (default ``$STAGETREE_TOKEN``).
 
     Use it as ``async with stagetree.connect(url, token=...) as client:``; nothing is sent until the
-    first call. Must be called inside a running event loop."""
-    target = parse_target(url if url is not None else os.environ.get(ENV_TARGET, DEFAULT_TARGET))
+    first call. Must be called inside a running event loop.
+
+    ``tls``: a ``ClientTls`` (``ca_file`` that signed the master's certificate, ``cert_file``/``key_file``
+    for mutual TLS, ``server_name``), ``True`` (TLS with the system's roots), ``False`` (plaintext), or
+    None: from ``$STAGETREE_TLS_CA_FILE``, ``_CERT_FILE``, ``_KEY_FILE``, ``_SERVER_NAME`` (plaintext when
+    none is set, or with a ``grpcs://`` url TLS with the system's roots). ``token`` None: ``$STAGETREE_TOKEN``,
+    else the content of the file ``$STAGETREE_TOKEN_FILE`` names (a mounted secret)."""
+    raw = url if url is not None else os.environ.get(ENV_TARGET, DEFAULT_TARGET)
+    secure_scheme = isinstance(raw, str) and raw.strip().startswith("grpcs://")
+    target = parse_target(raw)
     if token is None:
-        token = os.environ.get(ENV_TOKEN) or None
+        token = env_or_file(ENV_TOKEN) or None
+    if tls is None:
+        tls = ClientTls.from_env()
+        if secure_scheme and not tls.on:
+            tls = ClientTls(enabled=True)
+    elif isinstance(tls, bool):
+        tls = ClientTls(enabled=tls)
+    elif not isinstance(tls, ClientTls):
+        raise InvalidArgument(f"tls: must be a stagetree.ClientTls, True, False or None, got {tls!r}")
     return Client(
         target,
         token,
@@ -409,6 +464,7 @@ def connect(
         retries=retries,
         timeout_s=timeout_s,
         reconnect_s=reconnect_s,
+        tls=tls,
     )
 
 
@@ -422,8 +478,8 @@ def parse_target(url: str) -> str:
             f"url: {url!r} is an HTTP URL; stagetree.connect() speaks gRPC: pass the master's gRPC address "
             f"host:port (default port 50051), and use the REST API at the HTTP one"
         )
-    if url.startswith("grpc://"):
-        url = url[len("grpc://") :]
+    for scheme in ("grpc://", "grpcs://"):
+        url = url.removeprefix(scheme)
     url = url.rstrip("/")
     if ":" not in url:
         raise InvalidArgument(f"url: {url!r} has no port; write host:port, e.g. 127.0.0.1:50051")
@@ -727,6 +783,23 @@ class Study:
             "GetMetrics", pb.GetMetricsRequest(study_id=self.id, config_json=text, step=step), idempotent=True
         )
         return dict(r.metrics) if r.found else None
+
+    async def curve(
+        self, request_id: int, *, start: int = 0, end: int | None = None, max_points: int = 0
+    ) -> list[tuple[int, dict[str, float]]]:
+        """The learning curve of a request (an ``EvalResult.request_id``): ``[(step, {name: value}), ...]``
+        over steps ``[start, end]`` (up to the request's step by default), its shared prefix's points
+        then its own; thinned on the master to ``max_points`` (0: every point)."""
+        req = pb.GetCurveRequest(
+            study_id=self.id,
+            request_id=request_id,
+            start=start,
+            end=end or 0,
+            has_end=end is not None,
+            max_points=max_points,
+        )
+        r = await self.client.call("GetCurve", req, idempotent=True)
+        return [(int(p.step), dict(p.values)) for p in r.points]
 
     async def plan(self, plan_key: str = "") -> dict[str, Any]:
         """The search plan this study uses, in the REST API's JSON shape: ``{"key", "fixed", "nodes": [{"id",

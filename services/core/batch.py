@@ -3,7 +3,9 @@
 A batch loads the model at ``source`` (or initializes it when ``source.uri`` is None and the step is
 0), then trains its stages back to back with no reload between them. It saves a checkpoint at every
 point in ``saves`` (central checkpoints at branch points and at its end) and evaluates at every point
-in ``evals`` (where requests wait). The JSON form is what travels in the assignment stream.
+in ``evals`` (where requests wait). It samples the step metrics its trainer reports (the learning
+curve) every ``curve_every_steps`` steps and at most ``curve_max_per_s`` points a second (0: no
+limit; ``curve_every_steps`` 0: no curve). The JSON form is what travels in the assignment stream.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class BatchSpec:
     peripheral_every_steps: int = 0
     peripheral_every_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    curve_every_steps: int = 1
+    curve_max_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -68,6 +72,11 @@ class BatchSpec:
             if s.start != prev_end or s.end < s.start:
                 raise InvalidArgument(f"batch {self.batch_id}: stages must be consecutive, got {s.start}..{s.end}")
             prev_end = s.end
+        if self.curve_every_steps < 0 or not self.curve_max_per_s >= 0:
+            raise InvalidArgument(
+                f"batch {self.batch_id}: curve_every_steps and curve_max_per_s must be >= 0, got "
+                f"{self.curve_every_steps}, {self.curve_max_per_s}"
+            )
 
     @property
     def start_step(self) -> int:
@@ -100,6 +109,8 @@ class BatchSpec:
             "peripheral_every_steps": self.peripheral_every_steps,
             "peripheral_every_s": self.peripheral_every_s,
             "extra": self.extra,
+            "curve_every_steps": self.curve_every_steps,
+            "curve_max_per_s": self.curve_max_per_s,
         }
 
     @classmethod
@@ -119,6 +130,8 @@ class BatchSpec:
                 peripheral_every_steps=int(o.get("peripheral_every_steps", 0)),
                 peripheral_every_s=float(o.get("peripheral_every_s", 0.0)),
                 extra=dict(o.get("extra", {})),
+                curve_every_steps=int(o.get("curve_every_steps", 1)),
+                curve_max_per_s=float(o.get("curve_max_per_s", 0.0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidArgument(f"malformed batch spec: {e!r}") from None

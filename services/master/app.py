@@ -1,7 +1,8 @@
 """Composition root of the master: builds every part once from ``MasterSettings`` and runs them.
 
 Nothing here runs at import time; ``MasterApp.build`` connects (and refuses an old schema),
-``MasterApp.run`` serves gRPC and REST and runs the scheduling loop until stopped.
+``MasterApp.run`` serves gRPC and REST (TLS with ``settings.tls``; plaintext beyond loopback is warned
+about, loudly) and runs the scheduling loop until stopped.
 """
 
 from __future__ import annotations
@@ -10,19 +11,25 @@ import asyncio
 import logging
 import os
 import socket
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
 from stagetree.core.lifecycle import RetryPolicy
+from stagetree.master import metrics
+from stagetree.master.api.admission import Admission
 from stagetree.master.api.grpc_api import MasterGrpc, start_grpc_server
 from stagetree.master.auth import Authenticator, team_of
+from stagetree.master.checkpoint_files import checkpoint_files
 from stagetree.master.coordination import Coordination, InProcessCoordination, RedisCoordination
 from stagetree.master.plans import PlanCache
 from stagetree.master.scheduling import SchedulingLoop
 from stagetree.master.service import MasterService
 from stagetree.master.settings import MasterSettings
 from stagetree.master.store.store import Store, make_engine
+from stagetree.tls import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +42,9 @@ class MasterApp:
     auth: Authenticator
     service: MasterService
     scheduler: SchedulingLoop
+    admission: Admission
+    # the latest GPU samples, for the dashboard's cluster page (the embedded mode's aggregator keeps them)
+    telemetry: Callable[[], Sequence[Mapping[str, Any]]] | None = None
 
     @classmethod
     def build(cls, settings: MasterSettings, coordination: Coordination | None = None) -> MasterApp:
@@ -46,24 +56,57 @@ class MasterApp:
         service.retry = RetryPolicy(settings.scheduling.max_attempts)
         service.teams = team_of(settings.auth)
         instance = settings.instance_id or f"{socket.gethostname()}:{os.getpid()}"
-        scheduler = SchedulingLoop(store, plans, coordination, settings.scheduling, instance)
-        return cls(settings, store, coordination, Authenticator(settings.auth), service, scheduler)
+        files = checkpoint_files(settings.s3_endpoint_url)
+        scheduler = SchedulingLoop(store, plans, coordination, settings.scheduling, instance, files)
+        metrics.track(store)
+        admission = Admission(settings.limits.max_in_flight, settings.limits.retry_after_s)
+        return cls(settings, store, coordination, Authenticator(settings.auth), service, scheduler, admission)
 
     def grpc_servicer(self) -> MasterGrpc:
-        return MasterGrpc(self.service, self.auth, self.coordination, self.settings.scheduling.heartbeat_ttl_s / 3)
+        return MasterGrpc(
+            self.service,
+            self.auth,
+            self.coordination,
+            self.settings.scheduling.heartbeat_ttl_s / 3,
+            self.admission,
+        )
 
     async def start_grpc(self, port: int | None = None) -> tuple[grpc.aio.Server, int]:
         s = self.settings
-        return await start_grpc_server(self.grpc_servicer(), s.grpc_host, s.grpc_port if port is None else port)
+        creds = s.tls.grpc_credentials() if s.tls.enabled else None
+        return await start_grpc_server(self.grpc_servicer(), s.grpc_host, s.grpc_port if port is None else port, creds)
+
+    def warn_if_exposed(self) -> list[str]:
+        """Log, loudly, each listener beyond loopback that serves plaintext; returns those warnings."""
+        s = self.settings
+        if s.tls.enabled:
+            return []
+        out = []
+        for what, host, port in (("gRPC", s.grpc_host, s.grpc_port), ("REST", s.http_host, s.http_port)):
+            if not is_loopback(host):
+                msg = (
+                    f"PLAINTEXT {what} on {host}:{port}: bearer tokens and results cross the network "
+                    "unencrypted; set STAGETREE_MASTER_TLS__CERT_FILE and STAGETREE_MASTER_TLS__KEY_FILE "
+                    "(docs/deployment.md), or bind to 127.0.0.1"
+                )
+                log.warning("!" * 20 + " " + msg + " " + "!" * 20)
+                out.append(msg)
+        return out
 
     async def run(self, stop: asyncio.Event) -> None:
         import uvicorn
 
         from stagetree.master.api.rest import create_rest_app
 
+        self.warn_if_exposed()
         server, port = await self.start_grpc()
         http = uvicorn.Server(
-            uvicorn.Config(create_rest_app(self), host=self.settings.http_host, port=self.settings.http_port)
+            uvicorn.Config(
+                create_rest_app(self),
+                host=self.settings.http_host,
+                port=self.settings.http_port,
+                **self.settings.tls.uvicorn_options(),
+            )
         )
         http_task = asyncio.create_task(http.serve())
         log.info("master running", extra={"grpc_port": port, "http_port": self.settings.http_port})

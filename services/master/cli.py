@@ -17,6 +17,10 @@ from stagetree import logs
 from stagetree.core.errors import StagetreeError
 from stagetree.envcheck import unknown_variables
 
+URL_DEFAULT = (
+    "default: the master's STAGETREE_MASTER_DATABASE_URL, or the file STAGETREE_MASTER_DATABASE_URL_FILE names"
+)
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stagetree master", description="stagetree master")
@@ -24,10 +28,12 @@ def _parser() -> argparse.ArgumentParser:
     db = sub.add_parser("db", help="database schema")
     dbsub = db.add_subparsers(dest="db_command", required=True)
     up = dbsub.add_parser("upgrade", help="apply the packaged migrations")
-    up.add_argument("--url", required=True, help="SQLAlchemy URL, e.g. postgresql+psycopg2://user@host/db")
+    up.add_argument(
+        "--url", default=None, help=f"SQLAlchemy URL, e.g. postgresql+psycopg2://user@host/db ({URL_DEFAULT})"
+    )
     up.add_argument("--revision", default="head")
     chk = dbsub.add_parser("check", help="exit 1 unless the schema is current")
-    chk.add_argument("--url", required=True)
+    chk.add_argument("--url", default=None, help=URL_DEFAULT)
     sub.add_parser("serve", help="run the master (settings from STAGETREE_MASTER_* variables)")
     return p
 
@@ -40,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if ns.command == "db":
-            engine = make_engine(ns.url)
+            engine = make_engine(ns.url or _settings_url())
             try:
                 if ns.db_command == "upgrade":
                     upgrade(engine, ns.revision)
@@ -55,6 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     except StagetreeError as e:
         print(f"error: {e.message}", file=sys.stderr)
         return 1
+
+
+def _settings_url() -> str:
+    """The master's own database URL (``STAGETREE_MASTER_DATABASE_URL`` or its ``_FILE``: a password stays
+    off the command line, where ``ps`` shows it)."""
+    from stagetree.master.settings import MasterSettings
+
+    return MasterSettings().database_url
 
 
 def _serve() -> int:

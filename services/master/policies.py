@@ -263,7 +263,7 @@ class PolicyStep:
             if sp is None or r.job in st.killed:
                 continue
             stages = self.paths.get(r.batch, [])
-            rows = self.store.requests.metrics_since(sorted({n for n, _, _ in stages}), st.fed_at.get(r.job, 0.0))
+            rows = self._reports_since(sorted({n for n, _, _ in stages}), st.fed_at.get(r.job, 0.0))
             reports = sorted(
                 (s, t, v[sp.metric])
                 for n, s, t, v in rows
@@ -374,6 +374,14 @@ class PolicyStep:
                 del self.paths[bid]
         return out
 
+    def _reports_since(self, nodes: Sequence[int], since: float) -> list[tuple[int, int, float, dict[str, float]]]:
+        """What the policies learn from: evaluation metrics and learning-curve points (the trainers' step
+        metrics) recorded on ``nodes`` after ``since``; at a step with both, the evaluation's values win."""
+        evals = self.store.requests.metrics_since(nodes, since)
+        seen = {(n, st) for n, st, _, _ in evals}
+        curve = [row for row in self.store.curves.points_since(nodes, since) if (row[0], row[1]) not in seen]
+        return evals + curve
+
     def _record(
         self,
         job: hermes.TimeShareJob,
@@ -383,7 +391,7 @@ class PolicyStep:
         since: float,
         now: float,
     ) -> None:
-        rows = self.store.requests.metrics_since(sorted({n for n, _, _ in stages}), since)
+        rows = self._reports_since(sorted({n for n, _, _ in stages}), since)
         on_path = [(t, v) for n, st, t, v in rows if any(n == sn and a < st <= b for sn, a, b in stages)]
         losses = losses_of(on_path, metric)
         if losses:

@@ -33,6 +33,8 @@ from stagetree.core.scheduler import PlannedBatch, RoundResult, StageCost, sched
 from stagetree.core.searchplan import Checkpoint, CheckpointKind, Node
 from stagetree.core.slots import Slot
 from stagetree.core.stagetree import InflightBatch, InflightStage, StageForest, build_stage_tree
+from stagetree.master import metrics
+from stagetree.master.checkpoint_files import CheckpointFiles, NodeManagersDeleteFiles
 from stagetree.master.coordination import Coordination, Subscription
 from stagetree.master.costs import CostLearner
 from stagetree.master.plans import PlanCache
@@ -92,12 +94,14 @@ class SchedulingLoop:
         coordination: Coordination,
         settings: SchedulingSettings,
         instance_id: str,
+        files: CheckpointFiles | None = None,
     ) -> None:
         self.store = store
         self.plans = plans
         self.coord = coordination
         self.settings = settings
         self.instance_id = instance_id
+        self.files = files if files is not None else NodeManagersDeleteFiles()
         self.is_leader = False
         # when this instance started leading (construction, then each lease taken): see requeue_lost
         self.leader_since = time.time()
@@ -106,6 +110,7 @@ class SchedulingLoop:
         self._costs_read_at = float("-inf")
         self._bad_specs: set[int] = set()
         self._bad_plans: set[int] = set()
+        self._good_plans: set[int] = set()  # plans whose fixed part was checked (a plan's rows never change)
 
     # -- one round ------------------------------------------------------------------------------
 
@@ -153,11 +158,14 @@ class SchedulingLoop:
                 continue
             try:
                 plan = self.plans.ensure(plan_id, {p.node for _, p in reqs})
+                if plan_id not in self._good_plans:  # its fixed part must load too: every dispatch renders it
+                    FixedPart.from_json(json.loads(self.store.plans.plan_fixed(plan_id)[1]))
+                    self._good_plans.add(plan_id)
             except (StagetreeError, ValueError, KeyError, TypeError):
                 # a plan whose rows no longer load (written by another version, edited by hand) must not
                 # stop the rounds of every other study: leave it out, and say so once
                 self._bad_plans.add(plan_id)
-                log.exception("plan left out of scheduling: its nodes do not load", extra={"plan_id": plan_id})
+                log.exception("plan left out of scheduling: its rows do not load", extra={"plan_id": plan_id})
                 continue
             count += len(reqs)
             ckpts = uris.setdefault(plan_id, {})
@@ -181,6 +189,7 @@ class SchedulingLoop:
         stages = tuple(StageSpec(s.node, s.start, s.end, plan.nodes[s.node].config) for s in batch.stages)
         source = Source(batch.source, uris.get(batch.source))
         every_steps, every_s = self.settings.peripheral_every_steps, self.settings.peripheral_every_s
+        curve_every, curve_rate = self.settings.curve_every_steps, self.settings.curve_max_per_s
 
         def render(batch_id: int, attempt: int) -> str:
             spec = BatchSpec(
@@ -194,6 +203,8 @@ class SchedulingLoop:
                 evals=frozenset(batch.evals),
                 peripheral_every_steps=every_steps,
                 peripheral_every_s=every_s,
+                curve_every_steps=curve_every,
+                curve_max_per_s=curve_rate,
             )
             return json.dumps(spec.to_json(), separators=(",", ":"))
 
@@ -202,7 +213,8 @@ class SchedulingLoop:
     def enforce_checkpoint_budget(self, forest: StageForest | None = None) -> list[Point]:
         """Evict checkpoints by the core's cost-benefit policy until the rest fit the budget; never one
         that pending work (``forest``'s sources) or a running batch starts from. The rows go at once;
-        every live node manager is told to delete the files (the checkpoint store may be shared)."""
+        every live node manager is told to delete the files (the checkpoint store may be shared), and
+        ``files`` deletes those in an object store."""
         budget = self.settings.checkpoint_budget_bytes
         if budget is None or self.store.checkpoints.checkpoint_bytes() <= budget:
             return []
@@ -230,9 +242,11 @@ class SchedulingLoop:
         )
         if not result.evict:
             return []
+        uris = [c.uri for p in result.evict if (c := ckpts.get(p)) is not None]
         told = self.store.checkpoints.delete_checkpoints(result.evict)
         for nm in told:
             self.coord.notify(ch_node_manager(nm))
+        self.files.delete(uris)  # an object store's copy goes even with no node manager alive
         log.info(
             "checkpoints evicted over budget",
             extra={"evicted": len(result.evict), "bytes_after": result.bytes_after, "shortfall": result.shortfall},
@@ -280,6 +294,7 @@ class SchedulingLoop:
         )
 
     def run_round(self) -> RoundReport:
+        t0 = time.monotonic()
         reads = self.store.rounds.round_reads()  # one read serves the liveness check, the free slots, the forest
         lost = self.requeue_lost(reads.node_managers)
         if lost:
@@ -315,6 +330,7 @@ class SchedulingLoop:
             self.policy_step.carry_out(dec.preempts, dec.kills, self.coord.notify)
         if self.settings.checkpoint_budget_bytes is not None:
             self.enforce_checkpoint_budget(dec.forest)
+        metrics.observe_round(time.monotonic() - t0, dispatched)
         return RoundReport(dec.pending, dispatched, lost, result.queued, dec.snapshot_ms, dec.decide_ms)
 
     # -- the loop -------------------------------------------------------------------------------

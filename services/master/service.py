@@ -17,10 +17,11 @@ from typing import Any, Protocol
 from stagetree.core.batch import Point
 from stagetree.core.config import Config, FixedPart, divergence
 from stagetree.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, StagetreeError
-from stagetree.core.lifecycle import AttemptReport, CheckpointPoint, MetricPoint, RetryPolicy
+from stagetree.core.lifecycle import AssignmentKind, AttemptReport, CheckpointPoint, MetricPoint, RetryPolicy
 from stagetree.core.searchplan import check_step
 from stagetree.core.sharing import SharingStats
 from stagetree.core.text import INT64_MAX, check_id, check_text
+from stagetree.master import metrics
 from stagetree.master.auth import Principal, scope_of
 from stagetree.master.plans import PlanCache, config_text
 from stagetree.master.policies import fixed_without_policies, split_policies
@@ -45,6 +46,7 @@ MAX_GPU_INDEX = 1 << 10
 
 CH_ROUND = "round"  # something a scheduling round should look at happened
 CH_RESULTS = "results"  # some requests finished
+CH_CURVES = "curves"  # learning-curve points were stored (the dashboard's live curves)
 
 
 def ch_node_manager(nm_id: str) -> str:
@@ -439,7 +441,9 @@ class MasterService:
     def take_assignments(self, who: Principal, nm_id: str) -> list[Assignment]:
         """What the node manager should do next: batch attempts to run, then control actions."""
         who.require_admin()
-        return self.store.nodes.take_assignments(nm_id)
+        out = self.store.nodes.take_assignments(nm_id)
+        metrics.taken(a.batch_id for a in out if a.kind == AssignmentKind.RUN)
+        return out
 
     def preempt(self, who: Principal, batch_id: int) -> bool:
         """Ask a running batch to yield (finish the step, save, exit); its rest is rescheduled."""
@@ -465,6 +469,7 @@ class MasterService:
         ``api.grouping``). Each gets the requests it completed, or the error that rejected it alone (an
         unknown batch, a bad step); the others are applied all the same."""
         who.require_admin()
+        metrics.reported(len(reports))
         out: dict[int, list[int] | StagetreeError] = {}
         valid: list[tuple[int, AttemptReport]] = []
         for i, r in enumerate(reports):

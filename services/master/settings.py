@@ -1,13 +1,18 @@
 """The master's one settings class (pydantic-settings, env prefix ``STAGETREE_MASTER_``).
 
 Built once in the entry point and passed down; nested groups use ``__`` in environment names, e.g.
-``STAGETREE_MASTER_AUTH__ADMIN_TOKEN``. Tokens are ``SecretStr`` so they never show in logs or reprs.
+``STAGETREE_MASTER_AUTH__ADMIN_TOKEN``. Tokens are ``SecretStr`` so they never show in logs or reprs;
+any setting may come from a file instead (``STAGETREE_MASTER_AUTH__ADMIN_TOKEN_FILE=/run/secrets/admin``,
+see ``stagetree.filevars``). ``tls`` is the certificate gRPC and REST serve (``stagetree.tls``).
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel, Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from stagetree.filevars import FileVariablesSettings
+from stagetree.tls import ServerTls
 
 
 class AuthSettings(BaseModel):
@@ -25,6 +30,10 @@ class LimitSettings(BaseModel):
     max_config_bytes: int = Field(default=64 * 1024, ge=256)
     max_name_len: int = Field(default=256, ge=1)
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)  # a REST body over it: 413 before it is read
+    # client calls in flight at once (REST and gRPC together); past it a call is shed with 429 /
+    # RESOURCE_EXHAUSTED and a retry-after (master.api.admission)
+    max_in_flight: int = Field(default=64, ge=1)
+    retry_after_s: float = Field(default=0.2, gt=0, le=60)
 
 
 class SchedulingSettings(BaseModel):
@@ -44,9 +53,13 @@ class SchedulingSettings(BaseModel):
     # the studies' policy state (Hermes quanta, POP curves) is saved when changed, at most this often; a
     # round that preempts or kills saves it first, always (master.policies)
     policy_state_save_s: float = Field(default=1.0, ge=0)
+    # learning curves: a batch keeps its trainer's step metrics every this many steps (0: none), and at
+    # most this many points a second (0: no limit), so a fast small model does not flood the bus
+    curve_every_steps: int = Field(default=1, ge=0)
+    curve_max_per_s: float = Field(default=20.0, ge=0)
 
 
-class MasterSettings(BaseSettings):
+class MasterSettings(FileVariablesSettings):
     # an empty variable means "not set" (compose passes optional ones through as empty strings)
     model_config = SettingsConfigDict(
         env_prefix="STAGETREE_MASTER_", env_nested_delimiter="__", extra="ignore", env_ignore_empty=True
@@ -59,6 +72,12 @@ class MasterSettings(BaseSettings):
     http_host: str = "127.0.0.1"
     http_port: int = 8080
     instance_id: str = ""  # leader-lease holder name; defaults to host:pid
+    # the S3-compatible server of s3:// checkpoints, which the checkpoint eviction deletes (empty: AWS);
+    # credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_DEFAULT_REGION
+    s3_endpoint_url: str = ""
     auth: AuthSettings = Field(default_factory=lambda: AuthSettings())
     limits: LimitSettings = Field(default_factory=lambda: LimitSettings())
     scheduling: SchedulingSettings = Field(default_factory=lambda: SchedulingSettings())
+    # the certificate gRPC and REST serve (and the clients' CA for mutual TLS); none: plaintext, which the
+    # master warns about when it listens beyond loopback
+    tls: ServerTls = Field(default_factory=lambda: ServerTls())

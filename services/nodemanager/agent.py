@@ -47,6 +47,7 @@ from stagetree.core.errors import (
     Unavailable,
 )
 from stagetree.core.slots import SlotInfo
+from stagetree.nodemanager import metrics
 from stagetree.nodemanager.gpu import GpuProbe
 from stagetree.nodemanager.link import ABORT, DELETE_CHECKPOINTS, PREEMPT, RUN, Assignment, MasterLink
 from stagetree.nodemanager.mps import MpsDaemon
@@ -173,6 +174,7 @@ class NodeManager:
         self._background: set[asyncio.Task[Any]] = set()
         self._launcher_ready: asyncio.Task[None] | None = None  # started at the first registration
         self._stopping = False
+        metrics.track(self)
 
     # -- the service ------------------------------------------------------------------------------
 
@@ -205,6 +207,7 @@ class NodeManager:
             if self._background:
                 await asyncio.wait(set(self._background), timeout=10)
             await self.link.close()
+            metrics.untrack(self)
             if self.mps is not None:
                 await asyncio.to_thread(self.mps.stop)
             if self.probe is not None:
@@ -443,6 +446,7 @@ class NodeManager:
             self._attempts.pop(key, None)
             self._done.add(key)
             self._dispatch()
+            metrics.ended(self.id, end.status)
             await self.reporter.finish(info, end)
 
     async def _watch(self, att: _Attempt, worker: WorkerProcess) -> int:
@@ -483,6 +487,7 @@ class NodeManager:
                 if kind == "batch_failed":  # say where the whole story is: the worker's log
                     payload = {**payload, "error": f"{payload['error']}\n{self._log_note(worker)}"}
                 att.terminal = (kind, payload)
+            metrics.event(self.id, kind, payload)
             await self.reporter.event(info, kind, payload)
 
     def _log_note(self, worker: WorkerProcess) -> str:

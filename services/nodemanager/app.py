@@ -15,7 +15,7 @@ from stagetree.nodemanager.gpu import GpuProbe, NvmlGpuProbe
 from stagetree.nodemanager.link import GrpcMasterLink, MasterLink
 from stagetree.nodemanager.mps import MpsDaemon
 from stagetree.nodemanager.reporting import BatchReporter, BusReporter, GrpcReporter
-from stagetree.nodemanager.runtime.checkpoints import LocalCheckpointStore
+from stagetree.nodemanager.runtime.checkpoints import open_checkpoint_store
 from stagetree.nodemanager.settings import NodeManagerSettings
 from stagetree.nodemanager.slots import USER_PATH_ENV, build_slots
 from stagetree.nodemanager.workers import make_launcher
@@ -51,12 +51,18 @@ def build_node_manager(
             mps = MpsDaemon(work, [g.index for g in gpus])
         else:
             log.warning("STAGETREE_NM_MPS is on but there is no GPU: MPS not started")
-    store = LocalCheckpointStore(settings.checkpoint_root)
+    store = open_checkpoint_store(
+        settings.checkpoint_root,
+        s3_endpoint_url=settings.s3_endpoint_url,
+        cache_dir=settings.cache_path(),
+        cache_max_bytes=settings.checkpoint_cache_bytes,
+    )
     launcher = make_launcher(
         settings.worker_start,
         slots,
-        str(store.root),
+        store.location,
         work,
+        checkpoint_args=settings.checkpoint_args(),
         prestart=settings.prestart_workers,
         threads=settings.threads_per_worker,
         progress_interval_s=settings.progress_interval_s,
@@ -70,6 +76,7 @@ def build_node_manager(
             settings.admin_token.get_secret_value(),
             rpc_timeout_s=settings.rpc_timeout_s,
             max_backoff_s=settings.reconnect_max_s,
+            tls=settings.tls,
         )
     if reporter is None:
         b = settings.bus
@@ -93,7 +100,7 @@ def build_node_manager(
             "mps": mps is not None,
             "reporter": type(reporter).__name__,
             "launcher": type(launcher).__name__,
-            "checkpoint_root": str(store.root),
+            "checkpoint_root": store.location,
         },
     )
     return NodeManager(

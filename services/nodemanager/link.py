@@ -27,6 +27,7 @@ from stagetree.core.slots import SlotInfo
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
 from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
 from stagetree.status import error_class_of, error_of_code
+from stagetree.tls import ClientTls, open_channel
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,10 @@ def translate(exc: grpc.aio.AioRpcError, target: str, what: str) -> errors.Stage
     code, details = exc.code(), exc.details() or ""
     cls = error_class_of(code)
     if cls is errors.Unavailable:
-        return errors.Unavailable(f"{what}: the master at {target} is unavailable ({code.name}: {details})")
+        return errors.Unavailable(
+            f"{what}: the master at {target} is unavailable ({code.name}: {details}); if it serves TLS, set "
+            "STAGETREE_NM_TLS__CA_FILE (and, for mutual TLS, STAGETREE_NM_TLS__CERT_FILE and __KEY_FILE)"
+        )
     if cls is errors.Unauthenticated:
         return errors.Unauthenticated(f"{what}: the master at {target} rejected the token ({details}); {TOKEN_HINT}")
     if cls is errors.PermissionDenied:
@@ -136,7 +140,15 @@ class GrpcMasterLink(MasterLink):
     """``MasterLink`` over ``grpc.aio`` to ``target`` (``host:port``). The channel is created on first use
     (inside the running loop) and reconnects by itself; calls fail fast while the master is away."""
 
-    def __init__(self, target: str, admin_token: str, *, rpc_timeout_s: float = 10.0, max_backoff_s: float = 10.0):
+    def __init__(
+        self,
+        target: str,
+        admin_token: str,
+        *,
+        rpc_timeout_s: float = 10.0,
+        max_backoff_s: float = 10.0,
+        tls: ClientTls | None = None,
+    ):
         if not admin_token:
             raise errors.InvalidArgument(f"no admin token; {TOKEN_HINT}")
         self.target = target
@@ -147,12 +159,13 @@ class GrpcMasterLink(MasterLink):
             ("grpc.min_reconnect_backoff_ms", 200),
             ("grpc.max_reconnect_backoff_ms", int(max_backoff_s * 1000)),
         ]
+        self._tls = tls  # verify the master's certificate (and show ours, for mutual TLS); None: plaintext
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.MasterServiceStub | None = None
 
     def _get_stub(self) -> pb_grpc.MasterServiceStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.target, options=self._options)
+            self._channel = open_channel(self.target, self._tls, self._options)
             self._stub = pb_grpc.MasterServiceStub(self._channel)  # type: ignore[no-untyped-call]
         return self._stub
 

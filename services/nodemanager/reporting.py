@@ -10,6 +10,7 @@ crash, or an out-of-memory) or aborted.
   come from each message's ``route()``, never from this module. GPU telemetry goes the same way.
 * ``GrpcReporter`` (the direct path, no bus): collects an attempt's metrics and checkpoints and sends
   one ``ReportBatch`` through the ``MasterLink`` when it ends, retrying while the master is away.
+  Learning curves (``curve`` events) travel on the bus only: this path drops them.
 
 An aborted attempt publishes nothing more on the bus (the master already ended it); the direct path
 still reports it (not ok) so the checkpoints and metrics it produced are recorded, which the master
@@ -36,6 +37,7 @@ from stagetree.bus.messages import (
     BatchPreempted,
     BatchStarted,
     CheckpointSaved,
+    Curve,
     GpuProcess,
     GpuTelemetry,
     Message,
@@ -150,6 +152,7 @@ _BUS_TYPES: dict[str, type[BatchMessage]] = {
     "batch_started": BatchStarted,
     "progress": Progress,
     "metrics": Metrics,
+    "curve": Curve,
     "checkpoint_saved": CheckpointSaved,
     "batch_finished": BatchFinished,
     "batch_preempted": BatchPreempted,
@@ -194,6 +197,10 @@ class BusReporter(BatchReporter):
     def _message(self, info: AttemptInfo, kind: str, payload: dict[str, Any]) -> BatchMessage:
         cls = _BUS_TYPES[kind]
         fields = {k: v for k, v in payload.items() if k not in ("batch_id", "attempt")}
+        if cls is Curve:  # the runtime's [[step, values], ...] as the message's two aligned lists
+            points = fields.pop("points")
+            fields["steps"] = [int(p[0]) for p in points]
+            fields["values"] = [p[1] for p in points]
         return cls(
             msg_id=self._msg_id(info),
             node_manager=self.node_manager_id,

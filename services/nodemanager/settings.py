@@ -3,7 +3,8 @@
 Built once in the entry point (``stagetree nodemanager run``) and passed down; nested groups use ``__``
 in environment names, e.g. ``STAGETREE_NM_BUS__KAFKA_BOOTSTRAP_SERVERS``. The admin token is a
 ``SecretStr`` so it never shows in logs or reprs; it must equal the master's
-``STAGETREE_MASTER_AUTH__ADMIN_TOKEN``.
+``STAGETREE_MASTER_AUTH__ADMIN_TOKEN``, and may come from a file (``STAGETREE_NM_ADMIN_TOKEN_FILE``, see
+``stagetree.filevars``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from stagetree.filevars import FileVariablesSettings
+from stagetree.nodemanager.runtime.checkpoints import DEFAULT_CACHE_BYTES
+from stagetree.tls import ClientTls
 
 
 class BusSettings(BaseModel):
@@ -25,14 +30,20 @@ class BusSettings(BaseModel):
     batch_max_age_s: float = Field(default=0.5, gt=0)
 
 
-class NodeManagerSettings(BaseSettings):
+class NodeManagerSettings(FileVariablesSettings):
     model_config = SettingsConfigDict(env_prefix="STAGETREE_NM_", env_nested_delimiter="__", extra="ignore")
 
     master_target: str = "127.0.0.1:50051"  # host:port of the master's gRPC server
     admin_token: SecretStr = SecretStr("")
     node_manager_id: str = ""  # defaults to the host name
     address: str = ""  # what the master shows for this node manager; defaults to the host name
-    checkpoint_root: str = "stagetree-checkpoints"  # a local or shared directory (or file:// URI)
+    # where checkpoints go: a local or shared directory, a file:// URI, or s3://bucket/prefix (credentials
+    # from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_DEFAULT_REGION, as botocore reads them)
+    checkpoint_root: str = "stagetree-checkpoints"
+    s3_endpoint_url: str = ""  # an S3-compatible server (MinIO, Ceph, moto); empty: AWS
+    # the local copies of remote checkpoints this node manager wrote or read (LRU); default <work_dir>/checkpoint-cache
+    checkpoint_cache_dir: str = ""
+    checkpoint_cache_bytes: int = Field(default=DEFAULT_CACHE_BYTES, ge=0)
     work_dir: str = "stagetree-nm"  # worker logs, spec files, MPS pipes
     slots_per_gpu: int = Field(default=1, ge=1)  # >1 shares a GPU: each slot gets 1/slots_per_gpu of it
     cpu_slots: int = Field(default=2, ge=1)  # slots when there is no GPU (or NVML is missing)
@@ -53,7 +64,11 @@ class NodeManagerSettings(BaseSettings):
     reconnect_max_s: float = Field(default=10.0, gt=0)
     rpc_timeout_s: float = Field(default=10.0, gt=0)
     stop_grace_s: float = Field(default=30.0, ge=0)  # on shutdown, how long preempted workers get to save
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)  # Prometheus /metrics; None: off, 0: a free port
+    metrics_host: str = "0.0.0.0"
     bus: BusSettings = Field(default_factory=lambda: BusSettings())
+    # how the link verifies the master (ca_file) and proves itself for mutual TLS (cert_file, key_file)
+    tls: ClientTls = Field(default_factory=lambda: ClientTls())
 
     def resolved_id(self) -> str:
         """The node manager id: the setting, else the host name."""
@@ -64,3 +79,13 @@ class NodeManagerSettings(BaseSettings):
 
     def work_path(self) -> Path:
         return Path(self.work_dir).resolve()
+
+    def cache_path(self) -> Path:
+        if self.checkpoint_cache_dir:
+            return Path(self.checkpoint_cache_dir).resolve()
+        return self.work_path() / "checkpoint-cache"
+
+    def checkpoint_args(self) -> list[str]:
+        """The worker's checkpoint store options besides its root (``runtime.worker``'s arguments)."""
+        args = ["--cache-dir", str(self.cache_path()), "--cache-bytes", str(self.checkpoint_cache_bytes)]
+        return [*args, "--s3-endpoint-url", self.s3_endpoint_url] if self.s3_endpoint_url else args

@@ -156,8 +156,10 @@ class WorkerLauncher(ABC):
         extra_env: Mapping[str, str] | None = None,
         prestart: bool = True,
         prepare: bool = True,
+        checkpoint_args: Sequence[str] = (),
     ) -> None:
         self.checkpoint_root = checkpoint_root
+        self.checkpoint_args = list(checkpoint_args)  # the store's other options (endpoint, cache)
         self.log_dir = work_dir / "logs"
         self.threads = threads
         self.progress_interval_s = progress_interval_s
@@ -178,6 +180,7 @@ class WorkerLauncher(ABC):
         return [
             "--checkpoint-root",
             self.checkpoint_root,
+            *self.checkpoint_args,
             "--threads",
             str(self.threads),
             "--progress-interval",

@@ -13,8 +13,9 @@ real node-manager RPCs, so only the platform is measured (``tests/integration/cl
    the run (its trace of results and submits) matches an independent re-implementation of Li et al.'s
    Algorithm 2 on the same results (``stagetree.client.tuners.asha_check.check_asha_trace``).
 
-Last line: ``evals_per_s=<n> rpcs_per_eval=<r> asha_promotions_ok=<true|false>`` (targets: >= 1000,
-<= 0.1, true).
+Last line: ``evals_per_s=<n> rpcs_per_eval=<r> asha_promotions_ok=<true|false> evals_vs_grpc_unary=<q>``
+(targets: >= 1000, <= 0.1, true); the last field is evals a second over bare gRPC unary round trips a
+second on loopback, measured in the same run (``tests.bench.refs``).
 
 The platform under test is the ``PLATFORM`` line below: a function of a work directory returning an
 async context manager that yields a ``Target`` (gRPC address and token). ``PLATFORM = embedded_platform``
@@ -44,6 +45,7 @@ from stagetree.core.sequences import MultiStep
 from stagetree.master.settings import AuthSettings, LimitSettings, MasterSettings
 from stagetree.master.store.schema import upgrade
 from stagetree.master.store.store import make_engine
+from tests.bench import refs
 from tests.integration.client.harness import in_process_master, metrics_of_values
 
 TOKEN = "bench-token"
@@ -183,7 +185,12 @@ async def bench(points: int, platform: Callable[[Path], AbstractAsyncContextMana
             print(f"asha: {jobs} evals in {asha_s:.2f} s; promotions match the reference: {ok}")
             for p in problems[:10]:
                 print(f"  {p}")
-    return f"evals_per_s={rate:.0f} rpcs_per_eval={rpe:.4f} asha_promotions_ok={'true' if ok else 'false'}"
+    unary = await refs.grpc_unary_rate()
+    print(f"reference (same run): bare_grpc_unary_per_s={unary:.0f}")
+    return (
+        f"evals_per_s={rate:.0f} rpcs_per_eval={rpe:.4f} asha_promotions_ok={'true' if ok else 'false'}"
+        f" evals_vs_grpc_unary={rate / unary:.3f}"
+    )
 
 
 def main() -> None:

@@ -3,7 +3,10 @@
 Submits 10,000 requests (50 studies of 200 trials, batches of 100) through gRPC to a master on
 loopback, times a scheduling round over the 10,000 pending requests (snapshot to dispatch decisions),
 then the latency of evaluations answered from stored metrics. Last line:
-``submit_per_s=<n> round_ms_10k=<t> cached_eval_p99_ms=<p>`` (targets: >= 2000, <= 250, <= 20).
+``submit_per_s=<n> round_ms_10k=<t> cached_eval_p99_ms=<p> submit_vs_raw_insert=<r> round_10k_x_loop_rate=<k>``
+(targets: >= 2000, <= 250, <= 20). The two last fields tie the absolute figures to same-run references
+(``tests.bench.refs``): submissions over a plain psycopg2 insert of the same request rows, and the round's
+time in iterations of a fixed Python loop (a machine-independent size of the round).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from stagetree.master.store.schema import upgrade
 from stagetree.master.store.store import make_engine
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
 from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
+from tests.bench import refs
 
 ADMIN_URL = os.environ.get("STAGETREE_BENCH_PG_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
 TOKEN = "bench-token"
@@ -124,11 +128,25 @@ async def bench(url: str, studies: int, trials: int, batch: int) -> str:
                 prof.disable()
                 pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
             p99 = await cached_evals(app, stub, 300, step=100)
+        engine = create_engine(url)
+        try:
+            with engine.connect() as c:  # the rows the submissions wrote, for the same-run reference
+                q = f"SELECT {', '.join(refs.REQUEST_COLUMNS)} FROM requests ORDER BY id LIMIT 10000"
+                rows = [tuple(r) for r in c.execute(text(q))]
+        finally:
+            engine.dispose()
+        raw = refs.raw_insert_rate(url, "requests", refs.REQUEST_COLUMNS, rows, batch)
+        loop_rate = refs.python_rate()
     finally:
         await server.stop(grace=None)
         app.close()
     print(f"pending={studies * trials} round_runs_ms={[round(r, 1) for r in rounds]}")
-    return f"submit_per_s={submit_rate:.0f} round_ms_10k={round_ms:.1f} cached_eval_p99_ms={p99:.2f}"
+    print(f"references (same run): raw_insert_per_s={raw:.0f} python_loop_per_s={loop_rate:.0f}")
+    # The ratios move less with the machine than the absolute figures (tests.bench.refs).
+    return (
+        f"submit_per_s={submit_rate:.0f} round_ms_10k={round_ms:.1f} cached_eval_p99_ms={p99:.2f}"
+        f" submit_vs_raw_insert={submit_rate / raw:.3f} round_10k_x_loop_rate={round_ms * loop_rate / 1000:.0f}"
+    )
 
 
 def main() -> None:

@@ -19,7 +19,9 @@ Two cases, one line each:
 Then the demo's study in embedded mode (``tests.bench.embedded``: executed vs unique steps, and the
 study's wall time over its ideal makespan with plain-loop step costs). Last line:
 ``ingest_points_per_s=<n> dup_applied=<k> lost=<l> embedded_steps_vs_unique=<r> embedded_overhead=<o>``
-(targets: >= 20000, 0, 0, 1.00, <= 1.15).
+(targets: >= 20000, 0, 0, 1.00, <= 1.15), then ``ingest_vs_bare_kafka=<q>``: the steady ingest rate
+over kafka-python producing and consuming bare messages on the same broker in the same run
+(``tests.bench.refs``), a figure that moves less with the machine than the absolute rate.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from stagetree.master.plans import config_text
 from stagetree.master.store.records import NewNode, NewRequest
 from stagetree.master.store.schema import upgrade
 from stagetree.master.store.store import Store, make_engine
+from tests.bench import refs
 
 ADMIN_URL = os.environ.get("STAGETREE_BENCH_PG_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
 GROUP = "bench-aggregators"
@@ -408,6 +411,8 @@ def main() -> None:
         with create_engine(url).begin() as c:
             c.execute(text(AUDIT_SQL))
         crash = run_case("crash", url, broker, args, crash=True)
+        kafka_ref = refs.kafka_rate(broker.bootstrap)
+        print(f"reference (same run): bare_kafka_produce_consume_per_s={kafka_ref:.0f}", flush=True)
     print("embedded: the demo's study (wider MLP) in embedded mode, then its ideal makespan", flush=True)
     child = subprocess.run(
         [sys.executable, "-m", "tests.bench.embedded"], capture_output=True, text=True, check=False, timeout=900
@@ -419,7 +424,7 @@ def main() -> None:
     print("\n".join(lines[:-1]), flush=True)
     print(
         f"ingest_points_per_s={steady.per_s:.0f} dup_applied={steady.dup_applied + crash.dup_applied} "
-        f"lost={steady.lost + crash.lost} {lines[-1]}"
+        f"lost={steady.lost + crash.lost} {lines[-1]} ingest_vs_bare_kafka={steady.per_s / kafka_ref:.3f}"
     )
 
 

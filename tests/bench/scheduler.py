@@ -24,6 +24,7 @@ from stagetree.core.sequences import Constant, MultiStep, Piecewise, Warmup
 from stagetree.core.simulator import ASHADriver, GridDriver, SimReport, simulate, synthetic_curve
 from stagetree.core.slots import Slot
 from stagetree.core.stagetree import build_stage_tree
+from tests.bench import refs
 
 POLICIES = ("critical_path", "bfs", "most_children")
 WORKERS = (8, 40)
@@ -129,9 +130,12 @@ def main() -> None:
                 vs_bfs = max(vs_bfs, crit.makespan / reports["bfs"].makespan)
                 vs_most = max(vs_most, crit.makespan / reports["most_children"].makespan)
     rms = round_ms(10_000)
+    loop_rate = refs.python_rate()
+    print(f"reference (same run): python_loop_per_s={loop_rate:.0f}")
     print(
         f"merge_rate={grid_merge:.2f} critical_vs_lower_bound={worst_bound:.3f} critical_vs_bfs={vs_bfs:.3f} "
-        f"critical_vs_most_children={vs_most:.3f} round_ms_10k={rms:.1f}"
+        f"critical_vs_most_children={vs_most:.3f} round_ms_10k={rms:.1f} "
+        f"round_10k_x_loop_rate={rms * loop_rate / 1000:.0f}"
     )
 
 

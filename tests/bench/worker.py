@@ -3,13 +3,15 @@
     python -m tests.bench.worker [--steps 2000] [--runs 5]
 
 * overhead: the digits MLP trained for ``--steps`` steps through the runtime (``run_batch`` with the
-  worker's JSON-lines event writer, a progress event per step, evaluations every 200 steps, no
-  checkpoints asked for) against the same training written as a plain PyTorch loop; one process each,
+  worker's JSON-lines event writer, a progress event per step, a learning-curve point per step (its
+  ``train()`` returns the step loss; no rate limit), evaluations every 200 steps, no checkpoints asked
+  for) against the same training written as a plain PyTorch loop; one process each,
   one torch thread each, interleaved, median of ``--runs``; wall-clock time from before trainer init to
   after the last evaluation (interpreter start and imports excluded, ``torch._dynamo`` included: the
   first optimizer imports it lazily). CPU time is reported beside it:
   on a shared machine it is the steadier figure. The plain loop draws the same batches, so it also
-  reports whether both reach identical metrics.
+  reports whether both reach identical metrics. ``curve_overhead`` is the same runtime with the curve
+  off (``curve_every_steps=0``), interleaved in the same runs: what a point per step costs.
 * ckpt_save_ms / ckpt_load_ms: a central checkpoint of the trainer (snapshot + write + fsync into a
   ``LocalCheckpointStore``) and its restore into a fresh trainer, medians.
 * resume_exact: 30 steps straight == 10 steps + checkpoint + restore + 20 steps, across a batch-size
@@ -21,6 +23,7 @@ The last line printed is ``runtime_overhead=<ratio> ckpt_save_ms=<s> ckpt_load_m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -50,9 +53,10 @@ HP = {"lr": 0.05, "momentum": 0.9, "bs": 32}
 EVAL_EVERY = 200
 
 
-def _spec(steps: int) -> Any:
+def _spec(steps: int, curve: bool = True) -> Any:
     evals = [(1, s) for s in range(EVAL_EVERY, steps + 1, EVAL_EVERY)]
-    return digits_batch([(1, 0, steps, HP)], seed=SEED, fixed_values=FIXED, evals=evals)
+    spec = digits_batch([(1, 0, steps, HP)], seed=SEED, fixed_values=FIXED, evals=evals)
+    return dataclasses.replace(spec, curve_every_steps=1 if curve else 0, curve_max_per_s=0.0)
 
 
 def _plain_child(steps: int) -> dict[str, Any]:
@@ -88,7 +92,7 @@ def _plain_child(steps: int) -> dict[str, Any]:
     return {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu, "metrics": metrics}
 
 
-def _runtime_child(steps: int) -> dict[str, Any]:
+def _runtime_child(steps: int, curve: bool = True) -> dict[str, Any]:
     """The worker's path: ``run_batch`` with the worker's event writer (JSON lines, flushed per event)."""
     metrics: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory() as d, open(os.devnull, "w") as sink:
@@ -100,7 +104,7 @@ def _runtime_child(steps: int) -> dict[str, Any]:
                 metrics.append(payload["metrics"])
 
         wall, cpu = time.perf_counter(), time.process_time()
-        outcome = run_batch(_spec(steps), DigitsMLP, LocalCheckpointStore(d), emit)
+        outcome = run_batch(_spec(steps, curve), DigitsMLP, LocalCheckpointStore(d), emit)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     assert outcome.status == "finished", outcome
     return {"wall": wall, "cpu": cpu, "metrics": metrics[-1]}
@@ -168,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--child", choices=["runtime", "plain"], help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=["runtime", "nocurve", "plain"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     if args.child:
@@ -176,22 +180,30 @@ def main(argv: list[str] | None = None) -> int:
         # importing torch: an import like the others, so it happens before the clock starts.
         importlib.import_module("torch._dynamo")
         digits_split()  # warm the data cache in both children alike (it is timed, but tiny)
-        print(json.dumps((_runtime_child if args.child == "runtime" else _plain_child)(args.steps)))
+        if args.child == "plain":
+            print(json.dumps(_plain_child(args.steps)))
+        else:
+            print(json.dumps(_runtime_child(args.steps, curve=args.child == "runtime")))
         return 0
 
-    runtime_s, plain_s, runtime_cpu, plain_cpu = [], [], [], []
+    runtime_s, plain_s, runtime_cpu, plain_cpu, nocurve_s = [], [], [], [], []
     same_metrics = True
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for r in range(args.runs):
-            order = ("runtime", "plain") if r % 2 == 0 else ("plain", "runtime")
+            order = ("runtime", "nocurve", "plain") if r % 2 == 0 else ("plain", "nocurve", "runtime")
             res = {which: _child(which, args.steps) for which in order}
+            nocurve_s.append(res["nocurve"]["wall"])
             runtime_s.append(res["runtime"]["wall"])
             plain_s.append(res["plain"]["wall"])
             runtime_cpu.append(res["runtime"]["cpu"])
             plain_cpu.append(res["plain"]["cpu"])
             same_metrics &= res["runtime"]["metrics"] == res["plain"]["metrics"]
-            print(f"run {r}: runtime {runtime_s[-1]:.3f} s, plain {plain_s[-1]:.3f} s (wall)", flush=True)
+            print(
+                f"run {r}: runtime {runtime_s[-1]:.3f} s, without curve {nocurve_s[-1]:.3f} s, "
+                f"plain {plain_s[-1]:.3f} s (wall)",
+                flush=True,
+            )
         save_ms, load_ms = _checkpoint_costs(tmp)
         exact = _resume_exact(tmp)
     overhead = statistics.median(runtime_s) / statistics.median(plain_s)
@@ -199,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     per_step_ms = statistics.median(plain_s) / args.steps * 1e3
     print(
         f"steps={args.steps} runs={args.runs} plain_step_ms={per_step_ms:.3f} "
-        f"cpu_time_overhead={cpu_overhead:.3f} same_metrics_as_plain={str(same_metrics).lower()}"
+        f"cpu_time_overhead={cpu_overhead:.3f} same_metrics_as_plain={str(same_metrics).lower()} "
+        f"curve_overhead={statistics.median(runtime_s) / statistics.median(nocurve_s):.3f} "
+        f"runtime_overhead_without_curve={statistics.median(nocurve_s) / statistics.median(plain_s):.3f}"
     )
     print(
         f"runtime_overhead={overhead:.3f} ckpt_save_ms={save_ms:.2f} ckpt_load_ms={load_ms:.2f} "

@@ -30,6 +30,11 @@ def test_up_prints_working_addresses_the_admin_token_and_a_status_line(tmp_path:
         with urllib.request.urlopen(docs.group(1), timeout=10) as resp:
             assert resp.status == 200 and "swagger" in resp.read().decode().lower()
         assert re.search(r"admin\s+adm-123\b", text)
+        dash = re.search(r"dashboard\s+(http://\S+/dashboard/)#token=(\S+)", text)  # a URL that signs in
+        token = re.search(r"^\s+token\s+(\S+)", text, re.M)
+        assert dash is not None and token is not None and dash.group(2) == token.group(1), text
+        with urllib.request.urlopen(dash.group(1), timeout=10) as resp:
+            assert resp.status == 200 and "echarts.min.js" in resp.read().decode()
         status = next(ln for ln in lines if ln.startswith("studies "))
         assert re.fullmatch(
             r"studies 0 \| requests 0 waiting, 0 running, 0 done, 0 failed, 0 cancelled \| slots 0/1 busy\n", status

@@ -1,6 +1,7 @@
 """Fixtures shared by the integration suites: a fresh Postgres database per test session (dropped at the
 end) and fresh SQLite files, both migrated to head with the packaged migrations; a master app with
-gRPC on a free port; the Tansu Kafka-protocol broker (``tansu_broker``, from ``tests/integration/bus``)."""
+gRPC on a free port; the Tansu Kafka-protocol broker (``tansu_broker``, from ``tests/integration/bus``);
+a moto S3 server (``s3``, ``tests.s3server``) and a fresh bucket per test (``s3_bucket``)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,11 @@ from stagetree.master.settings import AuthSettings, LimitSettings, MasterSetting
 from stagetree.master.store.schema import upgrade
 from stagetree.master.store.store import Store, make_engine
 from tests.integration.bus.conftest import tansu_broker  # noqa: F401  (a fixture shared by every suite)
+from tests.s3server import CREDENTIALS, S3Server, s3_server
+
+# Before any worker or fork server starts (they inherit this environment), as a deployment sets them.
+for _k, _v in CREDENTIALS.items():
+    os.environ.setdefault(_k, _v)
 
 PG_ADMIN_URL = os.environ.get("STAGETREE_TEST_PG_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("STAGETREE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -45,6 +51,17 @@ def _fresh_pg() -> Iterator[str]:
         with admin.connect() as c:
             c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def s3() -> Iterator[S3Server]:
+    with s3_server() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_bucket(s3: S3Server) -> str:
+    return s3.new_bucket()
 
 
 @pytest.fixture(scope="session")

@@ -17,9 +17,11 @@ import grpc
 from stagetree.core.errors import InvalidArgument, StagetreeError
 from stagetree.core.lifecycle import AttemptReport, CheckpointPoint, MetricPoint, Outcome
 from stagetree.core.sharing import SharingStats
+from stagetree.master.api.admission import RETRY_AFTER_MD, Admission
 from stagetree.master.api.grouping import Grouper
 from stagetree.master.auth import Authenticator, Principal, bearer
 from stagetree.master.coordination import Coordination, Subscription
+from stagetree.master.curves import CurveService
 from stagetree.master.service import (
     CH_RESULTS,
     MasterService,
@@ -88,12 +90,19 @@ def slot_pb(s: SlotInfo) -> pb.Slot:
 
 class MasterGrpc(pb_grpc.MasterServiceServicer):
     def __init__(
-        self, service: MasterService, auth: Authenticator, coordination: Coordination, heartbeat_interval_s: float
+        self,
+        service: MasterService,
+        auth: Authenticator,
+        coordination: Coordination,
+        heartbeat_interval_s: float,
+        admission: Admission | None = None,
     ) -> None:
         self.svc = service
         self.auth = auth
         self.coord = coordination
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.admission = admission or Admission(1 << 30, 1.0)
+        self.curves = CurveService(service)
         self._reports: Grouper[tuple[Principal, AttemptReport], list[int]] = Grouper(self._report_group)
 
     def _who(self, context: grpc.aio.ServicerContext) -> Principal:
@@ -107,13 +116,23 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
         log.exception("internal error in gRPC call", exc_info=exc)
         await context.abort(st.grpc, "internal error; see the master's log")
 
-    async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[[Principal], T]) -> T:
+    async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[[Principal], T], *, shed: bool = True) -> T:
+        """Run one use case in a thread; a client call (``shed``) past the admission limit is refused
+        with RESOURCE_EXHAUSTED and ``retry-after-ms`` before anything of it is done."""
+        if shed and not self.admission.try_enter():
+            ms = str(round(self.admission.retry_after_s * 1000))
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, self.admission.message(), trailing_metadata=((RETRY_AFTER_MD, ms),)
+            )
         try:
             who = self._who(context)
             return await asyncio.to_thread(fn, who)
         except Exception as exc:
             await self._abort(context, exc)
             raise  # unreachable: abort raises
+        finally:
+            if shed:
+                self.admission.leave()
 
     # -- studies --------------------------------------------------------------------------------
 
@@ -179,6 +198,18 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
                 for n in view.nodes
             ],
         )
+
+    async def GetCurve(self, request: pb.GetCurveRequest, context: Any) -> pb.Curve:
+        r = request
+        end = int(r.end) if r.has_end else None
+        c = await self._call(
+            context,
+            lambda who: self.curves.trial_curve(
+                who, r.study_id, int(r.request_id), int(r.start), end, int(r.max_points)
+            ),
+        )
+        points = [pb.CurvePoint(node=p.node, step=p.step, values=p.values) for p in c.points]
+        return pb.Curve(request_id=c.request_id, node=c.node, step=c.step, total=c.total, points=points)
 
     async def ForgetPlan(self, request: pb.ForgetPlanRequest, context: Any) -> pb.ForgetPlanResponse:
         out = await self._call(context, lambda who: self.svc.forget_plan(who, request.study_id, request.plan_key))
@@ -256,7 +287,7 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
             known = [(a.batch_id, a.attempt) for a in request.known_attempts] if request.lists_attempts else None
             self.svc.register_node_manager(who, request.node_manager_id, request.address, slots, known=known)
 
-        await self._call(context, register)
+        await self._call(context, register, shed=False)
         return pb.RegisterNodeManagerResponse(heartbeat_interval_s=self.heartbeat_interval_s)
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
@@ -264,7 +295,7 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
             self.svc.heartbeat(who, request.node_manager_id)
             self.coord.heartbeat(request.node_manager_id, self.heartbeat_interval_s * 3)
 
-        await self._call(context, beat)
+        await self._call(context, beat, shed=False)
         return pb.HeartbeatResponse()
 
     async def StreamAssignments(
@@ -330,11 +361,15 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
         return [out[i] for i in range(len(items))]
 
 
-async def start_grpc_server(servicer: MasterGrpc, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """Start serving; ``port`` 0 picks a free one. Returns the server and the bound port."""
+async def start_grpc_server(
+    servicer: MasterGrpc, host: str, port: int, credentials: grpc.ServerCredentials | None = None
+) -> tuple[grpc.aio.Server, int]:
+    """Start serving (TLS with ``credentials``, else plaintext); ``port`` 0 picks a free one. Returns the
+    server and the bound port."""
     server = grpc.aio.server()
     pb_grpc.add_MasterServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     await server.start()
-    log.info("gRPC server listening", extra={"host": host, "port": bound})
+    log.info("gRPC server listening", extra={"host": host, "port": bound, "tls": credentials is not None})
     return server, bound

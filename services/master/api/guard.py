@@ -4,7 +4,8 @@
   or while it streams in).
 - A JSON body is refused with 422 when it holds ``NaN``/``Infinity`` (not JSON numbers, though Python's
   parser takes them) or a string with a lone surrogate (which no database stores): both would otherwise
-  reach a route, and the error answer itself could not be serialized.
+  reach a route, and the error answer itself could not be serialized. So is a body that is not UTF-8
+  (FastAPI would answer a 400 of its own shape).
 
 Everything else goes through untouched: malformed JSON is FastAPI's own 422.
 """
@@ -35,7 +36,11 @@ def _reject_constant(name: str) -> Any:
 def body_problem(body: bytes) -> str | None:
     """Why a JSON body is refused at the boundary, or None (also None for malformed JSON)."""
     try:
-        obj = json.loads(body, parse_constant=_reject_constant)
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"the body is not UTF-8 text (byte {e.start}); send JSON encoded as UTF-8"
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
     except _NotANumber as e:
         return f"{e} is not a JSON number; send finite numbers only"
     except ValueError:

@@ -15,14 +15,20 @@ import logging
 import time
 from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import Depends, FastAPI, Header, Path, Query, Request
+from fastapi import FastAPI, Path, Query, Request, Security
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field
 
 from stagetree.core.errors import StagetreeError
+from stagetree.core.searchplan import MAX_STEP
 from stagetree.core.text import INT64_MAX
+from stagetree.master import metrics as prometheus
+from stagetree.master.api.admission import AdmissionGuard
 from stagetree.master.api.guard import BodyGuard
+from stagetree.master.api.openapi import MetricValue, StudyFixedJson, TrialConfigJson, add_components, responses
 from stagetree.master.auth import Principal, bearer
 from stagetree.master.service import CH_RESULTS, SubmitItem
 from stagetree.master.store.records import RequestRecord, SlotInfo, StudyRecord
@@ -35,11 +41,13 @@ log = logging.getLogger(__name__)
 PREFIX = "/api/v1"
 KEPT_PLANS = "kept: they belong to the owner's scope; 'stagetree plan forget' drops what they computed"
 MAX_WAIT_S = 60.0  # the longest a long poll may hold a request
+# documented here, judged by core.searchplan.check_step (the one place, for gRPC too)
+STEP = Field(description="training steps", json_schema_extra={"minimum": 0, "maximum": MAX_STEP})
 
 
 class StudyIn(BaseModel):
     name: str
-    fixed: dict[str, Any] | None = None
+    fixed: StudyFixedJson | None = None
     retry_user_errors: bool = Field(
         False, description="retry work whose failure was the user's code raising (default: it fails at once)"
     )
@@ -49,15 +57,15 @@ class StudyOut(BaseModel):
     id: str
     name: str
     owner: str
-    fixed: dict[str, Any] | None
+    fixed: StudyFixedJson | None
     created_at: float
     retry_user_errors: bool = False
 
 
 class ItemIn(BaseModel):
     client_request_id: str
-    config: dict[str, Any] = Field(description='{"fixed": {...}, "tuned": {name: sequence}}; fixed may be omitted')
-    step: int
+    config: TrialConfigJson = Field(description='{"fixed": {...}, "tuned": {name: sequence}}; fixed may be omitted')
+    step: int = STEP
     label: str = Field("", max_length=128, description="the tuner's trial this request belongs to")
 
 
@@ -66,10 +74,12 @@ class SubmitIn(BaseModel):
 
 
 class RequestOut(BaseModel):
+    model_config = ConfigDict(ser_json_inf_nan="strings")  # a diverged loss: "NaN", as openapi.METRIC_VALUE says
+
     request_id: int
     client_request_id: str
     state: str
-    metrics: dict[str, float] | None
+    metrics: dict[str, MetricValue] | None
     node: int
     step: int
     error: str | None = None
@@ -83,13 +93,15 @@ class StudyDeleted(BaseModel):
 
 
 class MetricsQuery(BaseModel):
-    config: dict[str, Any]
-    step: int
+    config: TrialConfigJson
+    step: int = STEP
 
 
 class MetricsOut(BaseModel):
+    model_config = ConfigDict(ser_json_inf_nan="strings")
+
     found: bool
-    metrics: dict[str, float] | None = None
+    metrics: dict[str, MetricValue] | None = None
     node: int | None = None
     step: int | None = None
 
@@ -110,11 +122,17 @@ class NodeManagerIn(BaseModel):
     slots: list[SlotIn] = Field(default_factory=list)
 
 
-def _principal(request: Request, authorization: Annotated[str | None, Header()] = None) -> Principal:
-    return request.app.state.master.auth.authenticate(bearer(authorization))  # type: ignore[no-any-return]
+_scheme = HTTPBearer(auto_error=False, description="a user's token, or the admin token for /nodes")
 
 
-Who = Annotated[Principal, Depends(_principal)]
+def _principal(
+    request: Request, creds: Annotated[HTTPAuthorizationCredentials | None, Security(_scheme)] = None
+) -> Principal:
+    token = bearer(f"Bearer {creds.credentials}") if creds is not None else None
+    return request.app.state.master.auth.authenticate(token)  # type: ignore[no-any-return]
+
+
+Who = Annotated[Principal, Security(_principal)]
 RequestId = Annotated[int, Path(ge=1, le=INT64_MAX)]
 
 
@@ -153,6 +171,15 @@ def create_rest_app(master: MasterApp) -> FastAPI:
     )
     api.state.master = master
     api.add_middleware(BodyGuard, max_bytes=master.settings.limits.max_body_bytes)
+    api.add_middleware(AdmissionGuard, admission=master.admission)  # outermost: a shed call reads nothing
+
+    def openapi() -> dict[str, Any]:
+        if api.openapi_schema is None:
+            spec = get_openapi(title=api.title, version=api.version, routes=api.routes, description=api.description)
+            api.openapi_schema = add_components(spec)
+        return api.openapi_schema
+
+    api.openapi = openapi  # type: ignore[method-assign]
 
     @api.exception_handler(RequestValidationError)
     async def _bad_shape(_req: Request, exc: RequestValidationError) -> JSONResponse:
@@ -177,25 +204,31 @@ def create_rest_app(master: MasterApp) -> FastAPI:
             status_code=INTERNAL.http, content={"error": INTERNAL.grpc.name, "message": "internal error; see the log"}
         )
 
-    @api.get(f"{PREFIX}/health")
+    @api.get("/metrics", include_in_schema=False)
+    def prometheus_metrics() -> Response:
+        # Prometheus text format; installation-wide totals only, no owner's data (docs/metrics.md)
+        body, content_type = prometheus.exposition()
+        return Response(body, media_type=content_type)
+
+    @api.get(f"{PREFIX}/health", responses={503: responses()[503]})
     def health() -> dict[str, str]:
         master.store.studies.list_studies("")  # a round trip: the database answers
         return {"status": "ok"}
 
-    @api.post(f"{PREFIX}/studies", status_code=201)
+    @api.post(f"{PREFIX}/studies", status_code=201, responses=responses(409, 413))
     def create_study(body: StudyIn, who: Who) -> StudyOut:
         fixed = "" if body.fixed is None else json.dumps(body.fixed)
         return _study(svc.create_study(who, body.name, fixed, retry_user_errors=body.retry_user_errors))
 
-    @api.get(f"{PREFIX}/studies")
+    @api.get(f"{PREFIX}/studies", responses=responses())
     def list_studies(who: Who) -> list[StudyOut]:
         return [_study(s) for s in svc.list_studies(who)]
 
-    @api.get(f"{PREFIX}/studies/{{study_id}}")
+    @api.get(f"{PREFIX}/studies/{{study_id}}", responses=responses(404))
     def get_study(study_id: str, who: Who) -> StudyOut:
         return _study(svc.get_study(who, study_id))
 
-    @api.delete(f"{PREFIX}/studies/{{study_id}}")
+    @api.delete(f"{PREFIX}/studies/{{study_id}}", responses=responses(404, 413))
     def delete_study(study_id: str, who: Who) -> StudyDeleted:
         """Cancel the study's live requests, then delete it and its requests. Its plans are kept: they
         belong to the owner (or team) and keep answering other studies; ``POST .../plan/forget`` first
@@ -203,24 +236,24 @@ def create_rest_app(master: MasterApp) -> FastAPI:
         n = svc.delete_study(who, study_id)
         return StudyDeleted(id=study_id, requests_deleted=n, plans=KEPT_PLANS)
 
-    @api.get(f"{PREFIX}/studies/{{study_id}}/stats")
+    @api.get(f"{PREFIX}/studies/{{study_id}}/stats", responses=responses(404))
     def stats(study_id: str, who: Who) -> dict[str, Any]:
         """What sharing bought the study: steps executed, unique and trial-by-trial, merge rate, compute
         seconds used and saved (definitions: ``stagetree.core.sharing``)."""
         return svc.study_stats(who, study_id).to_json()
 
-    @api.post(f"{PREFIX}/studies/{{study_id}}/plan/forget")
+    @api.post(f"{PREFIX}/studies/{{study_id}}/plan/forget", responses=responses(404, 412, 413))
     def forget_plan(study_id: str, who: Who, plan_key: str = "") -> dict[str, int]:
         """Drop the plan's checkpoints and metrics and the finished requests they answered (every study of
         the owner's scope); refused (412) while a request on it is live."""
         return dataclasses.asdict(svc.forget_plan(who, study_id, plan_key))
 
-    @api.post(f"{PREFIX}/studies/{{study_id}}/requests")
+    @api.post(f"{PREFIX}/studies/{{study_id}}/requests", responses=responses(404, 409, 413))
     def submit(study_id: str, body: SubmitIn, who: Who) -> list[RequestOut]:
         items = [SubmitItem(i.client_request_id, json.dumps(i.config), i.step, i.label) for i in body.items]
         return [_request(r) for r in svc.submit(who, study_id, items)]
 
-    @api.get(f"{PREFIX}/studies/{{study_id}}/requests")
+    @api.get(f"{PREFIX}/studies/{{study_id}}/requests", responses=responses(404))
     async def get_requests(
         study_id: str,
         who: Who,
@@ -245,18 +278,18 @@ def create_rest_app(master: MasterApp) -> FastAPI:
             if wakeups is not None:
                 await wakeups.close()
 
-    @api.delete(f"{PREFIX}/studies/{{study_id}}/requests/{{request_id}}")
+    @api.delete(f"{PREFIX}/studies/{{study_id}}/requests/{{request_id}}", responses=responses(404, 413))
     def cancel(study_id: str, request_id: RequestId, who: Who) -> RequestOut:
         return _request(svc.cancel(who, study_id, request_id))
 
-    @api.post(f"{PREFIX}/studies/{{study_id}}/metrics/query")
+    @api.post(f"{PREFIX}/studies/{{study_id}}/metrics/query", responses=responses(404, 413))
     def metrics(study_id: str, body: MetricsQuery, who: Who) -> MetricsOut:
         point, values = svc.get_metrics(who, study_id, json.dumps(body.config), body.step)
         if point is None or values is None:
             return MetricsOut(found=False)
         return MetricsOut(found=True, metrics=values, node=point.node, step=point.step)
 
-    @api.get(f"{PREFIX}/studies/{{study_id}}/plan")
+    @api.get(f"{PREFIX}/studies/{{study_id}}/plan", responses=responses(404))
     def plan(study_id: str, who: Who, plan_key: str = "") -> dict[str, Any]:
         view = svc.get_plan(who, study_id, plan_key)
         return {
@@ -276,7 +309,7 @@ def create_rest_app(master: MasterApp) -> FastAPI:
             ],
         }
 
-    @api.post(f"{PREFIX}/nodes", status_code=201)
+    @api.post(f"{PREFIX}/nodes", status_code=201, responses=responses(403, 413))
     def register_node(body: NodeManagerIn, who: Who) -> dict[str, str]:
         who.require_admin()
         master.coordination.heartbeat(body.node_manager_id, master.settings.scheduling.heartbeat_ttl_s)
@@ -285,7 +318,7 @@ def create_rest_app(master: MasterApp) -> FastAPI:
         )
         return {"node_manager_id": body.node_manager_id}
 
-    @api.get(f"{PREFIX}/nodes")
+    @api.get(f"{PREFIX}/nodes", responses=responses(403))
     def list_nodes(who: Who) -> list[dict[str, Any]]:
         return [
             {
@@ -298,4 +331,10 @@ def create_rest_app(master: MasterApp) -> FastAPI:
             for n in svc.list_node_managers(who)
         ]
 
+    # modules whose routes import this one's types: the learning curves, and the dashboard
+    from stagetree.dashboard.routes import add_dashboard_routes
+    from stagetree.master.api.curves import add_curve_routes
+
+    add_curve_routes(api, master)
+    add_dashboard_routes(api, master)
     return api

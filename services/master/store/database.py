@@ -54,6 +54,9 @@ def table(model: Any) -> Table:
     return cast(Table, model.__table__)
 
 
+AGGREGATES_KEPT = 256  # one-row forms of selects kept (the prebuilt ones number a few dozen)
+
+
 class Database:
     """Transactions over one engine, for every role of the store (``check``: refuse an old schema)."""
 
@@ -61,7 +64,9 @@ class Database:
         self.engine = engine
         self.is_postgres = engine.dialect.name == "postgresql"
         self._sessions = sessionmaker(engine, expire_on_commit=False)
-        self._aggregates: dict[int, Any] = {}  # id of a prebuilt select -> its one-row form (SQLite)
+        # id of a select -> (that select, its one-row form) on SQLite; the select is kept and compared, so
+        # a statement built per call whose id is reused later never gets another statement's form
+        self._aggregates: dict[int, tuple[Any, Any]] = {}
         self._ignore_stmts: dict[tuple[str, tuple[str, ...]], Any] = {}
         # SQLite has one writer at a time and its busy handler waits by sleeping (1, 2, 5, ... 100 ms),
         # so threads of one process that queue on it lose most of their time asleep. They take turns on
@@ -129,10 +134,15 @@ class Database:
         c = s.connection()
         if self.is_postgres:
             return c.execute(stmt, params or {}).all()
-        agg = self._aggregates.get(id(stmt))
-        if agg is None:
+        cached = self._aggregates.get(id(stmt))
+        if cached is not None and cached[0] is stmt:
+            agg = cached[1]
+        else:
             sub = stmt.subquery()
-            agg = self._aggregates[id(stmt)] = select(func.json_group_array(func.json_array(*sub.c))).select_from(sub)
+            agg = select(func.json_group_array(func.json_array(*sub.c))).select_from(sub)
+            if len(self._aggregates) >= AGGREGATES_KEPT:  # statements built per call: keep the cache bounded
+                self._aggregates.pop(next(iter(self._aggregates)))
+            self._aggregates[id(stmt)] = (stmt, agg)
         rows: list[list[Any]] = json.loads(c.execute(agg, params or {}).scalar_one())
         return rows
 

@@ -5,6 +5,8 @@ through the same store roles as the master's direct path (``BatchLedger.report_b
 
 - ``metrics``: stored at the canonical point (the first value at a point wins), and the live requests
   waiting there become DONE (``RequestStore.record_metrics_in``);
+- ``curve``: learning-curve points, each stored at its canonical point (the first value wins:
+  ``CurveStore.record_in``);
 - ``checkpoint_saved``: recorded at the canonical point (``CheckpointCatalog.record_in``);
 - ``batch_finished`` / ``batch_failed`` / ``batch_preempted``: the attempt ends through
   ``BatchLedger.end_attempts_in``, which the core's ``lifecycle.end_attempt`` decides (bounded
@@ -41,14 +43,17 @@ from stagetree.bus.messages import (
     BatchMessage,
     BatchPreempted,
     CheckpointSaved,
+    Curve,
     Message,
     Metrics,
 )
 from stagetree.core.batch import Point
 from stagetree.core.errors import InvalidArgument, NotFound
 from stagetree.core.lifecycle import AttemptEnd, Outcome, RetryPolicy
+from stagetree.core.searchplan import SearchPlan
 from stagetree.master.plans import PlanCache
 from stagetree.master.store import models as m
+from stagetree.master.store.curves import CurveRows
 from stagetree.master.store.database import table
 from stagetree.master.store.store import Store
 
@@ -59,8 +64,9 @@ MAX_INT32 = 2**31 - 1  # metrics.step, checkpoints.step
 MAX_INT64 = 2**63 - 1  # ids, checkpoint bytes
 PREEMPTION_CHECKPOINT_KIND = "peripheral"  # a preemption saves where it stopped, not at a branch point
 
-_EFFECTFUL = frozenset({Metrics, CheckpointSaved, BatchFinished, BatchPreempted, BatchFailed})
+_EFFECTFUL = frozenset({Metrics, Curve, CheckpointSaved, BatchFinished, BatchPreempted, BatchFailed})
 _POINTED = frozenset({Metrics, CheckpointSaved, BatchPreempted})  # the kinds that carry a (node, step)
+_NODED = frozenset({Metrics, Curve, CheckpointSaved, BatchPreempted})  # the kinds that name a node
 _Terminal = BatchFinished | BatchPreempted | BatchFailed
 
 
@@ -73,6 +79,7 @@ class IngestResult:
     ignored: int = 0  # kinds with no database effect (progress, batch_started, telemetry)
     rejected: int = 0  # can never apply (unknown batch/node, bad point): logged and skipped
     points: int = 0  # metrics messages applied
+    curve_points: int = 0  # learning-curve points offered by the curve messages applied
     checkpoints: int = 0  # checkpoint_saved / batch_preempted checkpoints applied
     completed: list[int] = field(default_factory=list)  # request ids that became DONE
     failed_requests: list[int] = field(default_factory=list)  # request ids that became FAILED
@@ -92,7 +99,7 @@ class IngestResult:
 
     def merge(self, other: IngestResult) -> None:
         """Add ``other``'s counts and ids to this one (for applies split in parts)."""
-        for name in ("applied", "duplicates", "ignored", "rejected", "points", "checkpoints", "stale"):
+        for name in ("applied", "duplicates", "ignored", "rejected", "points", "curve_points", "checkpoints", "stale"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("completed", "failed_requests", "finished", "requeued"):
             getattr(self, name).extend(getattr(other, name))
@@ -118,6 +125,7 @@ class Ingestor:
         self.ledger = store.ledger
         self.requests = store.requests
         self.checkpoints = store.checkpoints
+        self.curves = store.curves
         self.plans = plans or PlanCache(store.plans)
         self.policy = RetryPolicy(max_failures)
         self.chunk = chunk
@@ -140,7 +148,7 @@ class Ingestor:
                 candidates[msg.msg_id] = msg  # type: ignore[assignment]  # an effectful kind is a BatchMessage
         if not candidates:
             return out
-        placed, rejected_ids = self._place(list(candidates.values()))
+        placed, rejected_ids, curves = self._place(list(candidates.values()))
         now = time.time()
         with self.db.tx("apply bus messages") as s:
             new = self._claim(s, sorted(candidates), now)
@@ -148,6 +156,7 @@ class Ingestor:
             out.rejected += sum(1 for i in rejected_ids if i in new)
             metrics: list[tuple[int, int, dict[str, float]]] = []
             saved: list[tuple[int, int, str, int, str]] = []
+            curve: list[tuple[int, int, dict[str, float]]] = []
             ends: list[AttemptEnd] = []
             for msg, point in placed:
                 if msg.msg_id not in new:
@@ -155,6 +164,9 @@ class Ingestor:
                 if isinstance(msg, Metrics):
                     assert point is not None
                     metrics.append((point.node, point.step, msg.metrics))
+                elif isinstance(msg, Curve):
+                    curve.extend(curves[msg.msg_id])
+                    out.applied += 1
                 elif isinstance(msg, CheckpointSaved):
                     assert point is not None
                     saved.append((point.node, point.step, msg.uri, msg.bytes, msg.kind))
@@ -167,6 +179,7 @@ class Ingestor:
             out.applied += len(metrics) + len(ends)
             out.points += len(metrics)
             self.checkpoints.record_in(s, saved, now)
+            out.curve_points += self.curves.record_in(s, curve, now)
             out.checkpoints += len({(n, st) for n, st, *_ in saved})
             for ids in self.requests.record_metrics_in(s, metrics, now).values():
                 out.completed.extend(ids)
@@ -200,9 +213,9 @@ class Ingestor:
 
     # -- validation and canonical points (before the transaction; reads only) -------------------------
 
-    def _place(self, messages: list[BatchMessage]) -> tuple[list[_Placed], set[str]]:
-        """(message, canonical point or None) for the messages that can apply, and the ids of those
-        that never can."""
+    def _place(self, messages: list[BatchMessage]) -> tuple[list[_Placed], set[str], dict[str, CurveRows]]:
+        """(message, canonical point or None) for the messages that can apply, the ids of those that
+        never can, and the canonical points of each curve message."""
         rejected: set[str] = set()
         ok: list[BatchMessage] = []
         for msg in messages:
@@ -216,11 +229,12 @@ class Ingestor:
         nodes_of: dict[int, set[int]] = {}
         for msg in ok:
             plan_id = plan_of.get(msg.batch_id)
-            if plan_id is not None and type(msg) in _POINTED:
+            if plan_id is not None and type(msg) in _NODED:
                 nodes_of.setdefault(plan_id, set()).add(msg.node)  # type: ignore[attr-defined]
         # One refresh per plan, then the walk-free canonical() of the core plan for every point.
         plans = {pid: self.plans.ensure(pid, nodes) for pid, nodes in nodes_of.items()}
         placed: list[_Placed] = []
+        curves: dict[str, CurveRows] = {}
         for msg in ok:
             plan_id = plan_of.get(msg.batch_id)
             if plan_id is None:
@@ -235,8 +249,15 @@ class Ingestor:
                     _reject(msg, e.message)
                     rejected.add(msg.msg_id)
                     continue
+            if isinstance(msg, Curve):
+                try:
+                    curves[msg.msg_id] = _canonical_curve(plans[plan_id], msg)
+                except (NotFound, InvalidArgument) as e:
+                    _reject(msg, e.message)
+                    rejected.add(msg.msg_id)
+                    continue
             placed.append((msg, point))
-        return placed, rejected
+        return placed, rejected, curves
 
     # -- housekeeping ---------------------------------------------------------------------------------
 
@@ -249,6 +270,16 @@ class Ingestor:
             tbl = table(m.AppliedMessage)
             res = s.execute(tbl.delete().where(tbl.c.applied_at < time.time() - older_than_s))
             return int(res.rowcount)  # type: ignore[attr-defined]
+
+
+def _canonical_curve(plan: SearchPlan, msg: Curve) -> CurveRows:
+    """The curve's points at their canonical nodes (a point at a node's start step is its parent's)."""
+    out = []
+    for step, values in zip(msg.steps, msg.values, strict=True):
+        if step > MAX_INT32:
+            raise InvalidArgument(f"curve step {step} is out of range")
+        out.append((plan.canonical(Point(msg.node, step)).node, step, dict(values)))
+    return out
 
 
 def _end_of(msg: _Terminal) -> AttemptEnd:

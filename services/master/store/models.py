@@ -153,6 +153,18 @@ class Metric(Base):
     recorded_at: Mapped[float] = mapped_column(Float)
 
 
+class CurvePoint(Base):
+    """A learning-curve point: the step metrics a trainer reported after ``step`` steps, stored once at
+    its canonical node (a trial's curve is its path's points: shared prefixes are never copied)."""
+
+    __tablename__ = "curve_points"
+
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    values: Mapped[dict[str, Any]] = mapped_column(JSON)
+    recorded_at: Mapped[float] = mapped_column(Float, index=True)
+
+
 class NodeManager(Base):
     __tablename__ = "node_managers"
 

@@ -5,6 +5,7 @@
     ├── plans        PlanStore           plans and their append-only node trees
     ├── requests     RequestStore        requests and the metrics that answer them
     ├── checkpoints  CheckpointCatalog   checkpoints by canonical point
+    ├── curves       CurveStore          learning-curve points by canonical point
     ├── ledger       BatchLedger         batches, attempts, and how an attempt's end is persisted
     ├── nodes        NodeRegistry        node managers, their slots and outboxes
     ├── rounds       RoundReader         what a scheduling round reads, in one transaction
@@ -23,6 +24,7 @@ from sqlalchemy import Engine
 
 from stagetree.master.store.cache import CachedBatchLedger, CachedPlanStore, CachedStudyStore
 from stagetree.master.store.checkpoints import CheckpointCatalog
+from stagetree.master.store.curves import CurveStore
 from stagetree.master.store.database import Database, make_engine
 from stagetree.master.store.ledger import BatchLedger
 from stagetree.master.store.nodes import NodeRegistry
@@ -48,6 +50,7 @@ class Store:
     rounds: RoundReader
     stats: StatsReader
     retention: Retention
+    curves: CurveStore
 
     @classmethod
     def open(cls, engine: Engine, *, check: bool = True, cached: bool = True) -> Store:
@@ -58,7 +61,8 @@ class Store:
         if cached:
             studies, plans, ledger = CachedStudyStore(studies), CachedPlanStore(plans), CachedBatchLedger(ledger)
         rounds = RoundReader(db, nodes, ledger, checkpoints)
-        return cls(db, studies, plans, requests, checkpoints, ledger, nodes, rounds, StatsReader(db), Retention(db))
+        stats, retention, curves = StatsReader(db), Retention(db), CurveStore(db)
+        return cls(db, studies, plans, requests, checkpoints, ledger, nodes, rounds, stats, retention, curves)
 
     def dispose(self) -> None:
         self.db.dispose()

@@ -27,7 +27,7 @@ from stagetree.core.batch import BatchSpec, Point, Source, StageSpec
 from stagetree.core.config import Config, FixedPart
 from stagetree.core.sequences import Value
 from stagetree.nodemanager.runtime.dataloader import ResumableLoader
-from stagetree.nodemanager.runtime.trainer import Trainer
+from stagetree.nodemanager.runtime.trainer import StepMetrics, Trainer
 
 log = logging.getLogger(__name__)
 
@@ -117,13 +117,18 @@ class DigitsMLP(Trainer):
         if "bs" in hp_changes:
             self.loader.set_batch_size(int(hp_changes["bs"]))
 
-    def train(self) -> None:
+    def train(self) -> StepMetrics | None:
         self.model.train()
+        loss = torch.zeros(())
         for _ in range(self.minibatches):
             x, y = next(self.loader)
             self.optimizer.zero_grad(set_to_none=True)
-            F.cross_entropy(self.model(x), y).backward()  # type: ignore[no-untyped-call]
+            loss = F.cross_entropy(self.model(x), y)
+            loss.backward()  # type: ignore[no-untyped-call]
             self.optimizer.step()
+        # the step's last minibatch loss, a learning-curve point; a tensor, so that converting it (a
+        # device sync on a GPU) happens only for the points the runtime keeps
+        return {"train_loss": loss.detach()}
 
     def evaluate(self) -> dict[str, float]:
         self.model.eval()

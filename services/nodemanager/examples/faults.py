@@ -27,6 +27,7 @@ import torch
 
 from stagetree.core.errors import InvalidArgument
 from stagetree.nodemanager.examples.digits import DigitsMLP
+from stagetree.nodemanager.runtime.trainer import StepMetrics
 
 ENTRY_POINT = "stagetree.nodemanager.examples.faults:FaultyDigits"
 EXIT_CODE = 17
@@ -80,7 +81,7 @@ class FaultyDigits(DigitsMLP):
         self._once = Path(once) if once else None
         super().init()
 
-    def train(self) -> None:
+    def train(self) -> StepMetrics | None:
         if self._fault is not None and self.step == self._fault_step:
             if self._once is None:
                 self._fault()
@@ -89,4 +90,4 @@ class FaultyDigits(DigitsMLP):
                 self._fault()
         if self._sleep_s > 0:
             time.sleep(self._sleep_s)
-        super().train()
+        return super().train()

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from stagetree.nodemanager.runtime.dataloader import ResumableLoader
     from stagetree.nodemanager.runtime.events import EVENT_FIELDS, decode_event, encode_event
     from stagetree.nodemanager.runtime.executor import BatchOutcome, BatchRun, run_batch
+    from stagetree.nodemanager.runtime.torch_trainer import TorchTrainer
     from stagetree.nodemanager.runtime.trainer import Trainer, TrainerContext
 
 _WHERE = {
@@ -32,6 +33,7 @@ _WHERE = {
     "BatchRun": "executor",
     "run_batch": "executor",
     "Trainer": "trainer",
+    "TorchTrainer": "torch_trainer",
     "TrainerContext": "trainer",
 }
 
@@ -43,6 +45,7 @@ __all__ = [
     "LocalCheckpointStore",
     "ResumableLoader",
     "StoredCheckpoint",
+    "TorchTrainer",
     "Trainer",
     "TrainerContext",
     "decode_event",

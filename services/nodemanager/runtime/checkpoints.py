@@ -6,6 +6,9 @@ visible atomically (readers see all of it or nothing), ``open`` gives a local di
 
 ``LocalCheckpointStore`` keeps checkpoints under a root directory, local or shared (NFS, GlusterFS):
 it writes into ``<root>/.tmp/`` and renames into place, so a crashed writer leaves only a temp dir.
+``FsspecCheckpointStore`` (``runtime.objectstore``) keeps them in an object store (``s3://``) behind a
+local cache. ``open_checkpoint_store`` picks the adapter from the root's scheme. A store that cannot take
+a write (full, read-only, a missing bucket) raises ``StoreRefused`` saying so, never a half checkpoint.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from stagetree.core.errors import AlreadyExists, InvalidArgument, NotFound
+from stagetree.core.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +41,11 @@ class StoredCheckpoint:
 
 class CheckpointStore(ABC):
     """A place to keep checkpoint directories, addressed by URI."""
+
+    @property
+    @abstractmethod
+    def location(self) -> str:
+        """The store's root as the workers take it (``--checkpoint-root``): a directory or a URI."""
 
     @abstractmethod
     def put(self, key: str, write: Callable[[Path], None]) -> StoredCheckpoint:
@@ -56,7 +64,29 @@ class CheckpointStore(ABC):
         """Remove the checkpoint; deleting a missing one is not an error."""
 
 
-def _check_key(key: str) -> str:
+class StoreRefused(Unavailable):
+    """The checkpoint store cannot take a write (full, read-only, its bucket gone, access denied): the
+    batch fails with this message and is retried (on another host, another store may accept it)."""
+
+
+def store_trouble(path: Path) -> str | None:
+    """Why writes under ``path`` fail, when the file system says so: read-only, or (nearly) full."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    if st.f_flag & os.ST_RDONLY:
+        return "is read-only: remount it read-write or point STAGETREE_NM_CHECKPOINT_ROOT elsewhere"
+    free = st.f_bavail * st.f_frsize
+    if free < _FULL_BYTES:
+        return f"is full ({free} bytes free): free space, or lower the master's checkpoint budget"
+    return None
+
+
+_FULL_BYTES = 1024 * 1024
+
+
+def check_key(key: str) -> str:
     if not isinstance(key, str) or not _KEY_RE.match(key) or any(p in (".", "..") for p in key.split("/")):
         raise InvalidArgument(f"checkpoint key {key!r}: use path segments of letters, digits and _.=-")
     return key
@@ -103,8 +133,12 @@ class LocalCheckpointStore(CheckpointStore):
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / _TMP).mkdir(exist_ok=True)
 
+    @property
+    def location(self) -> str:
+        return str(self.root)
+
     def uri_of(self, key: str) -> str:
-        return (self.root / _check_key(key)).as_uri()
+        return (self.root / check_key(key)).as_uri()
 
     def path_of(self, uri: str) -> Path:
         parsed = urlparse(uri)
@@ -115,16 +149,16 @@ class LocalCheckpointStore(CheckpointStore):
             rel = path.relative_to(self.root)
         except ValueError:
             raise InvalidArgument(f"checkpoint uri {uri!r} lies outside the store root {self.root}") from None
-        _check_key(rel.as_posix())
+        check_key(rel.as_posix())
         return path
 
     def put(self, key: str, write: Callable[[Path], None]) -> StoredCheckpoint:
-        final = self.root / _check_key(key)
+        final = self.root / check_key(key)
         if final.exists():
             raise AlreadyExists(f"checkpoint {key!r} exists; checkpoints are immutable, use a new key")
         tmp = self.root / _TMP / f"{key.replace('/', '_')}.{uuid.uuid4().hex}"
-        tmp.mkdir()
         try:
+            tmp.mkdir()
             write(tmp)
             size = _dir_bytes(tmp)
             if self.fsync:
@@ -138,6 +172,14 @@ class LocalCheckpointStore(CheckpointStore):
                 raise
             if self.fsync:
                 _fsync_dir(final.parent)
+        except Exception as e:
+            trouble = store_trouble(tmp.parent)  # before the temp dir goes: it may be what filled the disk
+            shutil.rmtree(tmp, ignore_errors=True)
+            if trouble is not None:
+                raise StoreRefused(
+                    f"checkpoint store {self.root} {trouble}: checkpoint {key!r} not written ({e})"
+                ) from e
+            raise
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -168,3 +210,37 @@ class LocalCheckpointStore(CheckpointStore):
         except FileNotFoundError:
             return
         shutil.rmtree(doomed, ignore_errors=True)
+
+
+DEFAULT_CACHE_BYTES = 2 * 1024**3
+
+
+def open_checkpoint_store(
+    root: str,
+    *,
+    s3_endpoint_url: str = "",
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_max_bytes: int = DEFAULT_CACHE_BYTES,
+) -> CheckpointStore:
+    """The store for ``root``: a plain path or ``file://`` URI is a ``LocalCheckpointStore``; any other
+    scheme (``s3://bucket/prefix``) an ``FsspecCheckpointStore`` with a local cache in ``cache_dir``
+    (bounded to ``cache_max_bytes``), on ``s3_endpoint_url`` for S3-compatible servers."""
+    scheme = urlparse(root).scheme if "://" in root else ""
+    if scheme in ("", "file"):
+        return LocalCheckpointStore(root)
+    from stagetree.nodemanager.runtime.ckcache import CheckpointCache
+    from stagetree.nodemanager.runtime.objectstore import FsspecCheckpointStore, s3_filesystem
+
+    if cache_dir is None:
+        raise InvalidArgument(f"checkpoint root {root!r} is remote: it needs a local cache directory")
+    cache = CheckpointCache(cache_dir, cache_max_bytes)
+    if scheme == "s3":
+        fs = s3_filesystem(s3_endpoint_url)
+    else:
+        import fsspec
+
+        try:
+            fs = fsspec.filesystem(scheme)
+        except (ImportError, ValueError) as e:
+            raise InvalidArgument(f"checkpoint root {root!r}: no file system for {scheme}:// ({e})") from e
+    return FsspecCheckpointStore(root, fs, cache)

@@ -21,6 +21,8 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
     "batch_started": frozenset({"batch_id", "attempt"}),
     "progress": frozenset({"batch_id", "attempt", "node", "step"}),
     "metrics": frozenset({"batch_id", "attempt", "node", "step", "metrics"}),
+    # learning-curve points of one node, in step order: ``points`` is ``[[step, {name: value}], ...]``
+    "curve": frozenset({"batch_id", "attempt", "node", "points"}),
     "checkpoint_saved": frozenset({"batch_id", "attempt", "node", "step", "uri", "bytes", "kind"}),
     "batch_finished": frozenset({"batch_id", "attempt", "steps"}),
     "batch_preempted": frozenset({"batch_id", "attempt", "node", "step", "uri"}),

@@ -6,8 +6,12 @@ stages back to back. Before each step it evaluates the stage's hyper-parameter s
 init or a restore, including across a stage boundary). After each step it evaluates at ``spec.evals``
 points, saves *central* checkpoints at ``spec.saves`` points and *peripheral* ones every
 ``peripheral_every_steps`` steps or ``peripheral_every_s`` seconds, and checks for preemption (finish
-the step, save, stop). Checkpoints of trainers with ``state_dict`` are snapshotted in memory and
-written by a background thread; a failed write fails the batch.
+the step, save, stop). What ``train`` returns (and what it ``log``-ged) is a learning-curve point,
+kept every ``spec.curve_every_steps`` steps and at most ``spec.curve_max_per_s`` a second (non-finite
+values dropped), buffered, and emitted as ``curve`` events of one node: at most every
+``CURVE_FLUSH_S``, at the end of each stage, and before the batch ends, so none is lost to a finish.
+Checkpoints of trainers with ``state_dict`` are snapshotted in memory and written by a background
+thread; a failed write fails the batch.
 
 Everything the master learns goes through ``emit(kind, payload)`` (see ``events.EVENT_FIELDS``).
 A failure becomes ``batch_failed``: its ``error`` is what was raised and the last ``TRACEBACK_LINES``
@@ -90,6 +94,8 @@ def is_oom(exc: BaseException) -> bool:
 
 
 TRACEBACK_LINES = 40
+CURVE_FLUSH_S = 0.25  # a curve event at most this often per batch: one line per point costs a small model
+CURVE_MAX_BUFFER = 1000  # points per curve event at most
 
 
 class NonFiniteMetric(ValueError):
@@ -139,6 +145,17 @@ def constant_until(config: Config, step: int) -> float:
         if seg.end is not None:
             until = min(until, seg.end)
     return until
+
+
+def finite_values(values: Any) -> dict[str, float]:
+    """A step's metrics as ``{str: float}``, without NaN or infinities (a curve point cannot hold them;
+    a diverged run shows where its curve stops). Values may be 0-d tensors."""
+    out: dict[str, float] = {}
+    for k, v in values.items():
+        f = float(v)
+        if math.isfinite(f):
+            out[str(k)] = f
+    return out
 
 
 def _done_future(value: StoredCheckpoint) -> Future[StoredCheckpoint]:
@@ -206,6 +223,9 @@ class BatchRun:
         self._last_save: _Save | None = None
         self._last_ckpt_step = spec.start_step
         self._last_ckpt_time = 0.0
+        self._curve: list[list[Any]] = []  # [[step, {name: value}], ...] of self._curve_node, not emitted yet
+        self._curve_node = spec.stages[0].node
+        self._curve_flushed = 0.0
 
     # -- control ------------------------------------------------------------------------------
 
@@ -247,18 +267,31 @@ class BatchRun:
                 lock, point_steps, interval = self._lock, self._point_steps, self._progress_interval
                 periodic = spec.peripheral_every_steps > 0 or spec.peripheral_every_s > 0
                 batch_id, attempt = spec.batch_id, spec.attempt
+                curve_every = spec.curve_every_steps
+                curve_gap = 1.0 / spec.curve_max_per_s if spec.curve_max_per_s > 0 else 0.0
+                last_point = float("-inf")
+                curve = self._curve
                 for stage in spec.stages:
                     node = stage.node
+                    self._flush_curve(node)
                     same_until: float = -1  # the stage's values at steps < this equal those last applied
                     for s in range(stage.start, stage.end):
                         if s >= same_until:
                             applied = self._setup(trainer, stage.config.values_at(s), applied)
                             same_until = constant_until(stage.config, s)
                         trainer.step = s
-                        trainer.train()
+                        values = trainer.train()
                         step = s + 1
                         trained += 1
                         now = clock()
+                        if trainer.logged:
+                            values = {**trainer.logged, **values} if values else trainer.logged
+                            trainer.logged = {}
+                        if values and curve_every and step % curve_every == 0 and now - last_point >= curve_gap:
+                            last_point = now
+                            curve.append([step, finite_values(values)])
+                            if now - self._curve_flushed >= CURVE_FLUSH_S or len(curve) >= CURVE_MAX_BUFFER:
+                                self._flush_curve(node, now)
                         if interval <= 0 or now - last_progress >= interval:
                             emit("progress", {"batch_id": batch_id, "attempt": attempt, "node": node, "step": step})
                             last_progress = now
@@ -271,7 +304,9 @@ class BatchRun:
                         if self._pending:
                             self._drain(block=False)
                         if step < end and should_preempt():
+                            self._flush_curve(node)
                             return self._preempt(trainer, node, step, trained)
+                self._flush_curve(self._curve_node)
                 self._drain(block=True)
             self._emit("batch_finished", {**self._ids, "steps": trained})
             return BatchOutcome("finished", step, trained)
@@ -279,6 +314,16 @@ class BatchRun:
             return self._fail(e, step, trained)
         finally:
             self._pool = None
+
+    def _flush_curve(self, node: int, now: float | None = None) -> None:
+        """Emit the buffered curve points (of ``self._curve_node``); later points belong to ``node``."""
+        if self._curve:
+            points = [p for p in self._curve if p[1]]
+            if points:
+                self._emit("curve", {**self._ids, "node": self._curve_node, "points": points})
+            self._curve.clear()
+        self._curve_node = node
+        self._curve_flushed = self._clock() if now is None else now
 
     def _start(self) -> Trainer:
         spec = self.spec
@@ -409,6 +454,10 @@ class BatchRun:
 
     def _fail(self, exc: Exception, step: int, trained: int) -> BatchOutcome:
         tb = traceback.format_exc()
+        try:  # the curve up to the failure is what shows why it failed
+            self._flush_curve(self._curve_node)
+        except Exception:
+            log.exception("curve points lost while failing batch", extra={"batch_id": self.spec.batch_id})
         oom = is_oom(exc)
         user = not oom and raised_in_user_code(exc, self._user_files)
         try:  # checkpoints snapshotted before the failure are still good: report them

@@ -2,8 +2,10 @@
 
 A trainer is the user's training logic (TreeML §5.1): ``init`` builds model, optimizer and data;
 ``setup(hp_changes)`` applies the hyper-parameters whose value changes at the coming step (all of
-them at the first step of a run or resume); ``train`` runs one logical step; ``evaluate`` returns
-metrics; ``save``/``load`` persist the trainer's own state into / from a directory.
+them at the first step of a run or resume); ``train`` runs one logical step and may return its step
+metrics (``{"loss": 0.41}``: the learning curve, sampled by the runtime at the batch's curve rate; or
+call ``self.log(loss=...)`` during the step); ``evaluate`` returns metrics; ``save``/``load`` persist the
+trainer's own state into / from a directory.
 
 A trainer that implements ``state_dict``/``load_state_dict`` (tensors and plain containers) and keeps
 the default ``save``/``load`` gets background checkpoints: the runtime snapshots that state in memory
@@ -40,6 +42,9 @@ log = logging.getLogger(__name__)
 
 USER_STATE_FILE = "trainer.pt"
 
+# What ``train`` may return and ``log`` takes: metric name -> a float or a 0-d tensor
+StepMetrics = Mapping[str, "float | torch.Tensor"]
+
 
 @dataclass(frozen=True)
 class TrainerContext:
@@ -61,6 +66,8 @@ class Trainer(ABC):
     seed: int
     device: torch.device
     step: int
+    # step metrics logged during the current step (``log``); the runtime takes them after ``train``
+    logged: dict[str, float | torch.Tensor]
 
     # Whether ``init`` only builds (model, optimizer, data: no side effects outside the process, such as
     # creating an experiment-tracker run) so that a warm worker may run it ahead, before its batch
@@ -74,6 +81,16 @@ class Trainer(ABC):
         self.seed = ctx.seed
         self.device = ctx.device
         self.step = 0
+        self.logged = {}
+
+    def log(self, values: StepMetrics | None = None, /, **more: float | torch.Tensor) -> None:
+        """Report step metrics of the step being trained (a learning-curve point at ``self.step + 1``),
+        as a mapping or as keywords; merged with what ``train`` returns (``train``'s values win). The
+        runtime samples them at the batch's curve rate, so calling it every step is cheap."""
+        if values:
+            self.logged.update(values)
+        if more:
+            self.logged.update(more)
 
     @abstractmethod
     def init(self) -> None:
@@ -84,8 +101,9 @@ class Trainer(ABC):
         """Apply the hyper-parameters whose value changes at the coming step."""
 
     @abstractmethod
-    def train(self) -> None:
-        """Run one logical training step."""
+    def train(self) -> StepMetrics | None:
+        """Run one logical training step; may return its step metrics (``{"loss": 0.41}``, floats or
+        0-d tensors), which become a point of the learning curve."""
 
     @abstractmethod
     def evaluate(self) -> dict[str, float]:

@@ -1,6 +1,7 @@
 """The worker process: runs one batch and exits (so its GPU memory is freed with it).
 
-    python -m stagetree.nodemanager.runtime.worker --spec FILE.json --checkpoint-root DIR
+    python -m stagetree.nodemanager.runtime.worker --spec FILE.json --checkpoint-root DIR|URI
+        [--s3-endpoint-url URL] [--cache-dir DIR] [--cache-bytes N]
         [--events-fd N] [--threads N] [--progress-interval S]
 
 * ``--spec -`` reads the spec from stdin (until EOF) once the imports are done: the node manager starts
@@ -49,7 +50,7 @@ from stagetree import logs
 from stagetree.core.batch import BatchSpec
 from stagetree.core.config import FixedPart
 from stagetree.core.errors import StagetreeError
-from stagetree.nodemanager.runtime.checkpoints import LocalCheckpointStore
+from stagetree.nodemanager.runtime.checkpoints import DEFAULT_CACHE_BYTES, open_checkpoint_store
 from stagetree.nodemanager.runtime.events import encode_event
 from stagetree.nodemanager.runtime.executor import BatchRun, device_for, error_text, new_trainer
 from stagetree.nodemanager.runtime.trainer import Trainer, load_trainer_class
@@ -116,7 +117,10 @@ def _events_stream(events_fd: int | None) -> TextIO:
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="stagetree-worker", description="Run one stagetree batch.")
     p.add_argument("--spec", required=True, help="the batch spec (BatchSpec JSON) file, or - for stdin")
-    p.add_argument("--checkpoint-root", required=True, help="checkpoint store root: a directory or file:// URI")
+    p.add_argument("--checkpoint-root", required=True, help="checkpoint store root: a directory, file:// or s3:// URI")
+    p.add_argument("--s3-endpoint-url", default="", help="an S3-compatible server for s3:// roots")
+    p.add_argument("--cache-dir", default=None, help="the node manager's checkpoint cache (remote roots)")
+    p.add_argument("--cache-bytes", type=int, default=DEFAULT_CACHE_BYTES, help="the cache's size bound")
     p.add_argument("--events-fd", type=int, default=None, help="write events here instead of stdout")
     p.add_argument("--threads", type=int, default=None, help=f"torch threads (default ${THREADS_ENV} or 1)")
     p.add_argument(
@@ -153,7 +157,12 @@ def main(argv: list[str] | None = None, spec_input: TextIO | None = None) -> int
         else:
             text = Path(args.spec).read_text()
         spec = BatchSpec.from_json(json.loads(text))
-        store = LocalCheckpointStore(args.checkpoint_root)
+        store = open_checkpoint_store(
+            args.checkpoint_root,
+            s3_endpoint_url=args.s3_endpoint_url,
+            cache_dir=args.cache_dir,
+            cache_max_bytes=args.cache_bytes,
+        )
     except (OSError, ValueError, StagetreeError) as e:
         log.error("cannot start the batch: %s", e)
         return EXIT_USAGE

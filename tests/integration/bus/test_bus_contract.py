@@ -390,3 +390,22 @@ def test_publish_many_bundles_a_keys_messages_into_one_record(harness: Harness) 
     assert [r.message for r in records] == sent
     assert len({r.offset for r in records}) == 1
     assert [r.index for r in records] == list(range(len(sent)))
+
+
+def test_lag_counts_what_is_not_polled_yet(harness: Harness) -> None:
+    topic = harness.new_topic()
+    sent = [_metrics(7, seq) for seq in range(30)]  # one key: one partition
+    _publish(harness.bus, topic, sent)
+    with harness.bus.subscribe([topic], _unique("g")) as consumer:
+        first: list[Record] = []
+        deadline = time.monotonic() + 15
+        while not first and time.monotonic() < deadline:
+            first = consumer.poll(max_records=5, timeout_s=0.2)
+        lag = consumer.lag()
+        # Kafka's figure is kafka-python's records-lag-max, from the high-water mark of the last fetch
+        assert lag is None or 0 <= lag <= len(sent) - len(first)
+        if isinstance(harness.bus, InProcessBus):
+            assert lag == len(sent) - len(first)
+        _poll_until([consumer], len(sent) - len(first))
+        if isinstance(harness.bus, InProcessBus):
+            assert consumer.lag() == 0

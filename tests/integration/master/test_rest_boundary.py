@@ -3,12 +3,15 @@ NUL, integers past 64 bits, oversized bodies. Each gets a clear 4xx and changes 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from stagetree.master.api.grpc_api import result_pb
 from stagetree.master.app import MasterApp
+from tests.integration.master.conftest import TOKENS
 from tests.integration.master.helpers import fixed, unique
 from tests.integration.master.test_rest_api import ADMIN, ALICE
 
@@ -109,3 +112,51 @@ def test_a_resend_must_repeat_the_item_exactly(http: httpx.Client, study: str) -
         first["request_id"]
     ]  # the fresh item of a refused call was not written either
     assert http.get(f"/studies/{study}/plan", headers=ALICE).json()["nodes"] == nodes  # nor any plan node
+
+
+def test_non_finite_metrics_are_served_as_the_spec_declares_on_rest_and_grpc(
+    app: MasterApp, http: httpx.Client
+) -> None:
+    sid = http.post("/studies", json={"name": unique("nan"), "fixed": fixed()}, headers=ALICE).json()["id"]
+    item = {"client_request_id": "d", "config": {"tuned": {"lr": 0.1}}, "step": 3}
+    (req,) = http.post(f"/studies/{sid}/requests", json={"items": [item]}, headers=ALICE).json()
+    app.store.requests.record_metrics(req["node"], 3, {"loss": math.nan, "gn": math.inf, "low": -math.inf, "acc": 0.5})
+
+    (got,) = http.get(f"/studies/{sid}/requests", headers=ALICE).json()
+    assert got["metrics"] == {"loss": "NaN", "gn": "Infinity", "low": "-Infinity", "acc": 0.5}
+    q = http.post(f"/studies/{sid}/metrics/query", json={"config": item["config"], "step": 3}, headers=ALICE).json()
+    assert q["metrics"] == got["metrics"]
+    spec = http.get("/openapi.json").json()
+    declared = spec["components"]["schemas"]["MetricValue"]["anyOf"]
+    assert {"type": "string", "enum": ["NaN", "Infinity", "-Infinity"]} in declared
+    # gRPC carries the same values as doubles
+    (rec,) = app.service.get_requests(app.auth.authenticate(TOKENS["alice"]), sid, None)
+    msg = result_pb(rec)
+    assert math.isnan(msg.metrics["loss"]) and msg.metrics["gn"] == math.inf and msg.metrics["low"] == -math.inf
+
+
+def test_the_spec_declares_auth_typed_configs_and_each_routes_statuses(http: httpx.Client) -> None:
+    spec = http.get("/openapi.json").json()
+    assert spec["components"]["securitySchemes"]["HTTPBearer"] == {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "a user's token, or the admin token for /nodes",
+    }
+    schemas = spec["components"]["schemas"]
+    item = schemas["ItemIn"]["properties"]["config"]
+    assert item["allOf"] == [{"$ref": "#/components/schemas/TrialConfig"}]
+    assert schemas["TrialConfig"]["properties"]["tuned"]["additionalProperties"] == {
+        "$ref": "#/components/schemas/Sequence"
+    }
+    for path, ops in spec["paths"].items():
+        for method, op in ops.items():
+            codes = set(op["responses"])
+            if path.endswith("/health"):
+                assert "security" not in op and codes == {"200", "503"}
+                continue
+            assert op["security"] == [{"HTTPBearer": []}], (path, method)
+            assert {"401", "422", "429", "503"} <= codes, (path, method)
+            if "{study_id}" in path:
+                assert "404" in codes, (path, method)
+            if method in ("post", "delete"):
+                assert "413" in codes, (path, method)

@@ -8,12 +8,15 @@ import json
 import time
 
 from stagetree.core.batch import BatchSpec, Point
+from stagetree.core.config import Config
 from stagetree.master.app import MasterApp
 from stagetree.master.auth import Principal
 from stagetree.master.coordination import RedisCoordination
+from stagetree.master.plans import config_text
 from stagetree.master.scheduling import SchedulingLoop
 from stagetree.master.service import SubmitItem
 from stagetree.master.settings import SchedulingSettings
+from stagetree.master.store.records import NewNode, NewRequest
 from tests.integration.master.conftest import REDIS_URL
 from tests.integration.master.helpers import config_json, fixed, unique
 from tests.reports import attempt_report
@@ -117,3 +120,20 @@ async def test_standby_takes_over_when_the_lease_lapses(app: MasterApp) -> None:
         assert coord.acquire_lease("next", 5)  # released on a clean stop
     finally:
         coord.close()
+
+
+def test_a_plan_whose_fixed_part_does_not_load_is_left_out_and_the_others_still_dispatch(app: MasterApp) -> None:
+    # a plan row written by another version (or a test helper) whose fixed part has no trainer: every
+    # dispatch renders the fixed part, so before the check one such plan failed every round
+    bad_plan = app.store.plans.ensure_plan(unique("bad"), "{}")
+    app.store.plans.insert_nodes(bad_plan, [NewNode(None, 0, "root", config_text(Config.of({"lr": 0.1})))])
+    (root,) = app.store.plans.load_nodes(bad_plan)
+    bad_study = app.store.studies.create_study("alice", unique("bad"), None)
+    app.store.requests.add_requests(bad_study.id, bad_plan, [NewRequest("bad", root.id, 10)])
+    good_study, good = _submit(app, 1)
+    _node_manager(app, 2)
+    first = app.scheduler.run_round()
+    assert len(first.dispatched) == 1  # the good study's batch; the bad plan is left out
+    assert [r.state for r in app.store.requests.get_requests(good_study, good)] == ["SCHED"]
+    assert [r.state for r in app.store.requests.get_requests(bad_study.id)] == ["NOT_SCHED"]
+    assert app.scheduler.run_round().dispatched == []  # and later rounds keep running

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from stagetree.bus.kafka import KafkaBusConfig, KafkaMetricBus, ensure_topics
-from stagetree.bus.messages import ALL_TOPICS, BatchMessage
+from stagetree.bus.messages import ALL_TOPICS, BatchMessage, Curve
 from stagetree.bus.tansu import TansuBroker
 from stagetree.nodemanager.app import build_node_manager
 from stagetree.nodemanager.examples.digits import digits_batch
@@ -70,5 +70,7 @@ async def test_batch_events_reach_kafka_keyed_by_batch_and_in_order(tansu_broker
     seen = [m.TYPE for _, _, m in sorted(got, key=lambda t: int(t[2].msg_id.rsplit(":", 1)[1]))]
     assert seen[0] == "batch_started" and seen[-1] == "batch_finished"
     assert [m.step for _, _, m in got if m.TYPE == "metrics"] == [3, 6]  # type: ignore[attr-defined]
+    curve = [(s, v) for _, _, m in got if isinstance(m, Curve) for s, v in zip(m.steps, m.values, strict=True)]
+    assert [s for s, _ in curve] == [1, 2, 3, 4, 5, 6] and all("train_loss" in v for _, v in curve)  # step metrics
     for types in by_topic.values():  # each topic keeps the batch's order
         assert types == [t for t in seen if t in types]

@@ -21,6 +21,7 @@ from stagetree.bus.messages import (
     BatchPreempted,
     BatchStarted,
     CheckpointSaved,
+    Curve,
     GpuProcess,
     GpuTelemetry,
     MalformedMessage,
@@ -61,6 +62,13 @@ messages: st.SearchStrategy[Message] = st.one_of(
         uri=ids,
         bytes=counts,
         kind=st.sampled_from(["central", "peripheral"]),
+    ),
+    st.lists(
+        st.tuples(st.integers(1, 2**31), st.dictionaries(ids, finite, max_size=3)), min_size=1, max_size=4
+    ).flatmap(
+        lambda pts: st.builds(
+            Curve, **batch_fields, node=counts, steps=st.just([s for s, _ in pts]), values=st.just([v for _, v in pts])
+        )
     ),
     st.builds(BatchFinished, **batch_fields, steps=counts),
     st.builds(BatchPreempted, **batch_fields, **at, uri=ids),
@@ -262,12 +270,13 @@ def test_plan_key_is_optional_on_the_wire() -> None:
     assert decode(json.dumps(obj).encode()).plan_key is None  # type: ignore[attr-defined]
 
 
-def test_the_registry_has_the_eight_kinds() -> None:
+def test_the_registry_has_the_nine_kinds() -> None:
     assert sorted(MESSAGE_TYPES) == sorted(
         [
             "batch_started",
             "progress",
             "metrics",
+            "curve",
             "checkpoint_saved",
             "batch_finished",
             "batch_preempted",
@@ -333,3 +342,12 @@ def test_decode_many_never_raises(data: bytes) -> None:
 
 def _metrics_msg(step: int) -> Metrics:
     return Metrics(msg_id=f"nm:1:1:{step}", node_manager="nm", batch_id=1, attempt=1, node=0, step=step, metrics={})
+
+
+def test_a_curve_needs_aligned_finite_points() -> None:
+    base = {"msg_id": "m", "node_manager": "nm", "batch_id": 1, "attempt": 0, "node": 3}
+    ok = Curve(**base, steps=[1, 2], values=[{"loss": 1.0}, {"loss": 0.5}])
+    assert decode(encode(ok)) == ok and route(ok) == (TOPIC_METRICS, "1")
+    for steps, values in (([1], []), ([], []), ([0], [{"loss": 1.0}]), ([1], [{"loss": math.nan}])):
+        with pytest.raises(MalformedMessage):
+            Curve(**base, steps=steps, values=values)

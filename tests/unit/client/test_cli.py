@@ -170,7 +170,7 @@ def test_http_errors_map_to_the_error_tree() -> None:
 
 
 def test_main_prints_json_and_errors(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli, "RestClient", lambda url, token: FakeRest())
+    monkeypatch.setattr(cli, "RestClient", lambda url, token, **_: FakeRest())
     assert cli.main(["study", "list", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == [STUDY]
     assert cli.main(["study", "show", "nope"]) == 1
@@ -193,7 +193,7 @@ def test_unreachable_master_says_what_to_do() -> None:
 def test_dispatch_from_the_main_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from stagetree import cli as main_cli
 
-    monkeypatch.setattr(cli, "RestClient", lambda url, token: FakeRest())
+    monkeypatch.setattr(cli, "RestClient", lambda url, token, **_: FakeRest())
     assert main_cli.main(["plan", "show", "abc123"]) == 0
     assert capsys.readouterr().out.startswith("plan k1")
     assert main_cli.main(["nodes", "--json"]) == 0

@@ -12,9 +12,9 @@ import sys
 import stagetree
 assert "grpc" not in sys.modules and "torch" not in sys.modules, "import stagetree must stay light"
 for name in stagetree.__all__:
-    if name != "Trainer":
+    if name not in ("Trainer", "TorchTrainer", "ResumableLoader"):
         getattr(stagetree, name)
-assert "torch" not in sys.modules, "only stagetree.Trainer may import torch"
+assert "torch" not in sys.modules, "only stagetree.Trainer, TorchTrainer and ResumableLoader may import torch"
 print("ok")
 """
 
@@ -31,3 +31,4 @@ def test_public_names() -> None:
         stagetree.__all__
     )
     assert "Trainer" in dir(stagetree)
+    assert {"TorchTrainer", "ResumableLoader"} <= set(stagetree.__all__)

@@ -1,102 +1,31 @@
-"""The ``CheckpointStore`` contract, run against every adapter in ``ADAPTERS``, plus what is
-particular to ``LocalCheckpointStore``.
-
-An adapter for another technology (an object store) adds one factory to ``ADAPTERS`` and passes the
-same suite."""
+"""The ``CheckpointStore`` contract (``tests.checkpoint_contract``), run against the local adapters in
+``ADAPTERS``, plus what is particular to ``LocalCheckpointStore``. The object-store adapter runs the same
+suite against a real S3-compatible server in ``tests/integration/nodemanager/test_checkpoint_stores.py``."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from stagetree.core.errors import AlreadyExists, InvalidArgument, NotFound
-from stagetree.nodemanager.runtime.checkpoints import CheckpointStore, LocalCheckpointStore
+from stagetree.core.errors import InvalidArgument
+from stagetree.nodemanager.runtime.checkpoints import CheckpointStore, LocalCheckpointStore, open_checkpoint_store
+from tests.checkpoint_contract import FILES, CheckpointStoreContract
+from tests.checkpoint_contract import writer as _writer
 
 ADAPTERS: dict[str, Callable[[Path], CheckpointStore]] = {
     "local": lambda tmp: LocalCheckpointStore(tmp / "root"),
     "local-file-uri-root": lambda tmp: LocalCheckpointStore((tmp / "uri root").as_uri(), fsync=False),
+    # the object-store adapter on fsspec's in-memory file system (s3 itself: tests/integration/nodemanager)
+    "fsspec-memory": lambda tmp: open_checkpoint_store(f"memory://{tmp.name}/ck", cache_dir=tmp / "cache"),
 }
 
 
-@pytest.fixture(params=sorted(ADAPTERS))
-def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> CheckpointStore:
-    return ADAPTERS[request.param](tmp_path)
-
-
-def _writer(files: dict[str, bytes]) -> Callable[[Path], None]:
-    def write(d: Path) -> None:
-        for name, data in files.items():
-            (d / name).parent.mkdir(parents=True, exist_ok=True)
-            (d / name).write_bytes(data)
-
-    return write
-
-
-FILES = {"a.bin": b"x" * 1000, "user/trainer.pt": b"y" * 234}
-
-
-def test_put_then_open_reads_what_was_written(any_store: CheckpointStore) -> None:
-    stored = any_store.put("plan/n1/s10", _writer(FILES))
-    assert stored.bytes == 1234
-    assert any_store.exists(stored.uri)
-    with any_store.open(stored.uri) as d:
-        assert {p.relative_to(d).as_posix(): p.read_bytes() for p in d.rglob("*") if p.is_file()} == FILES
-
-
-def test_keys_are_immutable(any_store: CheckpointStore) -> None:
-    any_store.put("k/1", _writer(FILES))
-    with pytest.raises(AlreadyExists):
-        any_store.put("k/1", _writer({"other": b"z"}))
-
-
-def test_delete_removes_and_is_idempotent(any_store: CheckpointStore) -> None:
-    stored = any_store.put("k/2", _writer(FILES))
-    any_store.delete(stored.uri)
-    assert not any_store.exists(stored.uri)
-    any_store.delete(stored.uri)
-    with pytest.raises(NotFound), any_store.open(stored.uri):
-        pass
-    assert any_store.put("k/2", _writer({"again": b"1"})).bytes == 1  # the key is free again
-
-
-def test_failed_write_publishes_nothing(any_store: CheckpointStore) -> None:
-    def broken(d: Path) -> None:
-        (d / "half").write_bytes(b"partial")
-        raise OSError("disk full")
-
-    with pytest.raises(OSError, match="disk full"):
-        any_store.put("k/3", broken)
-    stored = any_store.put("k/3", _writer({"whole": b"ok"}))  # the key was never taken
-    with any_store.open(stored.uri) as d:
-        assert sorted(p.name for p in d.iterdir()) == ["whole"]
-
-
-@pytest.mark.parametrize("key", ["", "/abs", "a/../b", "a//b", "sp ace", "a/./b", "../up"])
-def test_bad_keys_are_refused(any_store: CheckpointStore, key: str) -> None:
-    with pytest.raises(InvalidArgument):
-        any_store.put(key, _writer(FILES))
-
-
-def test_concurrent_puts_of_distinct_keys(any_store: CheckpointStore) -> None:
-    uris: list[str] = []
-    errors: list[BaseException] = []
-
-    def put(i: int) -> None:
-        try:
-            uris.append(any_store.put(f"c/{i}", _writer({"f": bytes([i]) * (i + 1)})).uri)
-        except BaseException as e:  # pragma: no cover - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=put, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors and len(set(uris)) == 8
-    assert all(any_store.exists(u) for u in uris)
+class TestLocalAdapters(CheckpointStoreContract):
+    @pytest.fixture(params=sorted(ADAPTERS))
+    def any_store(self, request: pytest.FixtureRequest, tmp_path: Path) -> CheckpointStore:
+        return ADAPTERS[request.param](tmp_path)
 
 
 # -- LocalCheckpointStore only ----------------------------------------------------------------

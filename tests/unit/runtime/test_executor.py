@@ -76,6 +76,10 @@ class _SlowStore(CheckpointStore):
     def delete(self, uri: str) -> None:
         self.inner.delete(uri)
 
+    @property
+    def location(self) -> str:
+        return self.inner.location
+
 
 def test_siblings_from_one_background_branch_checkpoint_match_straight_runs(store, make_events) -> None:
     slow = _SlowStore(store, delay_s=0.3)
@@ -310,10 +314,12 @@ def test_event_order_of_a_finished_batch(store, make_events) -> None:
         "progress",
         "progress",
         "metrics",
+        "curve",  # the step metrics, flushed before the batch ends
         "checkpoint_saved",
         "batch_finished",
     ]
     assert [p["step"] for p in events.of("progress")] == [1, 2, 3]
+    assert [s for s, _ in events.of("curve")[0]["points"]] == [1, 2, 3]
     assert all(p["batch_id"] == 7 and p["attempt"] == 2 for _, p in events.items)
 
 

@@ -458,3 +458,50 @@ class ListNodeManagersResponse(_message.Message):
     NODE_MANAGERS_FIELD_NUMBER: _ClassVar[int]
     node_managers: _containers.RepeatedCompositeFieldContainer[NodeManager]
     def __init__(self, node_managers: _Optional[_Iterable[_Union[NodeManager, _Mapping]]] = ...) -> None: ...
+
+class GetCurveRequest(_message.Message):
+    __slots__ = ("study_id", "request_id", "start", "end", "has_end", "max_points")
+    STUDY_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    HAS_END_FIELD_NUMBER: _ClassVar[int]
+    MAX_POINTS_FIELD_NUMBER: _ClassVar[int]
+    study_id: str
+    request_id: int
+    start: int
+    end: int
+    has_end: bool
+    max_points: int
+    def __init__(self, study_id: _Optional[str] = ..., request_id: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., has_end: _Optional[bool] = ..., max_points: _Optional[int] = ...) -> None: ...
+
+class CurvePoint(_message.Message):
+    __slots__ = ("node", "step", "values")
+    class ValuesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    node: int
+    step: int
+    values: _containers.ScalarMap[str, float]
+    def __init__(self, node: _Optional[int] = ..., step: _Optional[int] = ..., values: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class Curve(_message.Message):
+    __slots__ = ("request_id", "node", "step", "total", "points")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    POINTS_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    node: int
+    step: int
+    total: int
+    points: _containers.RepeatedCompositeFieldContainer[CurvePoint]
+    def __init__(self, request_id: _Optional[int] = ..., node: _Optional[int] = ..., step: _Optional[int] = ..., total: _Optional[int] = ..., points: _Optional[_Iterable[_Union[CurvePoint, _Mapping]]] = ...) -> None: ...

@@ -90,6 +90,11 @@ class MasterServiceStub:
                 request_serializer=stagetree_dot_v1_dot_master__pb2.GetPlanRequest.SerializeToString,
                 response_deserializer=stagetree_dot_v1_dot_master__pb2.Plan.FromString,
                 _registered_method=True)
+        self.GetCurve = channel.unary_unary(
+                '/stagetree.v1.MasterService/GetCurve',
+                request_serializer=stagetree_dot_v1_dot_master__pb2.GetCurveRequest.SerializeToString,
+                response_deserializer=stagetree_dot_v1_dot_master__pb2.Curve.FromString,
+                _registered_method=True)
         self.ForgetPlan = channel.unary_unary(
                 '/stagetree.v1.MasterService/ForgetPlan',
                 request_serializer=stagetree_dot_v1_dot_master__pb2.ForgetPlanRequest.SerializeToString,
@@ -192,6 +197,13 @@ class MasterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetCurve(self, request, context):
+        """A trial's learning curve (its shared prefix's points, then its own), thinned on the server when asked.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ForgetPlan(self, request, context):
         """Drops a plan's checkpoints and metrics and the finished requests they answered.
         """
@@ -288,6 +300,11 @@ def add_MasterServiceServicer_to_server(servicer, server):
                     servicer.GetPlan,
                     request_deserializer=stagetree_dot_v1_dot_master__pb2.GetPlanRequest.FromString,
                     response_serializer=stagetree_dot_v1_dot_master__pb2.Plan.SerializeToString,
+            ),
+            'GetCurve': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCurve,
+                    request_deserializer=stagetree_dot_v1_dot_master__pb2.GetCurveRequest.FromString,
+                    response_serializer=stagetree_dot_v1_dot_master__pb2.Curve.SerializeToString,
             ),
             'ForgetPlan': grpc.unary_unary_rpc_method_handler(
                     servicer.ForgetPlan,
@@ -617,6 +634,33 @@ class MasterService:
             '/stagetree.v1.MasterService/GetPlan',
             stagetree_dot_v1_dot_master__pb2.GetPlanRequest.SerializeToString,
             stagetree_dot_v1_dot_master__pb2.Plan.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCurve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagetree.v1.MasterService/GetCurve',
+            stagetree_dot_v1_dot_master__pb2.GetCurveRequest.SerializeToString,
+            stagetree_dot_v1_dot_master__pb2.Curve.FromString,
             options,
             channel_credentials,
             insecure,

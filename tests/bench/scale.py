@@ -1,0 +1,466 @@
+"""Scale benchmark: ``python -m tests.bench.scale`` (Postgres, Kafka protocol, simulated GPU servers).
+
+Two phases, each against a fresh Postgres database:
+
+1. **Growth** (a master in this process, gRPC on loopback): ``--nms`` x ``--gpus`` simulated GPU slots are
+   registered, then pending requests are submitted through gRPC (``SubmitRequests``, 100 items a call, 50
+   studies) up to 1k, 10k and 100k; at each size the master's round (``decide``: snapshot, stage forest,
+   critical-path order, placement on every free slot) is timed ``--rounds`` times.
+   ``round_growth_exp`` is the least-squares slope of log(round p50) over log(pending).
+   ``submit_vs_raw_insert``: submissions per second through gRPC (validated, planned, written) over the rate
+   of a plain psycopg2 ``executemany`` of the same request rows, 100 per transaction, into a scratch copy of
+   the ``requests`` table of the same database, measured in the same run (the reference moves with the
+   machine as the figure does).
+2. **Live** (``ProcessCluster``: master, 2 aggregators, a Tansu broker, all as processes): simulated node
+   managers (``stagetree nodemanager simulate``: the real node-manager code, registration, heartbeats,
+   assignment streams, events on Kafka; workers that only take time) and ``--studies`` ASHA studies driven
+   through the SDK. Batches run in **real time**: ``--step-s`` seconds a step, ``--min-step`` steps to the
+   first rung (so a first-rung batch takes min_step x step_s seconds; the defaults give 10 s).
+   ``occupancy``: busy slot-seconds over ``min(slots, busy + pending)`` slot-seconds, summed over 1-second
+   samples while the tuners still had trials to start (pending = the NOT_SCHED requests: work the master
+   had and could place). ``assign_ms_p99``: a slot's worker ending to the next worker starting on it,
+   taken when requests were pending at that moment (the report on Kafka, the aggregator, the master's
+   round, the RUN on the stream). ``master_rss_mb``: the master process's peak RSS in the live run.
+
+Last line: ``slots=<n> studies=<n> requests=<n> occupancy=<r> assign_ms_p99=<t> round_ms_p99_100k=<t>
+round_growth_exp=<e> master_rss_mb=<m> submit_vs_raw_insert=<r>`` (targets: slots >= 1600, requests >=
+100000, occupancy >= 0.95, assign_ms_p99 <= 500, round_growth_exp <= 1.1, master_rss_mb <= 2048,
+submit_vs_raw_insert >= 0.3). ``--quick`` runs a small version of both phases (a smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import itertools
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from pydantic import SecretStr
+from sqlalchemy import create_engine, text
+
+import stagetree
+from stagetree.client.spaces import LogUniform, RandomSearchSpace, Uniform
+from stagetree.client.tuners import ASHA
+from stagetree.client.tuners.base import Submit
+from stagetree.cluster import ClusterConfig, ProcessCluster
+from stagetree.master.app import MasterApp
+from stagetree.master.auth import Principal
+from stagetree.master.coordination import InProcessCoordination
+from stagetree.master.settings import AuthSettings, LimitSettings, MasterSettings
+from stagetree.proto.stagetree.v1 import master_pb2 as pb
+from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
+from tests.bench import refs
+from tests.bench.master import trial
+from tests.bench.pipeline import fresh_database
+
+TOKEN = "bench-token"
+MD = (("authorization", f"Bearer {TOKEN}"),)
+CALL = 100  # items per SubmitRequests, and rows per transaction of the reference
+
+
+def rss_mb(pid: int | None = None) -> float:
+    with open(f"/proc/{pid or 'self'}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+# -- phase 1: growth -------------------------------------------------------------------------------------
+
+
+async def growth(url: str, nms: int, gpus: int, sizes: list[int], rounds: int, studies: int) -> dict[str, object]:
+    settings = MasterSettings(
+        database_url=url,
+        auth=AuthSettings(tokens={"bench": SecretStr(TOKEN)}, admin_token=SecretStr("bench-admin")),
+        limits=LimitSettings(max_batch_items=CALL),
+    )
+    app = MasterApp.build(settings, coordination=InProcessCoordination())
+    server, port = await app.start_grpc(port=0)
+    out: dict[str, object] = {}
+    try:
+        admin = Principal("admin", admin=True)
+        for n in range(nms):
+            nm = f"sim-{n}"
+            app.service.register_node_manager(admin, nm, nm, [(f"gpu{g}", "A100") for g in range(gpus)])
+            app.coordination.heartbeat(nm, 3600)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.MasterServiceStub(ch)
+            ids = []
+            for s in range(studies):
+                fixed = {"trainer": f"scale-{s}", "dataset": "d", "model": "m", "seed": 0, "values": {}}
+                st = await stub.CreateStudy(
+                    pb.CreateStudyRequest(name=f"s{s}", fixed_json=json.dumps(fixed)), metadata=MD
+                )
+                ids.append(st.id)
+            sem = asyncio.Semaphore(8)
+            submitted, submit_s = 0, 0.0
+            round_ms: dict[int, list[float]] = {}
+
+            async def one(req: pb.SubmitRequestsRequest) -> None:
+                async with sem:
+                    await stub.SubmitRequests(req, metadata=MD)
+
+            for size in sizes:
+                per_study = size // studies
+                calls = [
+                    pb.SubmitRequestsRequest(
+                        study_id=sid,
+                        items=[
+                            pb.SubmitItem(
+                                client_request_id=f"t{i}", config_json=json.dumps({"tuned": trial(i)}), step=100
+                            )
+                            for i in range(b, min(b + CALL, per_study))
+                        ],
+                    )
+                    for sid in ids
+                    for b in range(submitted // studies, per_study, CALL)
+                ]
+                t0 = time.perf_counter()
+                await asyncio.gather(*(one(c) for c in calls))
+                submit_s += time.perf_counter() - t0
+                submitted = per_study * studies
+                times = []
+                for _ in range(rounds):
+                    t0 = time.perf_counter()
+                    d = app.scheduler.decide()
+                    times.append((time.perf_counter() - t0) * 1000)
+                    assert d.pending == submitted, (d.pending, submitted)
+                round_ms[submitted] = times
+                p50 = statistics.median(times)
+                p99 = max(times) if len(times) < 20 else statistics.quantiles(times, n=100)[98]
+                print(
+                    f"growth: pending={submitted} round_ms p50={p50:.0f} p99={p99:.0f}"
+                    f" runs={[round(t) for t in times]}",
+                    flush=True,
+                )
+            out["submit_per_s"] = submitted / submit_s
+        out["round_ms"] = round_ms
+        out["rss_mb"] = rss_mb()
+        engine = create_engine(url)
+        try:
+            with engine.connect() as c:  # the same rows, for the reference
+                q = f"SELECT {', '.join(refs.REQUEST_COLUMNS)} FROM requests ORDER BY id LIMIT :n"
+                rows = [tuple(r) for r in c.execute(text(q), {"n": min(submitted, 20_000)})]
+        finally:
+            engine.dispose()
+        out["raw_insert_per_s"] = refs.raw_insert_rate(url, "requests", refs.REQUEST_COLUMNS, rows, CALL)
+    finally:
+        await server.stop(grace=None)
+        app.close()
+    return out
+
+
+def growth_exponent(round_ms: dict[int, list[float]]) -> float:
+    xs = [math.log(n) for n in sorted(round_ms)]
+    ys = [math.log(statistics.median(round_ms[n])) for n in sorted(round_ms)]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+
+
+# -- phase 2: live ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LiveConfig:
+    nms: int
+    gpus: int
+    fleets: int
+    studies: int
+    requests: int
+    step_s: float
+    min_step: int
+    eta: int
+    rungs: int
+    max_concurrent: int
+
+
+@dataclass
+class Sample:
+    t: float
+    pending: int
+    total: int
+    done: int
+    master_rss: float
+
+
+def sampler(cluster: ProcessCluster, stop: threading.Event, out: list[Sample]) -> None:
+    engine = cluster.engine()
+    pid = cluster.pid("master")
+    try:
+        while not stop.is_set():
+            t = time.time()
+            with engine.connect() as c:
+                row = c.execute(
+                    text(
+                        "SELECT count(*) FILTER (WHERE state = 'NOT_SCHED'), count(*),"
+                        " count(*) FILTER (WHERE state = 'DONE') FROM requests"
+                    )
+                ).one()
+            out.append(Sample(t, int(row[0]), int(row[1]), int(row[2]), rss_mb(pid) if pid else 0.0))
+            stop.wait(1.0)
+    finally:
+        engine.dispose()
+
+
+async def drive_studies(cluster: ProcessCluster, cfg: LiveConfig, progress: list[int]) -> tuple[float, int]:
+    """Run every study's ASHA to its end; returns (when the last trial was started, evals)."""
+    steps = cfg.min_step * cfg.eta ** (cfg.rungs - 1)
+    per_trial = sum(cfg.eta**-k for k in range(cfg.rungs))
+    trials = max(1, round(cfg.requests / cfg.studies / per_trial))
+    last_start = [0.0]
+
+    async with stagetree.connect(cluster.target, token=cluster.token) as client:
+
+        async def one(s: int) -> int:
+            study = await stagetree.Study.create(
+                client, f"scale-{s}", trainer=f"sim.trainer:Study{s}", tuned=["lr", "momentum"], code_version="sim"
+            )
+            space = RandomSearchSpace({"lr": LogUniform(1e-4, 1.0), "momentum": Uniform(0.5, 0.99)}, seed=s)
+            tuner = ASHA(
+                space,
+                metric="loss",
+                mode="min",
+                eta=cfg.eta,
+                min_step=cfg.min_step,
+                max_step=steps,
+                max_concurrent=cfg.max_concurrent,
+                max_trials=trials,
+            )
+
+            def on_event(_e: object, actions: list[object]) -> None:
+                submits = [a for a in actions if isinstance(a, Submit)]
+                progress[0] += len(submits)
+                if any(a.step == cfg.min_step for a in submits):  # a new trial
+                    last_start[0] = max(last_start[0], time.time())
+
+            run = await stagetree.drive(study, tuner, on_event=on_event)
+            return len(run.trace)
+
+        results = await asyncio.gather(*(one(s) for s in range(cfg.studies)))
+    return last_start[0], sum(results)
+
+
+def live(cfg: LiveConfig, root: Path) -> dict[str, object]:
+    config = ClusterConfig(
+        root=root,
+        node_managers=0,
+        aggregators=2,
+        heartbeat_ttl_s=15.0,
+        round_interval_s=1.0,
+        peripheral_every_s=0.0,
+        topic_partitions=8,
+    )
+    out: dict[str, object] = {}
+    with ProcessCluster(config) as cluster:
+        fleets = []
+        per_fleet = math.ceil(cfg.nms / cfg.fleets)
+        for f in range(cfg.fleets):
+            count = min(per_fleet, cfg.nms - f * per_fleet)
+            env = {k: v for k, v in os.environ.items() if not k.startswith("STAGETREE_")}
+            env.update(
+                STAGETREE_NM_MASTER_TARGET=cluster.target,
+                STAGETREE_NM_ADMIN_TOKEN=cluster.admin_token,
+                STAGETREE_NM_BUS__KAFKA_BOOTSTRAP_SERVERS=cluster.bootstrap,
+                STAGETREE_NM_BUS__BATCH_MAX_AGE_S="0.1",
+                STAGETREE_NM_RECONNECT_MAX_S="2",
+            )
+            activity = root / f"fleet-{f}.jsonl"
+            log = open(root / f"fleet-{f}.log", "wb")  # noqa: SIM115  (closed after the process)
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "stagetree.cli",
+                    "nodemanager",
+                    "simulate",
+                    "--count",
+                    str(count),
+                    "--gpus",
+                    str(cfg.gpus),
+                    "--gpu-types",
+                    "A100:1.0",
+                    "--step-s",
+                    str(cfg.step_s),
+                    "--prefix",
+                    f"{cluster.id}-f{f}",
+                    "--activity-out",
+                    str(activity),
+                ],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+            fleets.append((proc, activity, log))
+        deadline = time.monotonic() + 120
+        while True:
+            n = cluster.query(
+                "SELECT count(*) FROM slots s JOIN node_managers m ON m.id = s.node_manager_id WHERE m.state = 'ALIVE'"
+            )[0][0]
+            if n >= cfg.nms * cfg.gpus:
+                break
+            if time.monotonic() > deadline or any(p.poll() is not None for p, _, _ in fleets):
+                raise RuntimeError(f"only {n} slots registered; see {root}/fleet-*.log")
+            time.sleep(0.5)
+        print(f"live: {cfg.nms} simulated node managers x {cfg.gpus} GPUs registered", flush=True)
+        samples: list[Sample] = []
+        stop = threading.Event()
+        th = threading.Thread(target=sampler, args=(cluster, stop, samples), daemon=True)
+        th.start()
+        progress = [0]
+        t0 = time.time()
+
+        async def run() -> tuple[float, int]:
+            task = asyncio.ensure_future(drive_studies(cluster, cfg, progress))
+            while not task.done():
+                await asyncio.wait({task}, timeout=10)
+                s = samples[-1] if samples else None
+                if s is not None:
+                    print(
+                        f"live: {time.time() - t0:5.0f}s requests={s.total} done={s.done} pending={s.pending}"
+                        f" master_rss={s.master_rss:.0f}MB",
+                        flush=True,
+                    )
+            return task.result()
+
+        last_start, evals = asyncio.run(run())
+        wall = time.time() - t0
+        stop.set()
+        th.join()
+        for proc, _, _ in fleets:
+            proc.send_signal(signal.SIGTERM)
+        for proc, _, log in fleets:
+            proc.wait(60)
+            log.close()
+        intervals = []
+        for _, activity, _ in fleets:
+            with open(activity) as f:
+                intervals += [tuple(json.loads(line)) for line in f]
+        print(f"live: {len(intervals)} batch attempts ran on the simulated slots", flush=True)
+        totals = cluster.query("SELECT count(*), count(*) FILTER (WHERE state = 'DONE') FROM requests")[0]
+        ended = cluster.query("SELECT count(*) FROM batch_attempts WHERE finished_at IS NOT NULL")[0][0]
+        points = cluster.query("SELECT count(*) FROM metrics")[0][0]
+        agg_rss = [rss_mb(cluster.pid(n)) for n in cluster.aggregator_names() if cluster.pid(n)]
+    out.update(
+        requests=int(totals[0]),
+        done=int(totals[1]),
+        evals=evals,
+        wall_s=wall,
+        reports_per_s=ended / wall,
+        metric_points_per_s=points / wall,
+        aggregator_rss_mb=max(agg_rss, default=0.0),
+        master_rss_mb=max((s.master_rss for s in samples), default=0.0),
+    )
+    out.update(occupancy_and_latency(intervals, samples, cfg.nms * cfg.gpus, t0, last_start or wall + t0))
+    return out
+
+
+def occupancy_and_latency(
+    intervals: list[tuple[object, ...]], samples: list[Sample], slots: int, t0: float, t_end: float
+) -> dict[str, float]:
+    """Occupancy while work was pending, and the slot-freed-to-next-start latencies taken while
+    requests were pending (see the module docstring)."""
+    times = [s.t for s in samples]
+
+    def pending_at(t: float) -> int:
+        i = bisect.bisect_right(times, t) - 1
+        return samples[i].pending if i >= 0 else 0
+
+    busy_num = busy_den = 0.0
+    t = t0
+    while t < t_end:
+        busy = sum(1 for _nm, _s, a, b in intervals if float(a) <= t < float(b))  # type: ignore[arg-type]
+        busy_num += busy
+        busy_den += min(slots, busy + pending_at(t))
+        t += 1.0
+    per_slot: dict[tuple[object, object], list[tuple[float, float]]] = {}
+    for nm, slot, a, b in intervals:
+        per_slot.setdefault((nm, slot), []).append((float(a), float(b)))  # type: ignore[arg-type]
+    lat = []
+    for runs in per_slot.values():
+        runs.sort()
+        for (_, end), (start, _) in itertools.pairwise(runs):
+            if end <= t_end and pending_at(end) > 0:
+                lat.append((start - end) * 1000)
+    lat.sort()
+    p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else float("nan")
+    return {
+        "occupancy": busy_num / busy_den if busy_den else float("nan"),
+        "assign_ms_p50": statistics.median(lat) if lat else float("nan"),
+        "assign_ms_p99": p99,
+        "assign_samples": float(len(lat)),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nms", type=int, default=200, help="simulated node managers")
+    p.add_argument("--gpus", type=int, default=8, help="GPU slots each")
+    p.add_argument("--fleets", type=int, default=2, help="processes the simulated node managers are spread over")
+    p.add_argument("--studies", type=int, default=50)
+    p.add_argument("--requests", type=int, default=100_000, help="requests the live run's tuners make in all")
+    p.add_argument("--step-s", type=float, default=0.2)
+    p.add_argument("--min-step", type=int, default=50)
+    p.add_argument("--eta", type=int, default=3)
+    p.add_argument("--rungs", type=int, default=3)
+    p.add_argument("--max-concurrent", type=int, default=0, help="per study (default: enough to fill the slots)")
+    p.add_argument("--sizes", default="1000,10000,100000", help="pending requests at which rounds are timed")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--phase", choices=["all", "growth", "live"], default="all")
+    p.add_argument("--quick", action="store_true", help="a small run of both phases")
+    ns = p.parse_args()
+    if ns.quick:
+        ns.nms, ns.gpus, ns.fleets, ns.studies, ns.requests = 10, 4, 1, 4, 400
+        ns.step_s, ns.min_step, ns.sizes, ns.rounds = 0.05, 10, "200,1000,4000", 3
+    sizes = [int(x) for x in ns.sizes.split(",")]
+    slots = ns.nms * ns.gpus
+    g: dict[str, object] = {}
+    if ns.phase in ("all", "growth"):
+        with fresh_database() as url:
+            g = asyncio.run(growth(url, ns.nms, ns.gpus, sizes, ns.rounds, ns.studies))
+        print(
+            f"growth: submit_per_s={g['submit_per_s']:.0f} raw_insert_per_s={g['raw_insert_per_s']:.0f}"
+            f" in_process_rss_mb={g['rss_mb']:.0f}",
+            flush=True,
+        )
+    lv: dict[str, object] = {}
+    if ns.phase in ("all", "live"):
+        mc = ns.max_concurrent or max(1, math.ceil(1.5 * slots / ns.studies))
+        cfg = LiveConfig(
+            ns.nms, ns.gpus, ns.fleets, ns.studies, ns.requests, ns.step_s, ns.min_step, ns.eta, ns.rungs, mc
+        )
+        with tempfile.TemporaryDirectory(prefix="stagetree-scale-") as d:
+            lv = live(cfg, Path(d))
+        print(
+            "live: " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in lv.items()),
+            flush=True,
+        )
+    round_ms: dict[int, list[float]] = g.get("round_ms", {})  # type: ignore[assignment]
+    largest = max(round_ms) if round_ms else 0
+    r99 = max(round_ms[largest]) if largest else float("nan")
+    exp = growth_exponent(round_ms) if len(round_ms) >= 2 else float("nan")
+    ratio = float(g["submit_per_s"]) / float(g["raw_insert_per_s"]) if g else float("nan")  # type: ignore[arg-type]
+    nan = float("nan")
+    occupancy, assign = lv.get("occupancy", nan), lv.get("assign_ms_p99", nan)
+    print(
+        f"slots={slots} studies={ns.studies} requests={lv.get('requests', 0)} occupancy={occupancy:.3f}"
+        f" assign_ms_p99={assign:.0f} round_ms_p99_100k={r99:.0f} round_growth_exp={exp:.2f}"
+        f" master_rss_mb={lv.get('master_rss_mb', nan):.0f} submit_vs_raw_insert={ratio:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""Off one host: node managers in their own network namespaces, checkpoints in S3 (moto), real digits
+training. A study completes and resumes across hosts with the metrics of an uninterrupted run; a host
+partitioned longer than the heartbeat TTL mid-batch has its work requeued and finished elsewhere, and
+what it reports for the lost attempt when its link returns is refused (fencing by attempt), so nothing
+is applied twice; a partition shorter than the TTL requeues nothing; latency and loss where the kernel
+has netem. Skipped, with the reason, where namespaces cannot be made."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from stagetree.client.sdk import Client, connect
+from tests.e2e import netns
+from tests.e2e.conftest import require_platform
+from tests.e2e.helpers import (
+    LRS,
+    batches,
+    checkpoint_steps,
+    diagnostics,
+    new_study,
+    plan_of,
+    requests,
+    study_batches,
+    wait_for,
+)
+from tests.e2e.multihost import HEARTBEAT_TTL_S, MultiHost, duplicated_metrics, lost_requests, multihost
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+STUDY_TIMEOUT_S = 120
+REGISTERED = "registered with the master"
+
+
+@pytest.fixture(scope="module")
+def mh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiHost]:
+    require_platform()
+    why = netns.unavailable()
+    if why:
+        pytest.skip(f"cannot make network namespaces: {why}")
+    with multihost(tmp_path_factory.mktemp("multihost")) as m:
+        yield m
+
+
+@pytest.fixture
+async def client(mh: MultiHost) -> AsyncIterator[Client]:
+    async with connect(mh.cluster.target, token=mh.cluster.token) as c:
+        yield c
+
+
+@pytest.fixture(autouse=True)
+def healed(mh: MultiHost) -> Iterator[None]:
+    """Every host is reachable and its node manager running before the next test."""
+    yield
+    for name, host in mh.hosts.items():
+        mh.lab.heal(host)
+        if not mh.cluster.alive(name):
+            mh.cluster.restart(name, timeout_s=90)
+
+
+def _running_anywhere(mh: MultiHost, study: object, max_step: int) -> object:
+    return next(
+        (
+            b
+            for n in mh.cluster.node_manager_names()
+            if (b := _running_on(mh, study, mh.cluster.node_manager_id(n), max_step))
+        ),
+        None,
+    )
+
+
+def _running_on(mh: MultiHost, study: object, nm: str, max_step: int) -> object:
+    for b in study_batches(mh.cluster, study):  # type: ignore[arg-type]
+        if b.state == "RUNNING" and b.node_manager_id == nm:
+            steps = checkpoint_steps(mh.cluster, b.nodes)
+            if steps and max(steps) <= max_step:
+                return b
+    return None
+
+
+async def test_a_study_resumes_across_hosts_from_s3_with_the_metrics_of_a_straight_run(
+    mh: MultiHost, client: Client
+) -> None:
+    c = mh.cluster
+    study = await new_study(client, "mh-resume", sleep_s=0.1)
+    evals = [asyncio.ensure_future(study.eval({"lr": lr}, 40)) for lr in LRS[:2]]
+    name = c.node_manager_names()[0]
+    nm = c.node_manager_id(name)
+    moved = await wait_for(lambda: _running_on(mh, study, nm, 25), 90, f"a batch on {name} with a checkpoint")
+    stopped_at = time.time()
+    c.stop_service(name)  # a graceful stop: its workers save to s3 and exit; the other host resumes
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*evals), STUDY_TIMEOUT_S)
+    except TimeoutError:
+        raise AssertionError(diagnostics(c)) from None
+    after = batches(c, plan_of(c, study))
+    again = [b for b in after if b.created_at > stopped_at and b.nodes & moved.nodes and b.state == "DONE"]  # type: ignore[attr-defined]
+    assert again and again[0].node_manager_id != nm, after
+    assert again[0].spec["source"]["uri"].startswith(f"s3://{mh.bucket}/"), again[0].spec
+    assert lost_requests(c, study) == 0 and duplicated_metrics(c, plan_of(c, study)) == 0
+    # the same configurations trained straight through (a study of its own: nothing shared) agree exactly
+    straight = await new_study(client, "mh-straight", sleep_s=0.0)
+    assert await asyncio.gather(*(straight.eval({"lr": lr}, 40) for lr in LRS[:2])) == results
+
+
+async def test_a_host_partitioned_past_the_ttl_has_its_work_finished_elsewhere_and_its_late_report_refused(
+    mh: MultiHost, client: Client
+) -> None:
+    c = mh.cluster
+    study = await new_study(client, "mh-partition", sleep_s=0.12)
+    evals = [asyncio.ensure_future(study.eval({"lr": lr}, 50)) for lr in LRS[2:3]]
+    cut = await wait_for(lambda: _running_anywhere(mh, study, 30), 90, "a running batch with a checkpoint")
+    nm = cut.node_manager_id  # type: ignore[attr-defined]
+    name = next(n for n in c.node_manager_names() if c.node_manager_id(n) == nm)
+    host = mh.hosts[name]
+    stale_before = mh.stale_reports()
+    registered = c.log(name, since_start=True).count(REGISTERED)
+    cut_at = mh.lab.partition(host)
+    await wait_for(
+        lambda: next(b for b in batches(c, plan_of(c, study)) if b.id == cut.id).state == "LOST",  # type: ignore[attr-defined]
+        HEARTBEAT_TTL_S * 4,
+        "the partitioned host's batch to be declared lost",
+    )
+
+    try:  # finished on the other host while this one is still cut off (its worker runs on, unheard)
+        await asyncio.wait_for(asyncio.gather(*evals), STUDY_TIMEOUT_S)
+    except TimeoutError:
+        raise AssertionError(diagnostics(c)) from None
+    mh.lab.heal(host)
+    plan = plan_of(c, study)
+    after = batches(c, plan)
+    elsewhere = [b for b in after if b.created_at > cut_at and b.nodes & cut.nodes and b.state == "DONE"]  # type: ignore[attr-defined]
+    assert any(b.node_manager_id != nm for b in elsewhere), after
+    assert lost_requests(c, study) == 0 and duplicated_metrics(c, plan) == 0
+    assert all(r.failures == 0 for r in requests(c, study))  # a lost attempt is no failure
+    # the host is back: its node manager registers again, and the lost attempt's report was refused
+    await wait_for(lambda: c.log(name, since_start=True).count(REGISTERED) > registered, 60, f"{name} to re-register")
+    await wait_for(lambda: _state(mh, nm) == "ALIVE", 60, f"{name} to be alive again")
+    await wait_for(lambda: mh.stale_reports() > stale_before, 60, "the lost attempt's late report to be refused")
+
+
+async def test_a_partition_shorter_than_the_ttl_requeues_nothing(mh: MultiHost, client: Client) -> None:
+    c = mh.cluster
+    study = await new_study(client, "mh-blip", sleep_s=0.1)
+    evals = [asyncio.ensure_future(study.eval({"lr": lr}, 30)) for lr in LRS[4:6]]
+    name = c.node_manager_names()[-1]
+    host, nm = mh.hosts[name], c.node_manager_id(name)
+    await wait_for(lambda: _running_on(mh, study, nm, 20), 90, f"a batch on {name} with a checkpoint")
+    mh.lab.partition(host)
+    await asyncio.sleep(HEARTBEAT_TTL_S / 3)
+    mh.lab.heal(host)
+    await asyncio.wait_for(asyncio.gather(*evals), STUDY_TIMEOUT_S)
+    plan = plan_of(c, study)
+    assert {b.state for b in batches(c, plan)} == {"DONE"}  # nothing lost, nothing requeued
+    assert lost_requests(c, study) == 0 and duplicated_metrics(c, plan) == 0
+
+
+async def test_latency_and_loss_on_a_hosts_link(mh: MultiHost, client: Client) -> None:
+    name = mh.cluster.node_manager_names()[-1]
+    why = mh.lab.netem(mh.hosts[name], delay_ms=30, loss_pct=2.0)
+    if why:
+        pytest.skip(why)
+    study = await new_study(client, "mh-netem", sleep_s=0.02)
+    await asyncio.wait_for(asyncio.gather(*(study.eval({"lr": lr}, 20) for lr in LRS[:4])), STUDY_TIMEOUT_S)
+    plan = plan_of(mh.cluster, study)
+    assert lost_requests(mh.cluster, study) == 0 and duplicated_metrics(mh.cluster, plan) == 0
+
+
+def _state(mh: MultiHost, nm: str) -> str | None:
+    rows = mh.cluster.query("SELECT state FROM node_managers WHERE id = :n", n=nm)
+    return str(rows[0][0]) if rows else None
