@@ -56,6 +56,9 @@ class Study(Base):
     created_at: Mapped[float] = mapped_column(Float)
     # retry its requests' work when the user's code raised (off: such a failure is final at once)
     retry_user_errors: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_false())
+    # how its learning curves are sampled (NULL: the master's defaults)
+    curve_every_steps: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    curve_max_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class Plan(Base):

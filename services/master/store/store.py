@@ -56,12 +56,12 @@ class Store:
     def open(cls, engine: Engine, *, check: bool = True, cached: bool = True) -> Store:
         """Every role over one database (``check``: refuse an old schema, with the command that fixes it)."""
         db = Database(engine, check=check)
-        requests, checkpoints, nodes = RequestStore(db), CheckpointCatalog(db), NodeRegistry(db)
-        studies, plans, ledger = StudyStore(db), PlanStore(db), BatchLedger(db, requests, checkpoints)
+        requests, checkpoints, nodes, curves = RequestStore(db), CheckpointCatalog(db), NodeRegistry(db), CurveStore(db)
+        studies, plans, ledger = StudyStore(db), PlanStore(db), BatchLedger(db, requests, checkpoints, curves)
         if cached:
             studies, plans, ledger = CachedStudyStore(studies), CachedPlanStore(plans), CachedBatchLedger(ledger)
         rounds = RoundReader(db, nodes, ledger, checkpoints)
-        stats, retention, curves = StatsReader(db), Retention(db), CurveStore(db)
+        stats, retention = StatsReader(db), Retention(db)
         return cls(db, studies, plans, requests, checkpoints, ledger, nodes, rounds, stats, retention, curves)
 
     def dispose(self) -> None:
