@@ -168,6 +168,18 @@ class CurvePoint(Base):
     recorded_at: Mapped[float] = mapped_column(Float, index=True)
 
 
+class GpuSample(Base):
+    """The latest telemetry sample of one GPU of one node manager (utilization, memory, processes), as
+    an aggregator last saw it on the telemetry topic: what the dashboard's cluster page shows."""
+
+    __tablename__ = "gpu_telemetry"
+
+    node_manager: Mapped[str] = mapped_column(String(128), primary_key=True)
+    gpu_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    sample: Mapped[dict[str, Any]] = mapped_column(JSON)
+    ts: Mapped[float] = mapped_column(Float, index=True)
+
+
 class NodeManager(Base):
     __tablename__ = "node_managers"
 

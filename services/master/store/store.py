@@ -34,6 +34,7 @@ from stagetree.master.store.retention import Retention
 from stagetree.master.store.rounds import RoundReader
 from stagetree.master.store.stats import StatsReader
 from stagetree.master.store.studies import StudyStore
+from stagetree.master.store.telemetry import TelemetryStore
 
 __all__ = ["Store", "make_engine"]
 
@@ -51,6 +52,7 @@ class Store:
     stats: StatsReader
     retention: Retention
     curves: CurveStore
+    telemetry: TelemetryStore
 
     @classmethod
     def open(cls, engine: Engine, *, check: bool = True, cached: bool = True) -> Store:
@@ -62,7 +64,10 @@ class Store:
             studies, plans, ledger = CachedStudyStore(studies), CachedPlanStore(plans), CachedBatchLedger(ledger)
         rounds = RoundReader(db, nodes, ledger, checkpoints)
         stats, retention = StatsReader(db), Retention(db)
-        return cls(db, studies, plans, requests, checkpoints, ledger, nodes, rounds, stats, retention, curves)
+        telemetry = TelemetryStore(db)
+        return cls(
+            db, studies, plans, requests, checkpoints, ledger, nodes, rounds, stats, retention, curves, telemetry
+        )
 
     def dispose(self) -> None:
         self.db.dispose()
