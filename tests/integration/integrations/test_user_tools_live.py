@@ -61,7 +61,7 @@ async def watch_busy(base: str, done: asyncio.Event) -> float:
     seen = 0.0
     while not done.is_set():
         seen = max(seen, value(await scrape(base), "stagetree_nm_slots_busy", node_manager=NM))
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.02)  # a batch of this study can be over in a few tenths of a second
     return seen
 
 
