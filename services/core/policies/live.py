@@ -7,6 +7,11 @@ returns which work goes to which slot, in which order and which running batches 
 ``eval_points`` says where batches report them. Everything is plain data: the master (``stagetree.master.policies``)
 gathers it from the database and carries the decisions out.
 
+A study's ``"slots": n`` (an integer, default 1) trains each of its batches data-parallel on ``n``
+slots of one node manager; it is not a scheduling step of its own (the master's round places such
+batches, and counts their stages at ``n`` slots), so a study that chooses only ``slots`` keeps the
+master's default steps.
+
 Steps, in the order ``plan_round`` applies them:
 
 1. **Order** (GENIE, ``qos``): when some pending work belongs to a study with a QoS class, all ready
@@ -113,9 +118,17 @@ class StudyPolicies:
     placement: PlacementParams | None = None
     qos: str | None = None
     search: SearchParams | None = None
+    slots: int = 1  # slots per batch (data parallel, on one node manager)
+
+    @property
+    def schedules(self) -> bool:
+        """Whether it chooses a scheduling step (anything but ``slots``)."""
+        return any(x is not None for x in (self.order, self.time_share, self.placement, self.qos, self.search))
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        if self.slots != 1:
+            out["slots"] = self.slots
         if self.order is not None:
             out["order"] = self.order
         if self.time_share is not None:
@@ -205,7 +218,7 @@ def parse_policies(obj: Any) -> StudyPolicies:
     """Validate a study's ``"policies"`` object (see the master's ``stagetree.master.policies``)."""
     if not isinstance(obj, Mapping):
         raise InvalidArgument("policies: must be an object of step name -> policy name")
-    allowed = set(POLICY_NAMES) | set(_PARAMS)
+    allowed = set(POLICY_NAMES) | set(_PARAMS) | {"slots"}
     unknown = sorted(set(obj) - allowed)
     if unknown:
         raise InvalidArgument(f"policies: unknown keys {unknown}; known: {sorted(allowed)}")
@@ -247,7 +260,10 @@ def parse_policies(obj: Any) -> StudyPolicies:
             sp.make(1)  # PopConfig's own checks, and what the baseline needs (earlyterm: max_epochs)
         except InvalidArgument as e:
             raise InvalidArgument(f"policies.search_params: {e.message}") from None
-    return StudyPolicies(names.get("order"), ts, pl, names.get("qos"), sp)
+    slots = obj.get("slots", 1)
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise InvalidArgument(f"policies.slots: must be an integer >= 1 (slots per batch), got {slots!r}")
+    return StudyPolicies(names.get("order"), ts, pl, names.get("qos"), sp, slots)
 
 
 # -- the round's inputs -------------------------------------------------------------------------

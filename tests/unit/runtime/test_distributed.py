@@ -129,7 +129,9 @@ def test_two_ranks_resume_exactly_on_two_ranks(tmp_path: Path) -> None:
     first = run_ranks(_spec(0, 6, batch_id=2, **NOISY), 2, root, tmp_path / "w")
     ck = first.checkpoint_at(6)
     assert [k for k, _ in first.rank_events[1]] == []  # rank 1 reports nothing when all goes well
-    second = run_ranks(_spec(6, 12, batch_id=3, source=Source(Point(1, 6), ck["uri"]), **NOISY), 2, root, tmp_path / "w")
+    second = run_ranks(
+        _spec(6, 12, batch_id=3, source=Source(Point(1, 6), ck["uri"]), **NOISY), 2, root, tmp_path / "w"
+    )
     assert second.codes == [0, 0], second.log_tails()
     assert second.metrics_at(12) == straight.metrics_at(12)
 
