@@ -334,6 +334,10 @@ class CostModel:
         """The slots a batch of this plan starts with (1 unless it ran out of memory before)."""
         return self._min_gpus.get(plan_key, COLD_GPUS)
 
+    def any_ran_out_of_memory(self) -> bool:
+        """Whether some plan's batches take more than one slot after running out of memory."""
+        return any(n > COLD_GPUS for n in self._min_gpus.values())
+
     # -- persistence ----------------------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:

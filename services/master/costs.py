@@ -55,10 +55,13 @@ class CostLearner:
         self._costs: dict[tuple[str, str], dict[tuple[int, int, int], float]] = {}
 
     def refresh(self, ledger: BatchLedger) -> int:
-        """Learn from the attempts that finished (or ran out of memory) since the last refresh; how many
-        finished ones were new."""
-        self.observe_oom(ledger.finished_attempts(self._oom_since, state=BatchState.OUT_OF_MEMORY))
+        """Learn from the attempts that finished since the last refresh; how many were new."""
         return self.observe(ledger.finished_attempts(self._since))
+
+    def refresh_oom(self, ledger: BatchLedger) -> list[tuple[str, int]]:
+        """Learn from the attempts that ran out of memory since the last look (every round: the retry of
+        the work they carried must already take the doubled slots)."""
+        return self.observe_oom(ledger.finished_attempts(self._oom_since, state=BatchState.OUT_OF_MEMORY))
 
     def observe_oom(self, attempts: Sequence[FinishedAttempt]) -> list[tuple[str, int]]:
         """Attempts that ran out of memory: their plans' batches take twice their slots from now on.

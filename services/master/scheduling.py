@@ -290,6 +290,7 @@ class SchedulingLoop:
             forest, uris, count = self.snapshot(reads)
             t1 = time.perf_counter()
             unplaceable: dict[int, str] = {}
+            self.costs.refresh_oom(self.store.ledger)
             slots_of = self.plan_slots(chosen, reads.node_managers, forest, unplaceable)
             cost = self.stage_cost(slots, slots_of)
             preempts: list[int] = []
@@ -328,10 +329,10 @@ class SchedulingLoop:
                 for pid in self.store.plans.study_plan_ids(sid):
                     asked[str(pid)] = max(asked.get(str(pid), 1), p.slots)
         model = self.costs.model
+        if not asked and not model.any_ran_out_of_memory():
+            return None  # every batch on one slot: no more reads
         plans = {st.plan for st in forest.stages}
         keys = {plan: self.store.plans.plan_fixed(int(plan))[0] for plan in plans if plan.isdigit()}
-        if not asked and all(model.min_slots(k) == 1 for k in keys.values()):
-            return None
         most = max((len(n.placed_slots()) for n in nms if n.state == ALIVE), default=0)
         out: dict[str, int] = {}
         for plan in plans:

@@ -111,11 +111,17 @@ class FaultyTorchDigits(DigitsTorch):
         self._fault_step = int(self.fixed.get("fault_step", 0))
         self._sleep_s = float(self.fixed.get("sleep_s", 0.0))
         self._noise = bool(self.fixed.get("rank_noise", False))
+        once = str(self.fixed.get("fault_once", ""))
+        self._once = Path(once) if once else None
         super().init()
 
     def train(self) -> dict[str, float]:
         if self._fault is not None and self.step == self._fault_step:
-            self._fault()
+            if self._once is None:
+                self._fault()
+            elif not self._once.exists():
+                self._once.touch()
+                self._fault()
         if self._sleep_s > 0:
             time.sleep(self._sleep_s)
         if self._noise:
