@@ -22,6 +22,7 @@ from stagetree.embedded import Embedded, EmbeddedSettings
 from stagetree.master.store import models as m
 from stagetree.nodemanager.examples.faults import TORCH_ENTRY_POINT
 from stagetree.nodemanager.group import WorkerGroup
+from tests.unit.nodemanager.test_group import gone
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -93,9 +94,6 @@ async def test_a_killed_rank_fails_its_attempt_and_the_work_is_retried(tmp_path:
         os.kill(pids[1], signal.SIGKILL)
         got = await asyncio.wait_for(task, 180)
         assert set(got) == {"accuracy", "loss"}
-        for pid in pids:
-            assert (
-                not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] == "Z"
-            )
+        assert all(gone(p) for p in pids)
         first, *rest = _batches(cluster)
         assert first[:2] == ("OUT_OF_MEMORY", 2) and rest[-1][:2] == ("DONE", 4)

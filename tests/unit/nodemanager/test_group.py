@@ -38,7 +38,7 @@ def _spec(batch_id: int, steps: int = 10, slots: int = 2, **fixed: Any) -> Batch
     return dataclasses.replace(spec, slots=slots)
 
 
-def _gone(pid: int) -> bool:
+def gone(pid: int) -> bool:
     """The process has exited (reaped, or a zombie waiting for its parent)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -82,7 +82,7 @@ async def test_a_killed_rank_ends_every_rank_frees_the_slots_and_fails_the_attem
     report = await h.report(2, timeout=60)
     assert not report.ok and not report.preempted and not report.user_error
     assert "rank 1 of 2" in report.error and "SIGKILL" in report.error, report.error
-    assert all(_gone(p) for p in pids), [p for p in pids if not _gone(p)]
+    assert all(gone(p) for p in pids), [p for p in pids if not gone(p)]
     await until(lambda: sorted(h.nm._free) == ["cpu0", "cpu1"] and h.nm.running() == [])
     h.run(_spec(3, steps=3))  # both slots are free again: the next group starts at once
     assert (await h.report(3, timeout=60)).ok
@@ -104,7 +104,7 @@ async def test_a_preempted_group_stops_every_rank_at_one_step_with_one_checkpoin
     assert report.preempted and not report.ok
     (ckpt,) = report.checkpoints
     assert ckpt.kind == "peripheral" and 1 <= ckpt.step < 400 and h.store.exists(ckpt.uri)
-    assert all(_gone(p) for p in group.pids)
+    assert all(gone(p) for p in group.pids)
     assert [w.returncode for w in group.workers] == [0, 0]
 
 
