@@ -30,6 +30,7 @@ class RanksRun:
     codes: list[int]
     wall_s: float  # from the first process started to the last one gone
     logs: list[Path]
+    progress_times: list[tuple[float, dict[str, Any]]]  # rank 0's progress events with their time stamps
 
     def of(self, kind: str) -> list[dict[str, Any]]:
         return [p for k, p in self.events if k == kind]
@@ -96,4 +97,10 @@ def run_ranks(spec: BatchSpec, n: int, checkpoint_root: Path, work: Path, timeou
     wall = time.perf_counter() - t0
     rank_events = [[_event(line) for line in out.splitlines() if line.strip()] for out in outs]
     logs = [work / f"log-b{spec.batch_id}a{spec.attempt}-r{r}.txt" for r in range(n)]
-    return RanksRun(rank_events[0], rank_events, [int(p.returncode) for p in procs], wall, logs)
+    progress = []
+    for line in outs[0].splitlines() if outs else ():
+        if line.strip():
+            kind, ts, payload = decode_event(line)
+            if kind == "progress":
+                progress.append((ts, payload))
+    return RanksRun(rank_events[0], rank_events, [int(p.returncode) for p in procs], wall, logs, progress)
