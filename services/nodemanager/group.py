@@ -8,7 +8,9 @@ manager follows, preempts, kills and reports it like a one-slot worker:
   Terminal events are held until every rank has exited, then the one that says why the group ended
   goes out (one attempt, one end);
 * the first rank to end badly (a non-zero status or a signal, without the node manager killing it) is
-  the group's ``cause``: every other rank is SIGKILL-ed at once (they would wait in a collective for a
+  the group's ``cause`` (of the ranks that end badly within ``SETTLE_S`` of it, one killed by a signal,
+  else one that reported nothing: a peer that saw it go fails right after it): every other rank is
+  SIGKILL-ed at once (they would wait in a collective for a
   peer that is gone), and the group's end is that rank's: its ``batch_failed`` (an error of the user's
   code, an out-of-memory), or its death (its exit status, its log's tail). A peer's report that a
   collective failed (it saw the cause go) is not the end. When ranks end well, rank 0's terminal event
@@ -30,6 +32,7 @@ log = logging.getLogger(__name__)
 
 TERMINAL = frozenset({"batch_finished", "batch_preempted", "batch_failed"})
 STRAGGLER_GRACE_S = 30.0
+SETTLE_S = 0.3  # after a rank ends badly, how long the ranks that end with it are waited for
 
 
 class WorkerGroup(WorkerProcess):
@@ -82,6 +85,7 @@ class WorkerGroup(WorkerProcess):
         waits = {asyncio.ensure_future(w.wait()): r for r, w in enumerate(self.workers)}
         deadline: float | None = None
         loop = asyncio.get_running_loop()
+        bad: list[int] = []
         try:
             while waits:
                 timeout = None if deadline is None else max(0.0, deadline - loop.time())
@@ -91,26 +95,40 @@ class WorkerGroup(WorkerProcess):
                     self._end_the_rest()
                     deadline = None
                     continue
-                # a rank that died without a word explains its peers' failed collectives: look at it first
-                for fut in sorted(done, key=lambda f: (waits[f] in self._terminals, waits[f])):
+                for fut in done:
                     rank = waits.pop(fut)
-                    code = fut.result()
-                    if code != 0 and self.cause is None and not self.killed:
-                        self.cause = rank
-                        self.log_path = self.workers[rank].log_path
-                        log.warning(
-                            "rank %d of %d ended with status %d: ending the other ranks",
-                            rank,
-                            self.world_size,
-                            code,
-                            extra={"pid": self.workers[rank].pid},
-                        )
-                        self._end_the_rest()
-                    elif code == 0 and deadline is None and waits:
+                    if fut.result() != 0:
+                        bad.append(rank)
+                    elif deadline is None and waits:
                         deadline = loop.time() + self._grace
+                if bad and self.cause is None and not self.killed:
+                    # The ranks that end in the same moment: a rank that saw its peer go fails right after
+                    # it, and the one that died (by a signal, or without a word) is the cause.
+                    if waits:
+                        more, _ = await asyncio.wait(waits, timeout=SETTLE_S)
+                        for fut in more:
+                            rank = waits.pop(fut)
+                            if fut.result() != 0:
+                                bad.append(rank)
+                    self.cause = min(bad, key=self._blame)
+                    self.log_path = self.workers[self.cause].log_path
+                    log.warning(
+                        "rank %d of %d ended with status %s: ending the other ranks",
+                        self.cause,
+                        self.world_size,
+                        self.workers[self.cause].returncode,
+                        extra={"pid": self.workers[self.cause].pid},
+                    )
+                    self._end_the_rest()
         finally:
             for fut in waits:
                 fut.cancel()
+
+    def _blame(self, rank: int) -> tuple[bool, bool, int]:
+        """Sort key of the ranks that ended badly together: killed by a signal first, then those that
+        said nothing, then by rank."""
+        code = self.workers[rank].returncode
+        return (code is None or code >= 0, rank in self._terminals, rank)
 
     def _end_the_rest(self) -> None:
         for w in self.workers:
