@@ -201,3 +201,17 @@ class CostLearner:
             return got
 
         return cost
+
+    def width_scale(self, plan_key_of: Callable[[int], str], gpu_type: str) -> Callable[[str, int], float]:
+        """Time per step of a plan's batch on ``n`` slots over that on 1 (``(plan id, n) -> ratio``): from
+        the fit where the plan has data, else the ideal ``1 / n``."""
+        model = self.model
+
+        def scale(plan: str, n: int) -> float:
+            key = plan_key_of(int(plan)) if plan.isdigit() else None
+            if key is None or (key, gpu_type) not in self._warm:
+                return 1.0 / n
+            one = model.seconds_per_step(key, gpu_type, {}, 1)
+            return model.seconds_per_step(key, gpu_type, {}, n) / one if one > 0 else 1.0 / n
+
+        return scale

@@ -296,7 +296,9 @@ class SchedulingLoop:
             preempts: list[int] = []
             kills: list[Kill] = []
             if policies:
-                result, preempts, kills = self.policy_step.round(forest, slots, cost, self.settings.policy, policies)
+                result, preempts, kills = self.policy_step.round(
+                    forest, slots, cost, self.settings.policy, policies, slots_of, self.width_scale(slots)
+                )
             else:
                 result = schedule_round(forest, slots, cost, self.settings.policy, slots_of=slots_of)
             t2 = time.perf_counter()
@@ -362,6 +364,11 @@ class SchedulingLoop:
             gpu_type,
             slots_of,
         )
+
+    def width_scale(self, slots: Sequence[Slot]) -> Callable[[str, int], float]:
+        """Time per step of a plan's batch on n slots over that on 1 (GENIE's choice of widths)."""
+        gpu_type = slots[0].gpu_type if slots else "cpu"
+        return self.costs.width_scale(lambda plan_id: self.store.plans.plan_fixed(plan_id)[0], gpu_type)
 
     def run_round(self) -> RoundReport:
         t0 = time.monotonic()
