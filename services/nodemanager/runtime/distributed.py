@@ -122,8 +122,9 @@ def backend_for(device: torch.device) -> str:
 class RankGroup:
     """The collectives the batch loop uses; on one rank (``SINGLE_RANK``) they are identities."""
 
-    def __init__(self, info: RankInfo) -> None:
+    def __init__(self, info: RankInfo, device: torch.device | None = None) -> None:
         self.info = info
+        self.device = device or torch.device("cpu")  # where its tensors go (NCCL: the rank's GPU)
 
     @property
     def distributed(self) -> bool:
@@ -133,11 +134,11 @@ class RankGroup:
     def leader(self) -> bool:
         return self.info.leader
 
-    def agree(self, flags: int, device: torch.device | None = None) -> int:
+    def agree(self, flags: int) -> int:
         """``flags`` OR-ed over every rank (each rank must call it at the same point)."""
         if not self.distributed:
             return flags
-        bits = torch.tensor([(flags >> i) & 1 for i in range(8)], dtype=torch.int32, device=device)
+        bits = torch.tensor([(flags >> i) & 1 for i in range(8)], dtype=torch.int32, device=self.device)
         dist.all_reduce(bits, op=dist.ReduceOp.MAX)
         return sum(int(b) << i for i, b in enumerate(bits.tolist()))
 
@@ -177,7 +178,7 @@ def join_group(info: RankInfo, device: torch.device, timeout_s: float = DEFAULT_
         world_size=info.world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    return RankGroup(info)
+    return RankGroup(info, device if backend == "nccl" else torch.device("cpu"))
 
 
 def data_parallel(model: torch.nn.Module, device: torch.device, world_size: int) -> torch.nn.Module:
