@@ -199,6 +199,9 @@ def global_sum(value: float, device: torch.device) -> float:
     return float(t.item())
 
 
+_DIST_ERRORS: tuple[type[BaseException], ...] = tuple(
+    t for t in (getattr(dist, "DistError", None),) if isinstance(t, type) and issubclass(t, BaseException)
+)
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "gloo", "nccl")
 
 
@@ -209,7 +212,7 @@ def is_peer_lost(exc: BaseException) -> bool:
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, getattr(dist, "DistError", ())):
+        if isinstance(e, _DIST_ERRORS):
             return True
         text = str(e).lower()
         if isinstance(e, RuntimeError) and any(m in text for m in _PEER_LOST):
