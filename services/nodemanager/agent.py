@@ -475,6 +475,8 @@ class NodeManager:
             if att.aborted:
                 worker.kill()
             rc = await self._watch(att, worker)
+            if isinstance(worker, WorkerGroup):  # its cause is settled once every rank's report is in
+                rc = worker.returncode if worker.returncode is not None else rc
             end = classify_end(att, rc, worker.stderr_tail() if att.terminal is None else "")
             if isinstance(worker, WorkerGroup) and worker.cause is not None and not end.by_worker:
                 rank = worker.cause

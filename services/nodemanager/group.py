@@ -7,14 +7,15 @@ manager follows, preempts, kills and reports it like a one-slot worker:
 * events: rank 0's, as they come, except the terminal one; the other ranks write only ``batch_failed``.
   Terminal events are held until every rank has exited, then the one that says why the group ended
   goes out (one attempt, one end);
-* the first rank to end badly (a non-zero status or a signal, without the node manager killing it) is
-  the group's ``cause`` (of the ranks that end badly within ``SETTLE_S`` of it, one killed by a signal,
-  else one that reported nothing: a peer that saw it go fails right after it): every other rank is
-  SIGKILL-ed at once (they would wait in a collective for a
-  peer that is gone), and the group's end is that rank's: its ``batch_failed`` (an error of the user's
-  code, an out-of-memory), or its death (its exit status, its log's tail). A peer's report that a
-  collective failed (it saw the cause go) is not the end. When ranks end well, rank 0's terminal event
-  is the end; a rank still running ``STRAGGLER_GRACE_S`` after another ended well is killed;
+* the first rank to end badly (a non-zero status or a signal, without the node manager killing it)
+  ends the others: every other rank is SIGKILL-ed at once (they would wait in a collective for a peer
+  that is gone). The group's end is its ``cause``'s: its ``batch_failed`` (an error of the user's code,
+  an out of memory), or its death (its exit status, its log's tail). Of the ranks that end badly
+  together (within ``SETTLE_S``, and again once all reports are in), the cause is one killed by a
+  signal, else one that died without a word, else one that reported its own failure; a rank's report
+  that a collective failed because a peer went away (``PEER_LOST_NOTE``) is never the end. When the
+  ranks end well, rank 0's terminal event is the end; a rank still running ``STRAGGLER_GRACE_S`` after
+  another ended well is killed;
 * ``send_signal`` (a preemption) goes to every rank; ``kill`` kills every rank.
 """
 
@@ -26,6 +27,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from stagetree.nodemanager.runtime.distributed import PEER_LOST_NOTE
 from stagetree.nodemanager.workers import WorkerProcess
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ class WorkerGroup(WorkerProcess):
         super().__init__(first.slot, first.log_path, asyncio.StreamReader(), None)
         self.workers = list(workers)
         self.cause: int | None = None  # the rank whose bad end ended the group
+        self._bad: list[int] = []  # the ranks that ended badly (not killed from here), as seen to end
         self._grace = straggler_grace_s
         self._terminals: dict[int, tuple[str, dict[str, Any]]] = {}
         self._supervisor: asyncio.Task[None] | None = None
@@ -85,7 +88,6 @@ class WorkerGroup(WorkerProcess):
         waits = {asyncio.ensure_future(w.wait()): r for r, w in enumerate(self.workers)}
         deadline: float | None = None
         loop = asyncio.get_running_loop()
-        bad: list[int] = []
         try:
             while waits:
                 timeout = None if deadline is None else max(0.0, deadline - loop.time())
@@ -98,20 +100,19 @@ class WorkerGroup(WorkerProcess):
                 for fut in done:
                     rank = waits.pop(fut)
                     if fut.result() != 0:
-                        bad.append(rank)
+                        self._bad.append(rank)
                     elif deadline is None and waits:
                         deadline = loop.time() + self._grace
-                if bad and self.cause is None and not self.killed:
-                    # The ranks that end in the same moment: a rank that saw its peer go fails right after
-                    # it, and the one that died (by a signal, or without a word) is the cause.
+                if self._bad and self.cause is None and not self.killed:
+                    # The ranks that end in the same moment: a rank that saw its peer go fails right after it.
                     if waits:
                         more, _ = await asyncio.wait(waits, timeout=SETTLE_S)
                         for fut in more:
                             rank = waits.pop(fut)
                             if fut.result() != 0:
-                                bad.append(rank)
-                    self.cause = min(bad, key=self._blame)
-                    self.log_path = self.workers[self.cause].log_path
+                                self._bad.append(rank)
+                    self._settle_cause()
+                    assert self.cause is not None
                     log.warning(
                         "rank %d of %d ended with status %s: ending the other ranks",
                         self.cause,
@@ -124,11 +125,29 @@ class WorkerGroup(WorkerProcess):
             for fut in waits:
                 fut.cancel()
 
-    def _blame(self, rank: int) -> tuple[bool, bool, int]:
-        """Sort key of the ranks that ended badly together: killed by a signal first, then those that
-        said nothing, then by rank."""
-        code = self.workers[rank].returncode
-        return (code is None or code >= 0, rank in self._terminals, rank)
+    def _settle_cause(self) -> None:
+        """The rank whose end is the group's, among those that ended badly: one killed by a signal, then
+        one that died without a word, then one that reported its own failure, then one that reported
+        losing a peer; the first seen to end among equals. Decided when the first ranks end (to end the
+        others), and again once every rank's report is in."""
+        if not self._bad or self.killed:
+            return
+
+        def blame(rank: int) -> tuple[int, int]:
+            code = self.workers[rank].returncode
+            term = self._terminals.get(rank)
+            if code is not None and code < 0:
+                kind = 0
+            elif term is None:
+                kind = 1
+            elif not str(term[1].get("error", "")).startswith(PEER_LOST_NOTE):
+                kind = 2
+            else:
+                kind = 3
+            return (kind, self._bad.index(rank))
+
+        self.cause = min(self._bad, key=blame)
+        self.log_path = self.workers[self.cause].log_path
 
     def _end_the_rest(self) -> None:
         for w in self.workers:
@@ -160,6 +179,7 @@ class WorkerGroup(WorkerProcess):
                 elif rank == 0:
                     yield kind, payload
             await self.wait()
+            self._settle_cause()  # now with every rank's report
             end = self.terminal()
             if end is not None:
                 yield end

@@ -199,6 +199,10 @@ def global_sum(value: float, device: torch.device) -> float:
     return float(t.item())
 
 
+# How a rank's failure starts when a collective failed because another rank went away (its group's end
+# is that other rank's, not this one: ``nodemanager.group``).
+PEER_LOST_NOTE = "a peer rank of this batch went away"
+
 _DIST_ERRORS: tuple[type[BaseException], ...] = tuple(
     t for t in (getattr(dist, "DistError", None),) if isinstance(t, type) and issubclass(t, BaseException)
 )

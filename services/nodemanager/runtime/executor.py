@@ -50,7 +50,7 @@ from stagetree.core.batch import BatchSpec, Point
 from stagetree.core.config import Config, FixedPart
 from stagetree.core.sequences import Value
 from stagetree.nodemanager.runtime.checkpoints import CheckpointStore, StoredCheckpoint
-from stagetree.nodemanager.runtime.distributed import SINGLE_RANK, RankGroup, is_peer_lost
+from stagetree.nodemanager.runtime.distributed import PEER_LOST_NOTE, SINGLE_RANK, RankGroup, is_peer_lost
 from stagetree.nodemanager.runtime.events import Emit
 from stagetree.nodemanager.runtime.state import restore, save_now, take_snapshot
 from stagetree.nodemanager.runtime.trainer import (
@@ -499,6 +499,8 @@ class BatchRun:
             log.exception("checkpoint write failed while failing batch", extra={"batch_id": self.spec.batch_id})
         self._pending.clear()
         error = error_text(exc, tb)
+        if peer_lost:
+            error = f"{PEER_LOST_NOTE}: {error}"
         log.error(
             "batch failed at step %d: %s: %s\n%s",
             step,
