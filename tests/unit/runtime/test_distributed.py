@@ -18,7 +18,7 @@ from stagetree.nodemanager.examples.faults import TORCH_ENTRY_POINT
 from stagetree.nodemanager.examples.torch_digits import ENTRY_POINT as TORCH_DIGITS
 from stagetree.nodemanager.examples.torch_digits import DigitsTorch
 from stagetree.nodemanager.runtime.checkpoints import LocalCheckpointStore
-from stagetree.nodemanager.runtime.distributed import RankInfo, backend_for, is_peer_lost
+from stagetree.nodemanager.runtime.distributed import PEER_LOST_NOTE, RankInfo, backend_for, is_peer_lost
 from stagetree.nodemanager.runtime.state import RUNTIME_FILE, restore, take_snapshot
 from stagetree.nodemanager.runtime.trainer import TrainerContext, capture_rng_state
 from tests.unit.runtime.ranks import run_ranks
@@ -184,3 +184,4 @@ def test_a_rank_whose_code_raises_stops_its_peer_with_an_error_that_is_not_the_u
     assert own["user_error"] and "injected fault in user code" in own["error"]
     (peer,) = run.of("batch_failed")
     assert not peer["user_error"] and not peer["oom"], peer["error"]
+    assert peer["error"].startswith(PEER_LOST_NOTE), peer["error"]
