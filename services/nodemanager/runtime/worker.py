@@ -222,9 +222,14 @@ def main(argv: list[str] | None = None, spec_input: TextIO | None = None) -> int
     )
     outcome = run.run()
     emit.flush()
-    if outcome.status != "failed":  # after a failure a peer may be gone: leave without a goodbye
-        group.close()
-    return EXIT_FAILED if outcome.status == "failed" else 0
+    code = EXIT_FAILED if outcome.status == "failed" else 0
+    if rank.distributed:
+        # Leave now, with everything written: freeing the trainer (its DistributedDataParallel, the gloo
+        # group) can block for good once a peer has gone (seen in forked workers), and a rank that does
+        # not exit holds its slot until the node manager kills it.
+        stream_out.flush()
+        exit_now(code)
+    return code
 
 
 PREPARE_PREFIX = '{"prepare"'
