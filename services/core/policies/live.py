@@ -472,9 +472,9 @@ def place_work(
                 load[dev] = load.get(dev, 0) + 1
             out.append((w.key, ",".join(slot.id for _, slot in taken)))
             continue
-        if (p is None or p.placement is None) and p is not None and p.time_share is not None:
-            cands = {d: load.get(d, 0) for d, sl in free_by_dev.items() if sl}
-            chosen = hermes.find_available_gpu(cands, p.time_share.g_thres)
+        if p is not None and p.placement is None and p.time_share is not None:
+            counts = {d: load.get(d, 0) for d, sl in free_by_dev.items() if sl}
+            chosen = hermes.find_available_gpu(counts, p.time_share.g_thres)
             if chosen is None:
                 continue  # every device holds G_thres jobs: the global queue
             slot = free_by_dev[chosen].pop(0)

@@ -5,6 +5,7 @@ exactly; a failing rank's peers stop with a failure that is not the user's."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -29,13 +30,15 @@ HP = {"lr": 0.1, "momentum": 0.9, "bs": 32}
 NOISY = {"dropout": 0.3, "rank_noise": True}  # the ranks' random streams differ (see FaultyTorchDigits)
 
 
-def _spec(start: int, end: int, *, batch_id: int, source: Source | None = None, **fixed: object) -> BatchSpec:
+def _spec(
+    start: int, end: int, *, batch_id: int, source: Source | None = None, fixed: Mapping[str, object] | None = None
+) -> BatchSpec:
     return digits_batch(
         [(1, start, end, HP)],
         batch_id=batch_id,
         seed=3,
         trainer=TORCH_ENTRY_POINT,
-        fixed_values=fixed,
+        fixed_values=dict(fixed or {}),
         source=source,
         evals=[(1, end)],
         saves=[(1, end)],
@@ -124,13 +127,13 @@ def test_two_ranks_resume_exactly_on_two_ranks(tmp_path: Path) -> None:
     streams differ, and the resume is exact only with each rank's own (a checkpoint that gives rank 1
     rank 0's streams resumes to other metrics)."""
     root = tmp_path / "ckpt"
-    straight = run_ranks(_spec(0, 12, batch_id=1, **NOISY), 2, root, tmp_path / "w")
+    straight = run_ranks(_spec(0, 12, batch_id=1, fixed=NOISY), 2, root, tmp_path / "w")
     assert straight.codes == [0, 0], straight.log_tails()
-    first = run_ranks(_spec(0, 6, batch_id=2, **NOISY), 2, root, tmp_path / "w")
+    first = run_ranks(_spec(0, 6, batch_id=2, fixed=NOISY), 2, root, tmp_path / "w")
     ck = first.checkpoint_at(6)
     assert [k for k, _ in first.rank_events[1]] == []  # rank 1 reports nothing when all goes well
     second = run_ranks(
-        _spec(6, 12, batch_id=3, source=Source(Point(1, 6), ck["uri"]), **NOISY), 2, root, tmp_path / "w"
+        _spec(6, 12, batch_id=3, source=Source(Point(1, 6), ck["uri"]), fixed=NOISY), 2, root, tmp_path / "w"
     )
     assert second.codes == [0, 0], second.log_tails()
     assert second.metrics_at(12) == straight.metrics_at(12)
@@ -151,7 +154,7 @@ def test_two_ranks_resume_exactly_on_two_ranks(tmp_path: Path) -> None:
         torch.save(rt, directory / RUNTIME_FILE)
 
     wrong = store.put("forged/s6", forged).uri
-    other = run_ranks(_spec(6, 12, batch_id=4, source=Source(Point(1, 6), wrong), **NOISY), 2, root, tmp_path / "w")
+    other = run_ranks(_spec(6, 12, batch_id=4, source=Source(Point(1, 6), wrong), fixed=NOISY), 2, root, tmp_path / "w")
     assert other.metrics_at(12) != straight.metrics_at(12)
 
 
@@ -177,7 +180,7 @@ def test_two_ranks_train_like_one_rank_on_the_same_global_batch(tmp_path: Path) 
 
 
 def test_a_rank_whose_code_raises_stops_its_peer_with_an_error_that_is_not_the_users(tmp_path: Path) -> None:
-    spec = _spec(0, 30, batch_id=1, fault="raise", fault_step=3, fault_rank=1)
+    spec = _spec(0, 30, batch_id=1, fixed={"fault": "raise", "fault_step": 3, "fault_rank": 1})
     run = run_ranks(spec, 2, tmp_path / "ckpt", tmp_path / "w", timeout_s=120)
     assert run.codes == [1, 1], run.log_tails()
     (own,) = [p for k, p in run.rank_events[1] if k == "batch_failed"]
