@@ -4,7 +4,8 @@
 
 1. polls up to ``max_records`` messages, or whatever arrived within ``max_latency_s`` of the first one;
 2. skips what did not decode (the bus logs it with topic, partition and offset; here it is counted),
-   keeps the latest ``gpu_telemetry`` per GPU in memory (:meth:`Aggregator.telemetry`);
+   keeps the latest ``gpu_telemetry`` per GPU in memory (:meth:`Aggregator.telemetry`), written to the
+   database every ``telemetry_every_s`` (``TelemetryStore``: the dashboard's cluster page reads it);
 3. applies the rest with :class:`~stagetree.master.store.ingest.Ingestor` in one database transaction;
 4. commits that batch's offsets only after that transaction committed;
 5. notifies ``CH_RESULTS`` / ``CH_ROUND`` when requests finished or the scheduler has something new,
@@ -47,6 +48,7 @@ from stagetree.bus.messages import ALL_TOPICS, GpuTelemetry, Message
 from stagetree.core.errors import Conflict, FailedPrecondition, InvalidArgument, StagetreeError, Unavailable
 from stagetree.master.service import CH_CURVES, CH_RESULTS, CH_ROUND, Wakeups
 from stagetree.master.store.ingest import Ingestor, IngestResult
+from stagetree.master.store.telemetry import TelemetryStore
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +114,8 @@ class Aggregator:
         max_conflict_retries: int = 8,
         applied_retention_s: float = 0.0,
         name: str = "aggregator",
+        telemetry: TelemetryStore | None = None,
+        telemetry_every_s: float = 2.0,
     ) -> None:
         if max_records < 1 or max_latency_s < 0 or poll_timeout_s <= 0 or max_conflict_retries < 1:
             raise InvalidArgument(
@@ -138,6 +142,10 @@ class Aggregator:
         self._thread: threading.Thread | None = None
         self._consumer: BusConsumer | None = None
         self._telemetry: dict[tuple[str, int], GpuTelemetry] = {}
+        self._telemetry_dirty: set[tuple[str, int]] = set()
+        self._telemetry_store = telemetry
+        self._telemetry_every_s = telemetry_every_s
+        self._next_telemetry = 0.0
         self._lock = threading.Lock()
         self._per_record = 50.0  # messages per bus record seen lately (records are mostly bundles)
         self._owned: frozenset[tuple[str, int]] = frozenset()
@@ -199,6 +207,8 @@ class Aggregator:
                     pending = None
                 if records:
                     pending = self._submit(writer, records)
+                if time.monotonic() >= self._next_telemetry:
+                    self.flush_telemetry()
             if pending is not None:
                 self._finish(consumer, pending)
                 pending = None
@@ -206,6 +216,7 @@ class Aggregator:
             if pending is not None:  # leaving on an error: wait for the write, commit nothing
                 pending.future.cancel()
             writer.shutdown(wait=True)
+            self.flush_telemetry()
             consumer.close()
             log.info("aggregator stopped", extra={"aggregator": self.name, **vars(self.stats)})
 
@@ -404,6 +415,29 @@ class Aggregator:
             old = self._telemetry.get(key)
             if old is None or old.ts <= msg.ts:
                 self._telemetry[key] = msg
+                self._telemetry_dirty.add(key)
+
+    def flush_telemetry(self) -> int:
+        """Write the GPU samples that changed since the last flush to the database (when this aggregator
+        has a ``telemetry`` store); returns how many. Telemetry is best effort: a failed write is logged
+        and tried again at the next flush."""
+        self._next_telemetry = time.monotonic() + self._telemetry_every_s
+        if self._telemetry_store is None:
+            return 0
+        with self._lock:
+            dirty, self._telemetry_dirty = self._telemetry_dirty, set()
+            samples = [self._telemetry[k].to_json() for k in sorted(dirty)]
+        if not samples:
+            return 0
+        try:
+            return self._telemetry_store.keep(samples)
+        except StagetreeError as e:
+            log.warning(
+                "gpu telemetry not written; retrying later", extra={"aggregator": self.name, "error": e.message}
+            )
+            with self._lock:
+                self._telemetry_dirty |= dirty
+            return 0
 
 
 def _is_poison(e: Exception, conflicts_are_poison: bool) -> bool:

@@ -88,6 +88,7 @@ def run(settings: AggregatorSettings) -> int:
         poll_timeout_s=settings.batch.poll_timeout_ms / 1000,
         applied_retention_s=settings.applied_retention_s,
         name=name,
+        telemetry=store.telemetry,  # the latest GPU samples, for the master's dashboard
     )
 
     def _stop(signum: int, _frame: FrameType | None) -> None:

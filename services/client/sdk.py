@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 import grpc
 
 from stagetree.client.codeversion import code_digest
+from stagetree.core.batch import CurveSampling
 from stagetree.core.config import Config, FixedPart
 from stagetree.core.errors import (
     AlreadyExists,
@@ -166,15 +167,19 @@ class StudyInfo:
     created_at: float
     policies: dict[str, Any] | None = None  # the scheduling policies it chose (stagetree.master.policies)
     retry_user_errors: bool = False
+    curve_every_steps: int | None = None  # None: the master's default
+    curve_max_per_s: float | None = None
 
 
 def _study_info(s: pb.Study) -> StudyInfo:
-    if not s.fixed_json:
-        return StudyInfo(s.id, s.name, s.owner, None, s.created_at, retry_user_errors=s.retry_user_errors)
-    obj = json.loads(s.fixed_json)
-    policies = obj.pop("policies", None) if isinstance(obj, dict) else None
-    fixed = FixedPart.from_json(obj)
-    return StudyInfo(s.id, s.name, s.owner, fixed, s.created_at, policies, s.retry_user_errors)
+    every = s.curve_every_steps if s.HasField("curve_every_steps") else None
+    rate = s.curve_max_per_s if s.HasField("curve_max_per_s") else None
+    fixed, policies = None, None
+    if s.fixed_json:
+        obj = json.loads(s.fixed_json)
+        policies = obj.pop("policies", None) if isinstance(obj, dict) else None
+        fixed = FixedPart.from_json(obj)
+    return StudyInfo(s.id, s.name, s.owner, fixed, s.created_at, policies, s.retry_user_errors, every, rate)
 
 
 _STATE_NAMES = {v.number: v.name for v in pb.RequestState.DESCRIPTOR.values}  # Name() is a slow lookup
@@ -559,6 +564,8 @@ class Study:
         tuned: Iterable[str],
         policies: Mapping[str, Any] | None = None,
         retry_user_errors: bool = False,
+        curve_every_steps: int | None = None,
+        curve_max_per_s: float | None = None,
     ) -> Study:
         """Create a study named ``name`` (unique per owner). ``trainer`` is the entry point of the user's
         ``Trainer`` (``"package.module:Class"``); ``values`` are fixed hyper-parameters; ``tuned`` names
@@ -574,8 +581,15 @@ class Study:
 
         An eval whose trainer raised fails at once with the traceback (``EvalFailed``): a retry would
         raise again. ``retry_user_errors`` retries those too (up to the master's attempt limit), for
-        trainers whose failures are transient (a flaky data source)."""
+        trainers whose failures are transient (a flaky data source).
+
+        Learning curves (the step metrics ``train()`` returns or ``self.log`` reports) are kept every
+        ``curve_every_steps`` steps (0: none) and at most ``curve_max_per_s`` points a second per batch
+        (0: no limit); left out, the master's settings decide (a point a step, 20 a second)."""
         names = _check_tuned(tuned)
+        curves = CurveSampling(  # checked here too, so a typo fails before anything is sent
+            1 if curve_every_steps is None else curve_every_steps, 0.0 if curve_max_per_s is None else curve_max_per_s
+        )
         if not isinstance(name, str) or not name.strip():
             raise InvalidArgument(f"name: must be a non-empty string, got {name!r}")
         if code_version is None:
@@ -602,7 +616,11 @@ class Study:
         if policies is not None:
             fixed_obj["policies"] = dict(policies)
         req = pb.CreateStudyRequest(
-            name=name, fixed_json=json.dumps(fixed_obj, sort_keys=True), retry_user_errors=bool(retry_user_errors)
+            name=name,
+            fixed_json=json.dumps(fixed_obj, sort_keys=True),
+            retry_user_errors=bool(retry_user_errors),
+            curve_every_steps=None if curve_every_steps is None else curves.every_steps,
+            curve_max_per_s=None if curve_max_per_s is None else float(curves.max_per_s),
         )
         try:
             return cls(client, _study_info(await client.call("CreateStudy", req, idempotent=False)), names)

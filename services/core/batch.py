@@ -5,13 +5,16 @@ A batch loads the model at ``source`` (or initializes it when ``source.uri`` is 
 point in ``saves`` (central checkpoints at branch points and at its end) and evaluates at every point
 in ``evals`` (where requests wait). It samples the step metrics its trainer reports (the learning
 curve) every ``curve_every_steps`` steps and at most ``curve_max_per_s`` points a second (0: no
-limit; ``curve_every_steps`` 0: no curve). ``slots`` is how many slots of one node manager the batch
-trains on, one worker process each, as one ``torch.distributed`` group (data parallel; 1: a plain
-worker). The JSON form is what travels in the assignment stream.
+limit; ``curve_every_steps`` 0: no curve), as its studies' ``CurveSampling`` asks. ``slots`` is how
+many slots of one node manager the batch trains on, one worker process each, as one
+``torch.distributed`` group (data parallel; 1: a plain worker). The JSON form is what travels in the
+assignment stream.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -24,6 +27,47 @@ class Point(NamedTuple):
 
     node: int
     step: int
+
+
+MAX_CURVE_EVERY_STEPS = 10_000_000
+MAX_CURVE_RATE = 1_000_000.0
+
+
+@dataclass(frozen=True)
+class CurveSampling:
+    """How a study wants its learning curves sampled: a point every ``every_steps`` steps (0: no curve)
+    and at most ``max_per_s`` points a second per batch (0: no limit)."""
+
+    every_steps: int = 1
+    max_per_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.every_steps, bool) or not isinstance(self.every_steps, int):
+            raise InvalidArgument(f"curve_every_steps: must be an integer, got {self.every_steps!r}")
+        if not 0 <= self.every_steps <= MAX_CURVE_EVERY_STEPS:
+            raise InvalidArgument(
+                f"curve_every_steps: must be in [0, {MAX_CURVE_EVERY_STEPS}] (0: no curve), got {self.every_steps}"
+            )
+        rate = self.max_per_s
+        if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= MAX_CURVE_RATE:
+            raise InvalidArgument(
+                f"curve_max_per_s: must be a number in [0, {MAX_CURVE_RATE:g}] (0: no limit), got {rate!r}"
+            )
+
+    @staticmethod
+    def finest(samplings: Iterable[CurveSampling]) -> CurveSampling:
+        """One sampling that keeps every point each of ``samplings`` asks for (a batch can serve several
+        studies): steps at the gcd of the positive ``every_steps`` (none positive: no curve), and the
+        highest rate (any 0: no limit). None given: the default."""
+        got = list(samplings)
+        if not got:
+            return CurveSampling()
+        every = 0
+        for c in got:
+            every = math.gcd(every, c.every_steps)
+        rates = [c.max_per_s for c in got if c.every_steps > 0]
+        rate = 0.0 if not rates or 0 in rates else max(rates)
+        return CurveSampling(every, float(rate))
 
 
 @dataclass(frozen=True)

@@ -175,6 +175,7 @@ class AttemptReport:
     metrics: Sequence[MetricPoint] = ()
     checkpoints: Sequence[CheckpointPoint] = ()
     error: str = ""
+    curve: Sequence[MetricPoint] = ()  # the learning curve's sampled step metrics
 
     @property
     def end(self) -> AttemptEnd:

@@ -34,7 +34,7 @@ class CheckpointKind(StrEnum):
     PERIPHERAL = "peripheral"
 
 
-@dataclass
+@dataclass(slots=True)
 class Node:
     id: int
     parent: int | None

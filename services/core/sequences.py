@@ -33,6 +33,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, dataclass, fields
@@ -688,7 +689,9 @@ def segments_from_json(obj: Any) -> Segments:
             _steps("segments", f + ".params[4]", params[4])
         if kind == "step":
             _steps("segments", f + ".params[2]", params[2])
-        segs.append(Segment(int(start), None if end is None else int(end), str(kind), tuple(params)))
+        # interned: a plan holds millions of these, and a parsed string is a new object each time
+        typed = (sys.intern(params[0]), *params[1:])
+        segs.append(Segment(int(start), None if end is None else int(end), sys.intern(str(kind)), typed))
     return normalize(segs)
 
 

@@ -43,7 +43,8 @@ class MasterApp:
     service: MasterService
     scheduler: SchedulingLoop
     admission: Admission
-    # the latest GPU samples, for the dashboard's cluster page (the embedded mode's aggregator keeps them)
+    # the latest GPU samples, for the dashboard's cluster page: what the aggregators wrote to the database
+    # (cluster mode); the embedded mode reads its aggregator's memory instead
     telemetry: Callable[[], Sequence[Mapping[str, Any]]] | None = None
 
     @classmethod
@@ -60,7 +61,9 @@ class MasterApp:
         scheduler = SchedulingLoop(store, plans, coordination, settings.scheduling, instance, files)
         metrics.track(store)
         admission = Admission(settings.limits.max_in_flight, settings.limits.retry_after_s)
-        return cls(settings, store, coordination, Authenticator(settings.auth), service, scheduler, admission)
+        app = cls(settings, store, coordination, Authenticator(settings.auth), service, scheduler, admission)
+        app.telemetry = store.telemetry.latest
+        return app
 
     def grpc_servicer(self) -> MasterGrpc:
         return MasterGrpc(

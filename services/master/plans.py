@@ -21,6 +21,7 @@ from stagetree.core.batch import Point
 from stagetree.core.config import Config
 from stagetree.core.errors import Conflict
 from stagetree.core.searchplan import Node, SearchPlan, check_step
+from stagetree.core.sequences import Segments
 from stagetree.master.store.plans import PlanStore
 from stagetree.master.store.records import NewTreeNode
 
@@ -59,6 +60,9 @@ class PlanCache:
 
     def __init__(self, store: PlanStore, max_passes: int = 64) -> None:
         self._store = store
+        # every hyper-parameter sequence held once: a node's config differs from its parent's in one
+        # sequence, so a plan of a million nodes shares most of them (see tests.bench.scale --phase memory)
+        self._sequences: dict[tuple[str, Segments], tuple[str, Segments]] = {}
         self._entries: dict[int, _Entry] = {}
         self._lock = threading.Lock()
         self._max_passes = max_passes
@@ -82,8 +86,15 @@ class PlanCache:
                     raise Conflict(f"plan {plan_id}: node {rec.id}'s parent {rec.parent} is missing; retry")
                 self._refresh(e, plan_id, full=True)  # the parent committed after a later id was read
                 return
-            e.plan.add_node(rec.parent, rec.start, Config.from_json(json.loads(rec.config_json)), node_id=rec.id)
+            e.plan.add_node(
+                rec.parent, rec.start, self._shared(Config.from_json(json.loads(rec.config_json))), node_id=rec.id
+            )
             e.last_id = max(e.last_id, rec.id)
+
+    def _shared(self, config: Config) -> Config:
+        """``config`` made of the sequences this cache holds already (equal ones are one object)."""
+        seen = self._sequences
+        return Config(tuple(seen.setdefault(item, item) for item in config.items))
 
     def refresh(self, plan_id: int) -> SearchPlan:
         """The plan with every node written so far (callers must treat it as read-only)."""
@@ -153,7 +164,7 @@ class PlanCache:
                     # every node is ours as walked: add them and translate the points, no second walk
                     for (node, config), row in zip(created, rows, strict=True):
                         parent = ids[row.parent] if row.parent is not None and row.parent < 0 else row.parent
-                        e.plan.add_node(parent, node.start, config, node_id=ids[row.ref])
+                        e.plan.add_node(parent, node.start, self._shared(config), node_id=ids[row.ref])
                     return [Point(ids[p.node], p.step) if p.node < 0 else p for p in points]
                 # asking twice for the same key means another writer's node committed below last_id
                 self._refresh(e, plan_id, full=bool(previous & keys))

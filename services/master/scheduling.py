@@ -28,10 +28,10 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from stagetree.core.batch import BatchSpec, Point, Source, StageSpec
+from stagetree.core.batch import BatchSpec, CurveSampling, Point, Source, StageSpec
 from stagetree.core.cache import choose_evictions, pinned_points, prefix_cost
 from stagetree.core.config import FixedPart
-from stagetree.core.errors import ResourceExhausted, StagetreeError, Unavailable
+from stagetree.core.errors import NotFound, ResourceExhausted, StagetreeError, Unavailable
 from stagetree.core.policies.live import StudyPolicies
 from stagetree.core.policies.state import Kill
 from stagetree.core.scheduler import PlannedBatch, RoundResult, StageCost, schedule_round
@@ -183,13 +183,43 @@ class SchedulingLoop:
             forest.extend(build_stage_tree(plan.nodes, steps, reqs, inflight.get(plan_id, ()), plan=str(plan_id)))
         return forest, uris, count
 
+    def curve_samplings(self, batches: Sequence[PlannedBatch]) -> list[CurveSampling]:
+        """Each batch's learning-curve sampling: the finest its requests' studies ask for
+        (``CurveSampling.finest``; a study that set none gets the master's settings). One read for all."""
+        default = CurveSampling(self.settings.curve_every_steps, self.settings.curve_max_per_s)
+        wanted = [r for b in batches for r in b.requests]
+        owners = self.store.requests.request_studies(wanted) if wanted else {}
+        by_study: dict[str, CurveSampling] = {}
+        for sid, _ in owners.values():
+            if sid not in by_study:
+                by_study[sid] = self._study_sampling(sid, default)
+        out = []
+        for b in batches:
+            studies = {owners[r][0] for r in b.requests if r in owners}
+            out.append(CurveSampling.finest(by_study[sid] for sid in sorted(studies)) if studies else default)
+        return out
+
+    def _study_sampling(self, study_id: str, default: CurveSampling) -> CurveSampling:
+        try:
+            rec = self.store.studies.get_study(study_id)
+        except NotFound:  # deleted since: its requests go with it
+            return default
+        every = default.every_steps if rec.curve_every_steps is None else rec.curve_every_steps
+        rate = default.max_per_s if rec.curve_max_per_s is None else rec.curve_max_per_s
+        return CurveSampling(every, rate)
+
     def spec_of(
-        self, batch: PlannedBatch, uris: dict[Point, str], slot_ids: Sequence[str] = ()
+        self,
+        batch: PlannedBatch,
+        uris: dict[Point, str],
+        curves: CurveSampling | None = None,
+        slot_ids: Sequence[str] = (),
     ) -> Callable[[int, int], str]:
         """The renderer of ``batch``'s spec for ``store.dispatch``. Everything it needs (the plan's fixed
         part, its nodes) is read here, before the dispatch transaction opens: rendering inside it must
         take no lock, or a submission holding the plan cache's lock while it waits for the database
-        write lock deadlocks with the round (seen on SQLite)."""
+        write lock deadlocks with the round (seen on SQLite). ``curves``: its curve sampling (None: the
+        master's settings)."""
         plan_id = int(batch.plan)
         key, fixed_json = self.store.plans.plan_fixed(plan_id)
         plan = self.plans.ensure(plan_id, {s.node for s in batch.stages})
@@ -197,7 +227,9 @@ class SchedulingLoop:
         stages = tuple(StageSpec(s.node, s.start, s.end, plan.nodes[s.node].config) for s in batch.stages)
         source = Source(batch.source, uris.get(batch.source))
         every_steps, every_s = self.settings.peripheral_every_steps, self.settings.peripheral_every_s
-        curve_every, curve_rate = self.settings.curve_every_steps, self.settings.curve_max_per_s
+        if curves is None:
+            curves = CurveSampling(self.settings.curve_every_steps, self.settings.curve_max_per_s)
+        curve_every, curve_rate = curves.every_steps, curves.max_per_s
 
         def render(batch_id: int, attempt: int) -> str:
             spec = BatchSpec(
@@ -381,15 +413,16 @@ class SchedulingLoop:
         self.policy_step.save(force=bool(dec.preempts or dec.kills))
         result, uris = dec.result, dec.uris
         dispatched: list[int] = []
+        curves = self.curve_samplings([d.batch for d in result.dispatches])
         items = [
             DispatchItem(
                 int(d.batch.plan),
-                self.spec_of(d.batch, uris.get(int(d.batch.plan), {}), [s.id for s in d.slots]),
+                self.spec_of(d.batch, uris.get(int(d.batch.plan), {}), c, [s.id for s in d.slots]),
                 d.batch.requests,
                 d.slot.node_manager,
                 ",".join(s.id for s in d.all_slots),  # a batch on several slots holds them all
             )
-            for d in result.dispatches
+            for d, c in zip(result.dispatches, curves, strict=True)
         ]
         woken: set[str] = set()
         for d, rec in zip(result.dispatches, self.store.ledger.dispatch_many(items), strict=True):

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from stagetree.core.batch import Point
+from stagetree.core.batch import CurveSampling, Point
 from stagetree.core.config import Config, FixedPart, divergence
 from stagetree.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, StagetreeError
 from stagetree.core.lifecycle import AssignmentKind, AttemptReport, CheckpointPoint, MetricPoint, RetryPolicy
@@ -118,11 +118,24 @@ class MasterService:
     # -- studies --------------------------------------------------------------------------------
 
     def create_study(
-        self, who: Principal, name: str, fixed_json: str = "", *, retry_user_errors: bool = False
+        self,
+        who: Principal,
+        name: str,
+        fixed_json: str = "",
+        *,
+        retry_user_errors: bool = False,
+        curve_every_steps: int | None = None,
+        curve_max_per_s: float | None = None,
     ) -> StudyRecord:
         """A new study of the caller. ``retry_user_errors``: retry its requests' work when the user's
-        code raised (off by default: such an error fails the request on its first attempt)."""
+        code raised (off by default: such an error fails the request on its first attempt).
+        ``curve_every_steps``/``curve_max_per_s``: how its learning curves are sampled (``CurveSampling``;
+        None: the master's settings)."""
         check_text(name, "study name", self.limits.max_name_len)
+        if curve_every_steps is not None:
+            CurveSampling(every_steps=curve_every_steps)  # raises InvalidArgument, naming the field
+        if curve_max_per_s is not None:
+            CurveSampling(max_per_s=curve_max_per_s)
         if not name.strip():
             raise InvalidArgument("study name: must not be blank")
         stored = None
@@ -137,7 +150,14 @@ class MasterService:
             if policies is not None:
                 stored["policies"] = policies.to_json()
         fixed = None if stored is None else json.dumps(stored, sort_keys=True)
-        rec = self.store.studies.create_study(who.name, name, fixed, retry_user_errors=bool(retry_user_errors))
+        rec = self.store.studies.create_study(
+            who.name,
+            name,
+            fixed,
+            retry_user_errors=bool(retry_user_errors),
+            curve_every_steps=curve_every_steps,
+            curve_max_per_s=None if curve_max_per_s is None else float(curve_max_per_s),
+        )
         log.info("study created", extra={"study_id": rec.id, "owner": who.name})
         return rec
 
@@ -510,4 +530,8 @@ class MasterService:
         for mr in r.metrics:
             p = self.plans.canonical(plan_id, Point(mr.node, check_step(mr.step)))
             points.append(MetricPoint(p.node, p.step, dict(mr.values)))
-        return replace(r, metrics=points, checkpoints=ckpts)
+        curve = []
+        for cp in r.curve:
+            p = self.plans.canonical(plan_id, Point(cp.node, check_step(cp.step)))
+            curve.append(MetricPoint(p.node, p.step, dict(cp.values)))
+        return replace(r, metrics=points, checkpoints=ckpts, curve=curve)

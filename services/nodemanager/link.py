@@ -61,6 +61,7 @@ class BatchReport:
     oom: bool = False
     preempted: bool = False
     user_error: bool = False  # the trainer's own code raised
+    curve: tuple[MetricPoint, ...] = ()  # the learning curve's sampled points
 
 
 class MasterLink(ABC):
@@ -227,6 +228,7 @@ class GrpcMasterLink(MasterLink):
             oom=report.oom,
             preempted=report.preempted,
             user_error=report.user_error,
+            curve=[pb.MetricPoint(node=m.node, step=m.step, values=m.values) for m in report.curve],
         )
         try:
             resp = await self._get_stub().ReportBatch(req, metadata=self._metadata, timeout=self._timeout)

@@ -10,7 +10,7 @@ crash, or an out-of-memory) or aborted.
   come from each message's ``route()``, never from this module. GPU telemetry goes the same way.
 * ``GrpcReporter`` (the direct path, no bus): collects an attempt's metrics and checkpoints and sends
   one ``ReportBatch`` through the ``MasterLink`` when it ends, retrying while the master is away.
-  Learning curves (``curve`` events) travel on the bus only: this path drops them.
+  Learning curves (``curve`` events) go in the same report.
 
 An aborted attempt publishes nothing more on the bus (the master already ended it); the direct path
 still reports it (not ok) so the checkpoints and metrics it produced are recorded, which the master
@@ -295,6 +295,7 @@ class BusReporter(BatchReporter):
 class _Collected:
     metrics: list[MetricPoint] = field(default_factory=list)
     checkpoints: list[CheckpointPoint] = field(default_factory=list)
+    curve: list[MetricPoint] = field(default_factory=list)
 
 
 class GrpcReporter(BatchReporter):
@@ -331,6 +332,10 @@ class GrpcReporter(BatchReporter):
         elif kind == "checkpoint_saved":
             node, step, nbytes = int(payload["node"]), int(payload["step"]), int(payload["bytes"])
             got.checkpoints.append(CheckpointPoint(node, step, str(payload["uri"]), nbytes, str(payload["kind"])))
+        elif kind == "curve":
+            node = int(payload["node"])
+            for step, values in payload["points"]:
+                got.curve.append(MetricPoint(node, int(step), {str(k): float(v) for k, v in values.items()}))
 
     def report_of(self, info: AttemptInfo, end: AttemptEnd) -> BatchReport:
         got = self._collected.pop(info.key, _Collected())
@@ -347,6 +352,7 @@ class GrpcReporter(BatchReporter):
             oom=end.oom and end.status == "failed",
             preempted=end.status == "preempted",
             user_error=end.user_error and end.status == "failed",
+            curve=tuple(got.curve),
         )
 
     async def _finish(self, info: AttemptInfo, end: AttemptEnd) -> None:

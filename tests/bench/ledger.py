@@ -10,7 +10,7 @@ that ended) is applied through both write paths into fresh SQLite databases:
 
 Between reports, the requests sent back to the queue are dispatched again the same way in both
 databases (sorted by id, three to a batch), so both see the same batch ids. The two databases must end
-in the same state (requests, batches, attempts, metrics, checkpoints). Also measured: the largest class
+in the same state (requests, batches, attempts, metrics, checkpoints, curve points). Also measured: the largest class
 under ``services/master/store/`` and the number of error-to-status tables in ``services/``. Last line:
 ``same_state=<true|false> report_paths=2 store_max_class_lines=<n> status_tables=<n>``.
 """
@@ -57,6 +57,7 @@ class Report:
     end: str  # finished | failed | oom | preempted
     metrics: list[tuple[int, int, dict[str, float]]] = field(default_factory=list)
     checkpoints: list[tuple[int, int, str, int, str]] = field(default_factory=list)
+    curve: list[tuple[int, int, dict[str, float]]] = field(default_factory=list)
 
 
 def script(world: World, n_batches: int, seed: int, send: Callable[[list[Report]], None]) -> None:
@@ -83,13 +84,14 @@ def script(world: World, n_batches: int, seed: int, send: Callable[[list[Report]
         carried = running.pop(bid)
         fate = rng.choices(["finished", "failed", "oom", "preempted"], weights=[4, 3, 1, 2])[0]
         metrics = [(n, s, {"loss": round(1.0 / (s + bid), 6)}) for n, s in carried]
+        curve = [(n, s, {"train_loss": round(2.0 / (s + bid), 6)}) for n, s in carried]
         ckpts = [(world.child, BRANCH, f"file:///ckpt/{world.child}/{BRANCH}", 1024, "central")]
         if fate == "finished":
-            report = Report(bid, 1, fate, metrics, ckpts)
+            report = Report(bid, 1, fate, metrics, ckpts, curve)
         elif fate == "preempted":
-            report = Report(bid, 1, fate, metrics[:1], [(world.root, 5, "file:///pre/5", 0, "peripheral")])
+            report = Report(bid, 1, fate, metrics[:1], [(world.root, 5, "file:///pre/5", 0, "peripheral")], curve[:1])
         else:
-            report = Report(bid, 1, fate, metrics[:1])
+            report = Report(bid, 1, fate, metrics[:1], curve=curve[:1])
         sequence = [report]
         twist = rng.random()
         if twist < 0.15:
@@ -111,6 +113,7 @@ def _proto(r: Report) -> pb.ReportBatchRequest:
         attempt=r.attempt,
         ok=r.end == "finished",
         metrics=[pb.MetricPoint(node=n, step=s, values=v) for n, s, v in r.metrics],
+        curve=[pb.MetricPoint(node=n, step=s, values=v) for n, s, v in r.curve],
         checkpoints=[pb.CheckpointPoint(node=n, step=s, uri=u, bytes=b, kind=k) for n, s, u, b, k in r.checkpoints],
         error="boom" if r.end in ("failed", "oom") else "",
         oom=r.end == "oom",
@@ -136,6 +139,13 @@ def _messages(world: World, r: Report) -> list[Message]:
     out: list[Message] = [world.checkpoint(r.batch_id, n, s, attempt=r.attempt) for n, s, *_ in r.checkpoints]
     if r.end == "preempted":
         out = []  # the preemption carries its own checkpoint
+    by_node: dict[int, list[tuple[int, dict[str, float]]]] = {}
+    for n, s, v in r.curve:
+        by_node.setdefault(n, []).append((s, v))
+    out += [
+        world.curve(r.batch_id, n, sorted(pts, key=lambda p: p[0]), attempt=r.attempt)
+        for n, pts in sorted(by_node.items())
+    ]
     out += [world.metrics(r.batch_id, n, s, v, attempt=r.attempt) for n, s, v in r.metrics]
     if r.end == "finished":
         out.append(world.finished(r.batch_id, attempt=r.attempt))

@@ -1,6 +1,6 @@
 """Scale benchmark: ``python -m tests.bench.scale`` (Postgres, Kafka protocol, simulated GPU servers).
 
-Two phases, each against a fresh Postgres database:
+Three phases, each against a fresh Postgres database:
 
 1. **Growth** (a master in this process, gRPC on loopback): ``--nms`` x ``--gpus`` simulated GPU slots are
    registered, then pending requests are submitted through gRPC (``SubmitRequests``, 100 items a call, 50
@@ -22,10 +22,16 @@ Two phases, each against a fresh Postgres database:
    taken when requests were pending at that moment (the report on Kafka, the aggregator, the master's
    round, the RUN on the stream). ``master_rss_mb``: the master process's peak RSS in the live run.
 
+3. **Memory** (a master in this process): one plan grows to each of ``--plan-sizes`` nodes (a root, 1,000
+   children, the rest grandchildren, each node's config its own), with ``--points-per-node`` metric points
+   each written straight to the database; at each size the master loads the plan into its cache and its
+   RSS over the empty master is read. ``memory_growth_exp``: the slope of log(RSS) over log(nodes).
+   Printed on the line before the last.
+
 Last line: ``slots=<n> studies=<n> requests=<n> occupancy=<r> assign_ms_p99=<t> round_ms_p99_100k=<t>
 round_growth_exp=<e> master_rss_mb=<m> submit_vs_raw_insert=<r>`` (targets: slots >= 1600, requests >=
 100000, occupancy >= 0.95, assign_ms_p99 <= 500, round_growth_exp <= 1.1, master_rss_mb <= 2048,
-submit_vs_raw_insert >= 0.3). ``--quick`` runs a small version of both phases (a smoke test).
+submit_vs_raw_insert >= 0.3). ``--quick`` runs a small version of every phase (a smoke test).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import gc
 import itertools
 import json
 import math
@@ -56,10 +63,17 @@ from stagetree.client.spaces import LogUniform, RandomSearchSpace, Uniform
 from stagetree.client.tuners import ASHA
 from stagetree.client.tuners.base import Submit
 from stagetree.cluster import ClusterConfig, ProcessCluster
+from stagetree.core.config import Config
+from stagetree.core.sequences import MultiStep
 from stagetree.master.app import MasterApp
 from stagetree.master.auth import Principal
 from stagetree.master.coordination import InProcessCoordination
+from stagetree.master.plans import config_text
 from stagetree.master.settings import AuthSettings, LimitSettings, MasterSettings
+from stagetree.master.store import models as m
+from stagetree.master.store.database import table
+from stagetree.master.store.records import NewTreeNode
+from stagetree.master.store.store import Store
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
 from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
 from tests.bench import refs
@@ -169,6 +183,90 @@ def growth_exponent(round_ms: dict[int, list[float]]) -> float:
     ys = [math.log(statistics.median(round_ms[n])) for n in sorted(round_ms)]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+
+
+# -- phase 3: memory ------------------------------------------------------------------------------------
+
+FAN = 1000  # children of the root; every other node is a grandchild
+
+
+def _grow(store: Store, plan_id: int, parents: list[int], first: int, count: int) -> list[int]:
+    """``count`` more grandchildren (numbered from ``first``), spread over ``parents``, each with a config of
+    its own (``wd`` changes at step 20); returns their ids."""
+    nodes = []
+    for k in range(first, first + count):
+        cfg = Config.of({"lr": MultiStep(0.1, [10], 0.5 + (k % FAN) / (2 * FAN)), "wd": MultiStep(0.01, [20], 1 + k)})
+        nodes.append(NewTreeNode(-(k + 1), parents[k % FAN], 20, f"g{k}", config_text(cfg)))
+    got = store.plans.insert_node_tree(plan_id, nodes)
+    return [got[-(k + 1)] for k in range(first, first + count)]
+
+
+def memory(url: str, sizes: list[int], points_per_node: int) -> dict[int, tuple[float, float, int]]:
+    """The master's resident memory as one plan grows to each of ``sizes`` nodes with ``points_per_node``
+    metric points each (written straight to the database, as the aggregators would), and the time to load
+    the plan into the master's cache (what the first round or submission after a restart does). Returns
+    nodes -> (rss over the empty master in MB, load seconds, metric points in the database)."""
+    settings = MasterSettings(
+        database_url=url, auth=AuthSettings(tokens={"bench": SecretStr(TOKEN)}, admin_token=SecretStr("bench-admin"))
+    )
+    app = MasterApp.build(settings, coordination=InProcessCoordination())
+    store = app.store
+    out: dict[int, tuple[float, float, int]] = {}
+    try:
+        fixed = json.dumps({"trainer": "memory", "dataset": "", "model": "", "seed": 0, "values": {}})
+        plan_id = store.plans.ensure_plan("memory-plan", fixed)
+        gc.collect()
+        base = rss_mb()
+        (root,) = store.plans.insert_node_tree(
+            plan_id, [NewTreeNode(-1, None, 0, "root", config_text(Config.of({"lr": 0.1, "wd": 0.01})))]
+        ).values()
+        kids = [
+            NewTreeNode(
+                -(i + 1),
+                root,
+                10,
+                f"c{i}",
+                config_text(Config.of({"lr": MultiStep(0.1, [10], 0.5 + i / (2 * FAN)), "wd": 0.01})),
+            )
+            for i in range(FAN)
+        ]
+        got = store.plans.insert_node_tree(plan_id, kids)
+        parents = [got[-(i + 1)] for i in range(FAN)]
+        have, points = 1 + FAN, 0
+        metric_cols = ("node_id", "step", "values", "recorded_at")
+        for size in sizes:
+            t0 = time.perf_counter()
+            while have < size:
+                n = min(5_000, size - have)  # a larger write overflows the statement Postgres parses
+                ids = _grow(store, plan_id, parents, have, n)
+                rows = [(i, 20 + k, {"loss": 1.0 / (k + 1)}, 0.0) for i in ids for k in range(1, points_per_node + 1)]
+                with store.db.tx("bench metrics") as s:
+                    store.db.bulk_insert_ignore(
+                        s, table(m.Metric), metric_cols, rows, ("node_id", "step"), chunk=10_000
+                    )
+                have, points = have + n, points + len(rows)
+            written = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            plan = app.service.plans.refresh(plan_id)
+            load_s = time.perf_counter() - t0
+            assert len(plan.nodes) == have, (len(plan.nodes), have)
+            gc.collect()
+            out[have] = (rss_mb() - base, load_s, points)
+            print(
+                f"memory: nodes={have} metric_points={points} master_rss_over_empty_mb={out[have][0]:.0f}"
+                f" plan_load_s={load_s:.1f} written_in_s={written:.0f}",
+                flush=True,
+            )
+    finally:
+        app.close()
+    return out
+
+
+def memory_exponent(mem: dict[int, tuple[float, float, int]]) -> float:
+    """Least-squares slope of log(rss over the empty master) over log(plan nodes)."""
+    pts = [(math.log(n), math.log(max(v[0], 1e-3))) for n, v in sorted(mem.items())]
+    mx, my = statistics.fmean(x for x, _ in pts), statistics.fmean(y for _, y in pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
 
 
 # -- phase 2: live ---------------------------------------------------------------------------------------
@@ -419,12 +517,15 @@ def main() -> None:
     p.add_argument("--max-concurrent", type=int, default=0, help="per study (default: enough to fill the slots)")
     p.add_argument("--sizes", default="1000,10000,100000", help="pending requests at which rounds are timed")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--phase", choices=["all", "growth", "live"], default="all")
-    p.add_argument("--quick", action="store_true", help="a small run of both phases")
+    p.add_argument("--phase", choices=["all", "growth", "live", "memory"], default="all")
+    p.add_argument("--plan-sizes", default="10000,100000,1000000", help="plan nodes at which memory is read")
+    p.add_argument("--points-per-node", type=int, default=10, help="metric points stored per plan node")
+    p.add_argument("--quick", action="store_true", help="a small run of every phase")
     ns = p.parse_args()
     if ns.quick:
         ns.nms, ns.gpus, ns.fleets, ns.studies, ns.requests = 10, 4, 1, 4, 400
         ns.step_s, ns.min_step, ns.sizes, ns.rounds = 0.05, 10, "200,1000,4000", 3
+        ns.plan_sizes = "2000,5000,20000"
     sizes = [int(x) for x in ns.sizes.split(",")]
     slots = ns.nms * ns.gpus
     g: dict[str, object] = {}
@@ -446,6 +547,15 @@ def main() -> None:
             lv = live(cfg, Path(d))
         print(
             "live: " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in lv.items()),
+            flush=True,
+        )
+    if ns.phase in ("all", "memory"):
+        with fresh_database() as url:
+            mem = memory(url, [int(x) for x in ns.plan_sizes.split(",")], ns.points_per_node)
+        big = max(mem)
+        print(
+            f"memory: plan_nodes={big} metric_points={mem[big][2]} master_rss_over_empty_mb={mem[big][0]:.0f}"
+            f" plan_load_s={mem[big][1]:.1f} memory_growth_exp={memory_exponent(mem):.2f}",
             flush=True,
         )
     round_ms: dict[int, list[float]] = g.get("round_ms", {})  # type: ignore[assignment]

@@ -47,6 +47,8 @@ def study_pb(s: StudyRecord) -> pb.Study:
         fixed_json=s.fixed_json or "",
         created_at=s.created_at,
         retry_user_errors=s.retry_user_errors,
+        curve_every_steps=s.curve_every_steps,
+        curve_max_per_s=s.curve_max_per_s,
     )
 
 
@@ -140,7 +142,12 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
         rec = await self._call(
             context,
             lambda who: self.svc.create_study(
-                who, request.name, request.fixed_json, retry_user_errors=request.retry_user_errors
+                who,
+                request.name,
+                request.fixed_json,
+                retry_user_errors=request.retry_user_errors,
+                curve_every_steps=request.curve_every_steps if request.HasField("curve_every_steps") else None,
+                curve_max_per_s=request.curve_max_per_s if request.HasField("curve_max_per_s") else None,
             ),
         )
         return study_pb(rec)
@@ -339,6 +346,7 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
             [MetricPoint(m.node, m.step, dict(m.values)) for m in request.metrics],
             [CheckpointPoint(c.node, c.step, c.uri, c.bytes, c.kind or "central") for c in request.checkpoints],
             error=request.error,
+            curve=[MetricPoint(m.node, m.step, dict(m.values)) for m in request.curve],
         )
         try:
             who = self._who(context)

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
+from stagetree.core.batch import MAX_CURVE_EVERY_STEPS, MAX_CURVE_RATE
 from stagetree.core.errors import StagetreeError
 from stagetree.core.searchplan import MAX_STEP
 from stagetree.core.text import INT64_MAX
@@ -51,6 +52,19 @@ class StudyIn(BaseModel):
     retry_user_errors: bool = Field(
         False, description="retry work whose failure was the user's code raising (default: it fails at once)"
     )
+    curve_every_steps: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_CURVE_EVERY_STEPS,
+        description="learning curves: a point every this many steps (0: no curve; default: the master's)",
+    )
+    curve_max_per_s: float | None = Field(
+        None,
+        ge=0,
+        le=MAX_CURVE_RATE,
+        allow_inf_nan=False,
+        description="learning curves: at most this many points a second per batch (0: no limit; default: the master's)",
+    )
 
 
 class StudyOut(BaseModel):
@@ -60,6 +74,8 @@ class StudyOut(BaseModel):
     fixed: StudyFixedJson | None
     created_at: float
     retry_user_errors: bool = False
+    curve_every_steps: int | None = None
+    curve_max_per_s: float | None = None
 
 
 class ItemIn(BaseModel):
@@ -144,6 +160,8 @@ def _study(s: StudyRecord) -> StudyOut:
         fixed=None if s.fixed_json is None else json.loads(s.fixed_json),
         created_at=s.created_at,
         retry_user_errors=s.retry_user_errors,
+        curve_every_steps=s.curve_every_steps,
+        curve_max_per_s=s.curve_max_per_s,
     )
 
 
@@ -218,7 +236,16 @@ def create_rest_app(master: MasterApp) -> FastAPI:
     @api.post(f"{PREFIX}/studies", status_code=201, responses=responses(409, 413))
     def create_study(body: StudyIn, who: Who) -> StudyOut:
         fixed = "" if body.fixed is None else json.dumps(body.fixed)
-        return _study(svc.create_study(who, body.name, fixed, retry_user_errors=body.retry_user_errors))
+        return _study(
+            svc.create_study(
+                who,
+                body.name,
+                fixed,
+                retry_user_errors=body.retry_user_errors,
+                curve_every_steps=body.curve_every_steps,
+                curve_max_per_s=body.curve_max_per_s,
+            )
+        )
 
     @api.get(f"{PREFIX}/studies", responses=responses())
     def list_studies(who: Who) -> list[StudyOut]:

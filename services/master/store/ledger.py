@@ -33,6 +33,7 @@ from stagetree.core.lifecycle import (
 )
 from stagetree.master.store import models as m
 from stagetree.master.store.checkpoints import CheckpointCatalog
+from stagetree.master.store.curves import CurveStore
 from stagetree.master.store.database import Database, table
 from stagetree.master.store.nodes import LOST, enqueue_action
 from stagetree.master.store.records import BatchRecord, DispatchItem, FinishedAttempt
@@ -98,10 +99,13 @@ _RUNNING = select(
 class BatchLedger:
     """Batches and attempts: dispatch, the end of attempts (``end_attempts_in``), and what they ran."""
 
-    def __init__(self, db: Database, requests: RequestStore, checkpoints: CheckpointCatalog) -> None:
+    def __init__(
+        self, db: Database, requests: RequestStore, checkpoints: CheckpointCatalog, curves: CurveStore | None = None
+    ) -> None:
         self.db = db
         self.requests = requests
         self.checkpoints = checkpoints
+        self.curves = CurveStore(db) if curves is None else curves
 
     # -- the end of attempts --------------------------------------------------------------------------
 
@@ -197,6 +201,7 @@ class BatchLedger:
             done_at = self.requests.record_metrics_in(
                 s, [(p.node, p.step, dict(p.values)) for r in known for p in r.metrics], now
             )
+            self.curves.record_in(s, [(p.node, p.step, dict(p.values)) for r in known for p in r.curve], now)
             decisions = iter(self.end_attempts_in(s, [r.end for r in known], policy, now, heads))
         out: list[tuple[Completed, Requeued] | StagetreeError] = []
         for r in reports:

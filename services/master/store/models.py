@@ -56,6 +56,9 @@ class Study(Base):
     created_at: Mapped[float] = mapped_column(Float)
     # retry its requests' work when the user's code raised (off: such a failure is final at once)
     retry_user_errors: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_false())
+    # how its learning curves are sampled (NULL: the master's defaults)
+    curve_every_steps: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    curve_max_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class Plan(Base):
@@ -163,6 +166,18 @@ class CurvePoint(Base):
     step: Mapped[int] = mapped_column(Integer, primary_key=True)
     values: Mapped[dict[str, Any]] = mapped_column(JSON)
     recorded_at: Mapped[float] = mapped_column(Float, index=True)
+
+
+class GpuSample(Base):
+    """The latest telemetry sample of one GPU of one node manager (utilization, memory, processes), as
+    an aggregator last saw it on the telemetry topic: what the dashboard's cluster page shows."""
+
+    __tablename__ = "gpu_telemetry"
+
+    node_manager: Mapped[str] = mapped_column(String(128), primary_key=True)
+    gpu_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    sample: Mapped[dict[str, Any]] = mapped_column(JSON)
+    ts: Mapped[float] = mapped_column(Float, index=True)
 
 
 class NodeManager(Base):

@@ -11,7 +11,8 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import func, select, tuple_
+from sqlalchemy import BigInteger, Integer, String, and_, column, func, select, tuple_, values
+from sqlalchemy.orm import Session
 
 from stagetree.core.errors import NotFound
 from stagetree.core.lifecycle import RequestState
@@ -20,6 +21,7 @@ from stagetree.master.store.database import Database, table
 from stagetree.master.store.records import NewNode, NewTreeNode, NodeRecord
 
 _NODE_KEY = ["plan_id", "parent_key", "start", "branch_digest"]
+_KEYS_PER_READ = 2000
 
 
 class PlanStore:
@@ -129,18 +131,32 @@ class PlanStore:
                 # one global order of rows so that concurrent writers take row locks in the same order
                 rows.sort(key=lambda r: (r["parent_key"], r["start"], r["branch_digest"]))
                 self.db.insert_ignore(s, table(m.Node), rows, _NODE_KEY)
-                for i, pk, st, dg, cj in s.execute(
-                    select(m.Node.id, m.Node.parent_key, m.Node.start, m.Node.branch_digest, m.Node.config_json).where(
-                        m.Node.plan_id == plan_id,
-                        tuple_(m.Node.parent_key, m.Node.start, m.Node.branch_digest).in_(list(refs)),
-                    )
-                ):
+                for i, pk, st, dg, cj in self._by_keys(s, plan_id, list(refs)):
                     ref, config_json = refs[(pk, st, dg)]
                     if cj == config_json:
                         ids[ref] = int(i)
                     else:
                         foreign.add(ref)
         return ids
+
+    def _by_keys(self, s: Session, plan_id: int, keys: list[tuple[int, int, str]]) -> list[Any]:
+        """(id, parent_key, start, branch_digest, config_json) of the plan's nodes under ``keys``, by the
+        node key's index whatever the plan's size. On Postgres a join with the keys as a VALUES list (a
+        row-value IN list is planned as a scan of the plan's nodes, and a long one overflows the parser's
+        stack); SQLite's row-value IN already probes the index."""
+        cols = (m.Node.id, m.Node.parent_key, m.Node.start, m.Node.branch_digest, m.Node.config_json)
+        out: list[Any] = []
+        for i in range(0, len(keys), _KEYS_PER_READ):
+            part = keys[i : i + _KEYS_PER_READ]
+            if self.db.is_postgres:
+                v = values(column("pk", BigInteger), column("st", Integer), column("dg", String), name="k").data(part)
+                on = and_(m.Node.parent_key == v.c.pk, m.Node.start == v.c.st, m.Node.branch_digest == v.c.dg)
+                stmt = select(*cols).join(v, on).where(m.Node.plan_id == plan_id)
+            else:
+                key = tuple_(m.Node.parent_key, m.Node.start, m.Node.branch_digest)
+                stmt = select(*cols).where(m.Node.plan_id == plan_id, key.in_(part))
+            out.extend(s.execute(stmt))
+        return out
 
     def plan_state(self, plan_id: int) -> tuple[dict[int, dict[str, int]], dict[int, list[int]], dict[int, list[int]]]:
         """Per node: request counts by state; checkpoint steps; metric steps (for the plan view)."""

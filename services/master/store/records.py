@@ -37,6 +37,8 @@ class StudyRecord:
     fixed_json: str | None
     created_at: float
     retry_user_errors: bool = False
+    curve_every_steps: int | None = None  # None: the master's default
+    curve_max_per_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from stagetree.master.store.retention import Retention
 from stagetree.master.store.rounds import RoundReader
 from stagetree.master.store.stats import StatsReader
 from stagetree.master.store.studies import StudyStore
+from stagetree.master.store.telemetry import TelemetryStore
 
 __all__ = ["Store", "make_engine"]
 
@@ -51,18 +52,22 @@ class Store:
     stats: StatsReader
     retention: Retention
     curves: CurveStore
+    telemetry: TelemetryStore
 
     @classmethod
     def open(cls, engine: Engine, *, check: bool = True, cached: bool = True) -> Store:
         """Every role over one database (``check``: refuse an old schema, with the command that fixes it)."""
         db = Database(engine, check=check)
-        requests, checkpoints, nodes = RequestStore(db), CheckpointCatalog(db), NodeRegistry(db)
-        studies, plans, ledger = StudyStore(db), PlanStore(db), BatchLedger(db, requests, checkpoints)
+        requests, checkpoints, nodes, curves = RequestStore(db), CheckpointCatalog(db), NodeRegistry(db), CurveStore(db)
+        studies, plans, ledger = StudyStore(db), PlanStore(db), BatchLedger(db, requests, checkpoints, curves)
         if cached:
             studies, plans, ledger = CachedStudyStore(studies), CachedPlanStore(plans), CachedBatchLedger(ledger)
         rounds = RoundReader(db, nodes, ledger, checkpoints)
-        stats, retention, curves = StatsReader(db), Retention(db), CurveStore(db)
-        return cls(db, studies, plans, requests, checkpoints, ledger, nodes, rounds, stats, retention, curves)
+        stats, retention = StatsReader(db), Retention(db)
+        telemetry = TelemetryStore(db)
+        return cls(
+            db, studies, plans, requests, checkpoints, ledger, nodes, rounds, stats, retention, curves, telemetry
+        )
 
     def dispose(self) -> None:
         self.db.dispose()

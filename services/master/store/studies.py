@@ -18,9 +18,18 @@ class StudyStore:
         self.db = db
 
     def create_study(
-        self, owner: str, name: str, fixed_json: str | None, *, retry_user_errors: bool = False
+        self,
+        owner: str,
+        name: str,
+        fixed_json: str | None,
+        *,
+        retry_user_errors: bool = False,
+        curve_every_steps: int | None = None,
+        curve_max_per_s: float | None = None,
     ) -> StudyRecord:
-        rec = StudyRecord(uuid.uuid4().hex, owner, name, fixed_json, time.time(), retry_user_errors)
+        """A new study; ``curve_*`` None keep the master's defaults (checked by the caller)."""
+        every, rate = curve_every_steps, curve_max_per_s
+        rec = StudyRecord(uuid.uuid4().hex, owner, name, fixed_json, time.time(), retry_user_errors, every, rate)
         try:
             with self.db.tx("create study") as s:
                 s.add(
@@ -31,6 +40,8 @@ class StudyStore:
                         fixed_json=fixed_json,
                         created_at=rec.created_at,
                         retry_user_errors=retry_user_errors,
+                        curve_every_steps=every,
+                        curve_max_per_s=rate,
                     )
                 )
         except Conflict as e:
@@ -61,4 +72,13 @@ class StudyStore:
 
 
 def _study(row: m.Study) -> StudyRecord:
-    return StudyRecord(row.id, row.owner, row.name, row.fixed_json, row.created_at, bool(row.retry_user_errors))
+    return StudyRecord(
+        row.id,
+        row.owner,
+        row.name,
+        row.fixed_json,
+        row.created_at,
+        bool(row.retry_user_errors),
+        row.curve_every_steps,
+        row.curve_max_per_s,
+    )

@@ -26,8 +26,13 @@ async def test_curves_through_the_pipeline_stored_once_read_per_trial(tmp_path: 
         study = await stagetree.Study.create(
             client, "curves", trainer=ENTRY_POINT, seed=0, values=VALUES, tuned=["lr", "bs"]
         )
+        # another study (its own plan: another seed) asks for a point every 4 steps
+        sparse = await stagetree.Study.create(
+            client, "sparse", trainer=ENTRY_POINT, seed=1, values=VALUES, tuned=["lr", "bs"], curve_every_steps=4
+        )
         evals = [study.submit(c, END) for c in configs]
-        await asyncio.wait_for(asyncio.gather(*evals), 120)
+        sparse_eval = sparse.submit(configs[0], END)
+        await asyncio.wait_for(asyncio.gather(*evals, sparse_eval), 120)
         rids = [e.request_id for e in evals]
         assert all(r is not None for r in rids)
         curves = [await study.curve(r) for r in rids if r is not None]
@@ -37,6 +42,12 @@ async def test_curves_through_the_pipeline_stored_once_read_per_trial(tmp_path: 
                 break
             await asyncio.sleep(0.1)
             curves = [await study.curve(r) for r in rids if r is not None]
+        assert sparse_eval.request_id is not None and sparse.info.curve_every_steps == 4
+        for _ in range(100):
+            sparse_curve = await sparse.curve(sparse_eval.request_id)
+            if len(sparse_curve) == END // 4:
+                break
+            await asyncio.sleep(0.1)
         store = cluster.app.store
         plan = await study.plan()
         rows = await asyncio.to_thread(store.curves.counts, [n["id"] for n in plan["nodes"]])
@@ -51,6 +62,7 @@ async def test_curves_through_the_pipeline_stored_once_read_per_trial(tmp_path: 
     for c in curves:
         assert [s for s, _ in c] == list(range(1, END + 1))
         assert all("train_loss" in v for _, v in c)
+    assert [s for s, _ in sparse_curve] == [4, 8, 12, 16]  # the study's own sampling
     assert curves[0][:BRANCH] == curves[1][:BRANCH] == curves[2][:BRANCH]  # one shared prefix
     assert curves[0][BRANCH:] != curves[1][BRANCH:]
     assert sum(rows.values()) == BRANCH + len(configs) * (END - BRANCH)  # stored once per plan point

@@ -4,6 +4,7 @@ request or page is a 404, no token a 401) and bad input refused with 422, changi
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 
@@ -70,3 +71,27 @@ def test_the_tree_shows_a_running_node_with_its_progress(http: httpx.Client, app
         for s in n["slots"]
     ]
     assert mine[0]["work"]["step"] == 4 and mine[0]["work"]["nodes"] == [req["node"]]
+
+
+def test_gpu_telemetry_the_aggregators_wrote_shows_on_the_cluster_page(http: httpx.Client, app: MasterApp) -> None:
+    nm = unique("nm")
+    app.store.nodes.register_node_manager(nm, "10.0.0.7:1", [("gpu0", "A100")])
+
+    def sample(gpu: int, util: float, ts: float) -> dict[str, object]:
+        return {
+            "type": "gpu_telemetry",
+            "node_manager": nm,
+            "gpu_index": gpu,
+            "utilization": util,
+            "memory_used": 1 << 30,
+            "memory_total": 80 << 30,
+            "processes": [],
+            "ts": ts,
+        }
+
+    now = time.time()
+    assert app.store.telemetry.keep([sample(0, 40.0, now - 1), sample(0, 55.0, now), sample(1, 5.0, now)]) == 2
+    assert app.store.telemetry.keep([sample(0, 10.0, now - 5)]) == 0  # older than the stored one: ignored
+    app.store.telemetry.keep([{**sample(2, 99.0, now - 3600)}])  # a GPU not heard from for an hour
+    (mine,) = [n for n in http.get("/dashboard/cluster", headers=BOB).json()["node_managers"] if n["id"] == nm]
+    assert [(g["gpu_index"], g["utilization"]) for g in mine["gpus"]] == [(0, 55.0), (1, 5.0)]

@@ -3,6 +3,7 @@ would publish for them; shared by the aggregator's unit and integration suites."
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,7 @@ from stagetree.bus.messages import (
     BatchPreempted,
     BatchStarted,
     CheckpointSaved,
+    Curve,
     Metrics,
     Progress,
     make_msg_id,
@@ -82,6 +84,11 @@ class World:
         vals = values if values is not None else {"loss": 1.0 / (step + 1)}
         return Metrics(**self._common(batch_id, attempt), node=node, step=step, metrics=vals)
 
+    def curve(self, batch_id: int, node: int, points: list[tuple[int, dict[str, float]]], attempt: int = 1) -> Curve:
+        return Curve(
+            **self._common(batch_id, attempt), node=node, steps=[s for s, _ in points], values=[v for _, v in points]
+        )
+
     def checkpoint(self, batch_id: int, node: int, step: int, attempt: int = 1) -> CheckpointSaved:
         return CheckpointSaved(
             **self._common(batch_id, attempt),
@@ -128,12 +135,18 @@ class World:
                     m.Checkpoint.node_id.in_(nodes)
                 )
             ).all()
+            curve = s.execute(
+                select(m.CurvePoint.node_id, m.CurvePoint.step, m.CurvePoint.values).where(
+                    m.CurvePoint.node_id.in_(nodes)
+                )
+            ).all()
         return {
             "requests": sorted(tuple(r) for r in reqs),
             "batches": [tuple(b) for b in batches],
             "attempts": sorted(tuple(a) for a in attempts),
             "metrics": sorted((n, st, sorted(v.items())) for n, st, v in metrics),
             "checkpoints": sorted(tuple(c) for c in ckpts),
+            "curve": sorted((n, st, sorted(_json(v).items())) for n, st, v in curve),
         }
 
     def request_states(self, ids: list[int]) -> list[str]:
@@ -161,3 +174,7 @@ def applied_count(store: Store, prefix: str = "") -> int:
         if prefix:
             q = q.where(m.AppliedMessage.msg_id.like(f"{prefix}%"))
         return int(s.scalar(q) or 0)
+
+
+def _json(v: Any) -> dict[str, Any]:
+    return json.loads(v) if isinstance(v, str) else dict(v)

@@ -213,11 +213,15 @@ def test_the_latest_gpu_sample_is_kept(world: World) -> None:
     for i, (ts, util) in enumerate([(1.0, 10), (3.0, 30), (2.0, 20)]):
         m = sample(i, ts, util)
         bus.publish(m.TOPIC, m.key, m)
-    agg = _aggregator(bus, world)
+    agg = _aggregator(bus, world, telemetry=world.store.telemetry)
     consumer = bus.subscribe(ALL_TOPICS, agg.group)
     agg.run_once(consumer)
     assert agg.telemetry()[("nm", 0)].utilization == 30
     assert applied_count(world.store) == 0
+    # written for the master's dashboard (another process in cluster mode): the latest sample, once
+    assert agg.flush_telemetry() == 1 and agg.flush_telemetry() == 0
+    (row,) = world.store.telemetry.latest(now=3.0)
+    assert (row["node_manager"], row["gpu_index"], row["utilization"]) == ("nm", 0, 30)
 
 
 def test_start_twice_and_bad_settings_are_refused(world: World) -> None:

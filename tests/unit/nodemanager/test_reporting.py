@@ -20,6 +20,7 @@ from stagetree.bus.messages import (
     BatchMessage,
     BatchPreempted,
     CheckpointSaved,
+    Curve,
     GpuTelemetry,
     Message,
     Metrics,
@@ -47,6 +48,7 @@ class Facts:
     status: str | None = None  # finished | preempted | failed | None (nothing terminal)
     metrics: list[tuple[int, int, dict[str, float]]] = field(default_factory=list)
     checkpoints: list[tuple[int, int, str, str]] = field(default_factory=list)
+    curve: list[tuple[int, int, dict[str, float]]] = field(default_factory=list)
     error: str = ""
     oom: bool = False
     terminals: int = 0
@@ -70,6 +72,8 @@ def _bus_facts(consumer: BusConsumer, seen: list[Message]) -> Callable[[], Facts
                 out.metrics.append((m.node, m.step, m.metrics))
             elif isinstance(m, CheckpointSaved):
                 out.checkpoints.append((m.node, m.step, m.uri, m.kind))
+            elif isinstance(m, Curve):
+                out.curve.extend((m.node, s, dict(v)) for s, v in zip(m.steps, m.values, strict=True))
             elif isinstance(m, BatchFinished | BatchPreempted | BatchFailed):
                 out.terminals += 1
                 out.status = {BatchFinished: "finished", BatchPreempted: "preempted", BatchFailed: "failed"}[type(m)]
@@ -90,6 +94,7 @@ def _grpc_facts(link: FakeLink) -> Callable[[], Facts]:
             out.status = "finished" if r.ok else ("preempted" if r.preempted else "failed")
             out.metrics = [(m.node, m.step, m.values) for m in r.metrics]
             out.checkpoints = [(c.node, c.step, c.uri, c.kind) for c in r.checkpoints]
+            out.curve = [(m.node, m.step, m.values) for m in r.curve]
             out.error, out.oom = r.error, r.oom
         return out
 
@@ -121,9 +126,11 @@ def ids(**payload: Any) -> dict[str, Any]:
     return {"batch_id": INFO.batch_id, "attempt": INFO.attempt, **payload}
 
 
-async def test_a_finished_attempt_carries_its_metrics_and_checkpoints(adapter: Adapter) -> None:
+async def test_a_finished_attempt_carries_its_metrics_checkpoints_and_curve(adapter: Adapter) -> None:
     r = adapter.reporter
     await r.event(INFO, "batch_started", ids())
+    await r.event(INFO, "curve", ids(node=1, points=[[1, {"loss": 2.0}], [2, {"loss": 1.5, "lr": 0.1}]]))
+    await r.event(INFO, "curve", ids(node=1, points=[[4, {"loss": 0.75}]]))
     await r.event(INFO, "progress", ids(node=1, step=5))
     await r.event(INFO, "metrics", ids(node=1, step=5, metrics={"loss": 0.5, "accuracy": 0.9}))
     await r.event(INFO, "checkpoint_saved", ids(node=1, step=5, uri=URI, bytes=123, kind="central"))
@@ -133,6 +140,7 @@ async def test_a_finished_attempt_carries_its_metrics_and_checkpoints(adapter: A
     assert facts.status == "finished" and facts.terminals == 1
     assert facts.metrics == [(1, 5, {"loss": 0.5, "accuracy": 0.9})]
     assert facts.checkpoints == [(1, 5, URI, "central")]
+    assert facts.curve == [(1, 1, {"loss": 2.0}), (1, 2, {"loss": 1.5, "lr": 0.1}), (1, 4, {"loss": 0.75})]
 
 
 async def test_the_workers_own_failure_keeps_its_error_and_oom_flag(adapter: Adapter) -> None:

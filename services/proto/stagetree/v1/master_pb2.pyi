@@ -35,30 +35,38 @@ PREEMPT: AssignmentKind
 DELETE_CHECKPOINTS: AssignmentKind
 
 class Study(_message.Message):
-    __slots__ = ("id", "name", "owner", "fixed_json", "created_at", "retry_user_errors")
+    __slots__ = ("id", "name", "owner", "fixed_json", "created_at", "retry_user_errors", "curve_every_steps", "curve_max_per_s")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     FIXED_JSON_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     RETRY_USER_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    CURVE_EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CURVE_MAX_PER_S_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     owner: str
     fixed_json: str
     created_at: float
     retry_user_errors: bool
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ..., fixed_json: _Optional[str] = ..., created_at: _Optional[float] = ..., retry_user_errors: _Optional[bool] = ...) -> None: ...
+    curve_every_steps: int
+    curve_max_per_s: float
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ..., fixed_json: _Optional[str] = ..., created_at: _Optional[float] = ..., retry_user_errors: _Optional[bool] = ..., curve_every_steps: _Optional[int] = ..., curve_max_per_s: _Optional[float] = ...) -> None: ...
 
 class CreateStudyRequest(_message.Message):
-    __slots__ = ("name", "fixed_json", "retry_user_errors")
+    __slots__ = ("name", "fixed_json", "retry_user_errors", "curve_every_steps", "curve_max_per_s")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FIXED_JSON_FIELD_NUMBER: _ClassVar[int]
     RETRY_USER_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    CURVE_EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CURVE_MAX_PER_S_FIELD_NUMBER: _ClassVar[int]
     name: str
     fixed_json: str
     retry_user_errors: bool
-    def __init__(self, name: _Optional[str] = ..., fixed_json: _Optional[str] = ..., retry_user_errors: _Optional[bool] = ...) -> None: ...
+    curve_every_steps: int
+    curve_max_per_s: float
+    def __init__(self, name: _Optional[str] = ..., fixed_json: _Optional[str] = ..., retry_user_errors: _Optional[bool] = ..., curve_every_steps: _Optional[int] = ..., curve_max_per_s: _Optional[float] = ...) -> None: ...
 
 class GetStudyRequest(_message.Message):
     __slots__ = ("study_id", "name")
@@ -408,7 +416,7 @@ class CheckpointPoint(_message.Message):
     def __init__(self, node: _Optional[int] = ..., step: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class ReportBatchRequest(_message.Message):
-    __slots__ = ("batch_id", "attempt", "ok", "metrics", "checkpoints", "error", "oom", "preempted", "user_error")
+    __slots__ = ("batch_id", "attempt", "ok", "metrics", "checkpoints", "error", "oom", "preempted", "user_error", "curve")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
@@ -418,6 +426,7 @@ class ReportBatchRequest(_message.Message):
     OOM_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     USER_ERROR_FIELD_NUMBER: _ClassVar[int]
+    CURVE_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     attempt: int
     ok: bool
@@ -427,7 +436,8 @@ class ReportBatchRequest(_message.Message):
     oom: bool
     preempted: bool
     user_error: bool
-    def __init__(self, batch_id: _Optional[int] = ..., attempt: _Optional[int] = ..., ok: _Optional[bool] = ..., metrics: _Optional[_Iterable[_Union[MetricPoint, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointPoint, _Mapping]]] = ..., error: _Optional[str] = ..., oom: _Optional[bool] = ..., preempted: _Optional[bool] = ..., user_error: _Optional[bool] = ...) -> None: ...
+    curve: _containers.RepeatedCompositeFieldContainer[MetricPoint]
+    def __init__(self, batch_id: _Optional[int] = ..., attempt: _Optional[int] = ..., ok: _Optional[bool] = ..., metrics: _Optional[_Iterable[_Union[MetricPoint, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointPoint, _Mapping]]] = ..., error: _Optional[str] = ..., oom: _Optional[bool] = ..., preempted: _Optional[bool] = ..., user_error: _Optional[bool] = ..., curve: _Optional[_Iterable[_Union[MetricPoint, _Mapping]]] = ...) -> None: ...
 
 class ReportBatchResponse(_message.Message):
     __slots__ = ("completed_request_ids",)
