@@ -55,6 +55,7 @@ class MasterApp:
         plans = PlanCache(store.plans)
         service = MasterService(store, settings.limits, coordination, plans)
         service.retry = RetryPolicy(settings.scheduling.max_attempts)
+        service.assignment_grace_s = settings.scheduling.heartbeat_ttl_s
         service.teams = team_of(settings.auth)
         instance = settings.instance_id or f"{socket.gethostname()}:{os.getpid()}"
         files = checkpoint_files(settings.s3_endpoint_url)

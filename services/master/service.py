@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -110,6 +111,8 @@ class MasterService:
         self.wakeups: Wakeups = wakeups or NoWakeups()
         self.plans = plans or PlanCache(store.plans)
         self.retry = RetryPolicy()  # how often a request's work may fail before the request fails
+        # an attempt sent this long ago that its node manager's heartbeat does not list never arrived
+        self.assignment_grace_s = 15.0
         self.teams: dict[str, str] = {}  # owner -> team: the scope its plans are shared within
         # where the master can see the workers' code (embedded mode): trainer entry point -> why it does
         # not import (None: it does), checked at study creation instead of at the first batch
@@ -454,9 +457,21 @@ class MasterService:
         who.require_admin()
         return self.store.nodes.node_managers()
 
-    def heartbeat(self, who: Principal, nm_id: str) -> None:
+    def heartbeat(self, who: Principal, nm_id: str, known: Sequence[tuple[int, int]] | None = None) -> None:
+        """A node manager is alive. ``known``: the attempts it runs or recently ended; those sent to it
+        more than ``assignment_grace_s`` ago that it does not list never arrived (the stream took them
+        but the process never saw them) and are requeued. None requeues nothing."""
         who.require_admin()
         self.store.nodes.heartbeat(nm_id)
+        if known is None:
+            return
+        lost = self.store.ledger.requeue_unknown(nm_id, known, sent_before=time.time() - self.assignment_grace_s)
+        if lost:
+            log.warning(
+                "work sent to a node manager never reached it; requeued",
+                extra={"node_manager_id": nm_id, "batches": lost},
+            )
+            self.wakeups.notify(CH_ROUND)
 
     def take_assignments(self, who: Principal, nm_id: str) -> list[Assignment]:
         """What the node manager should do next: batch attempts to run, then control actions."""

@@ -309,7 +309,7 @@ class NodeManager:
     async def _heartbeats(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
-            await self.link.heartbeat(self.id)
+            await self.link.heartbeat(self.id, self.known_attempts())
 
     async def _consume(self) -> None:
         self.connected.set()

@@ -80,7 +80,9 @@ class MasterLink(ABC):
         return await self.register(node_manager_id, address, slots)
 
     @abstractmethod
-    async def heartbeat(self, node_manager_id: str) -> None: ...
+    async def heartbeat(self, node_manager_id: str, known: Sequence[tuple[int, int]] | None = None) -> None:
+        """Say this node manager is alive; ``known`` (as in ``register_known``) lets the master requeue
+        attempts it sent long ago that never arrived."""
 
     @abstractmethod
     def assignments(self, node_manager_id: str) -> AsyncIterator[Assignment]:
@@ -195,8 +197,12 @@ class GrpcMasterLink(MasterLink):
             raise translate(e, self.target, "register") from None
         return float(resp.heartbeat_interval_s)
 
-    async def heartbeat(self, node_manager_id: str) -> None:
-        req = pb.HeartbeatRequest(node_manager_id=node_manager_id)
+    async def heartbeat(self, node_manager_id: str, known: Sequence[tuple[int, int]] | None = None) -> None:
+        req = pb.HeartbeatRequest(
+            node_manager_id=node_manager_id,
+            lists_attempts=known is not None,
+            known_attempts=[pb.AttemptRef(batch_id=b, attempt=a) for b, a in known or ()],
+        )
         try:
             await self._get_stub().Heartbeat(req, metadata=self._metadata, timeout=self._timeout)
         except grpc.aio.AioRpcError as e:

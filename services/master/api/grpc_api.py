@@ -299,7 +299,8 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
         def beat(who: Principal) -> None:
-            self.svc.heartbeat(who, request.node_manager_id)
+            known = [(a.batch_id, a.attempt) for a in request.known_attempts] if request.lists_attempts else None
+            self.svc.heartbeat(who, request.node_manager_id, known)
             self.coord.heartbeat(request.node_manager_id, self.heartbeat_interval_s * 3)
 
         await self._call(context, beat, shed=False)

@@ -256,12 +256,16 @@ class BatchLedger:
             ids = s.scalars(select(_B.c.id).where(_B.c.node_manager_id == nm_id, _B.c.state == BatchState.RUNNING))
             return self._end_running_in(s, [int(b) for b in ids], Outcome.LOST)
 
-    def requeue_unknown(self, nm_id: str, known: Iterable[tuple[int, int]]) -> list[int]:
-        """A node manager registered listing the attempts it knows: its running batches whose current
-        attempt was sent to it but is not in ``known`` are LOST and their requests NOT_SCHED (a restarted
+    def requeue_unknown(
+        self, nm_id: str, known: Iterable[tuple[int, int]], sent_before: float | None = None
+    ) -> list[int]:
+        """A node manager listed the attempts it knows (registering, or in a heartbeat): its running
+        batches whose current attempt was sent to it (before ``sent_before``, when given: later ones may
+        still be on their way) but is not in ``known`` are LOST and their requests NOT_SCHED (a restarted
         process never runs them; an assignment lost in a broken stream never arrives). Unsent attempts
-        stay: its new stream sends them. Returns the batch ids."""
+        stay: its stream sends them. Returns the batch ids."""
         keep = {(int(b), int(a)) for b, a in known}
+        sent = _A.c.sent_at.is_not(None) if sent_before is None else _A.c.sent_at < sent_before
         with self.db.tx("requeue unknown attempts") as s:
             rows = s.execute(
                 select(_B.c.id, _B.c.attempt)
@@ -270,7 +274,7 @@ class BatchLedger:
                     _B.c.node_manager_id == nm_id,
                     _B.c.state == BatchState.RUNNING,
                     _A.c.state == BatchState.RUNNING,
-                    _A.c.sent_at.is_not(None),
+                    sent,
                 )
             ).all()
             return self._end_running_in(s, [int(b) for b, a in rows if (int(b), int(a)) not in keep], Outcome.LOST)

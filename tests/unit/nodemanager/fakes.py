@@ -25,6 +25,7 @@ class FakeLink(MasterLink):
         self.feed: asyncio.Queue[Assignment | Exception] = asyncio.Queue()
         self.registrations: list[tuple[str, list[SlotInfo]]] = []
         self.heartbeats = 0
+        self.heartbeat_known: list[list[tuple[int, int]] | None] = []  # what each heartbeat listed
         self.reports: list[BatchReport] = []
         self.register_errors: list[Exception] = []
         self.heartbeat_errors: list[Exception] = []
@@ -37,8 +38,9 @@ class FakeLink(MasterLink):
         self.registrations.append((node_manager_id, list(slots)))
         return self.heartbeat_s
 
-    async def heartbeat(self, node_manager_id: str) -> None:
+    async def heartbeat(self, node_manager_id: str, known: Sequence[tuple[int, int]] | None = None) -> None:
         self.heartbeats += 1
+        self.heartbeat_known.append(None if known is None else list(known))
         if self.heartbeat_errors:
             raise self.heartbeat_errors.pop(0)
 

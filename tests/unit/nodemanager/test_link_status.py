@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +110,7 @@ class AlwaysFailingHeartbeats(FakeLink):
         super().__init__()
         self.error = error
 
-    async def heartbeat(self, node_manager_id: str) -> None:
+    async def heartbeat(self, node_manager_id: str, known: Sequence[tuple[int, int]] | None = None) -> None:
         self.heartbeats += 1
         raise self.error
 

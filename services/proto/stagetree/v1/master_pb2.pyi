@@ -353,10 +353,14 @@ class RegisterNodeManagerResponse(_message.Message):
     def __init__(self, heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_manager_id",)
+    __slots__ = ("node_manager_id", "lists_attempts", "known_attempts")
     NODE_MANAGER_ID_FIELD_NUMBER: _ClassVar[int]
+    LISTS_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     node_manager_id: str
-    def __init__(self, node_manager_id: _Optional[str] = ...) -> None: ...
+    lists_attempts: bool
+    known_attempts: _containers.RepeatedCompositeFieldContainer[AttemptRef]
+    def __init__(self, node_manager_id: _Optional[str] = ..., lists_attempts: _Optional[bool] = ..., known_attempts: _Optional[_Iterable[_Union[AttemptRef, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ()
