@@ -7,8 +7,9 @@
   about 1.2 MB, is small beside it) on 1 rank and on 2 ranks, each rank on one intra-op thread,
   interleaved, ``--runs`` times; the step time is rank 0's, from its progress events between the 5th
   step and the last (start-up, imports, init and the first steps excluded), median over the runs; the
-  ratio is the 1-rank step time over the 2-rank one (the same-run reference: both move with the machine
-  alike). On two cores the other work of the machine takes from the 2-rank run first: run it idle.
+  speedup is the median over the runs of the 1-rank step time over the 2-rank one of the same run (the
+  same-run reference: a pair moves with the machine alike). On two cores any other work of the machine
+  takes from the 2-rank run first: run it on an idle machine.
 * metrics_vs_one_rank_maxdiff: the largest absolute difference between the 1-rank and the 2-rank runs'
   final metrics (loss, accuracy) over the runs: float rounding carried along (see
   tests/unit/runtime/test_distributed.py for why they agree).
@@ -88,7 +89,7 @@ def step_seconds(run: RanksRun) -> float:
     return (times[steps[-1]] - times[steps[0]]) / (steps[-1] - steps[0])
 
 
-def _speed(args: argparse.Namespace, tmp: Path) -> tuple[float, float, float]:
+def _speed(args: argparse.Namespace, tmp: Path) -> tuple[float, float, float, float]:
     hp = {"lr": 0.05, "momentum": 0.9, "bs": args.bs}
     spec = digits_batch(
         [(1, 0, args.steps, hp)], seed=1, trainer=WIDE, fixed_values={"hidden": args.hidden}, evals=[(1, args.steps)]
@@ -105,7 +106,8 @@ def _speed(args: argparse.Namespace, tmp: Path) -> tuple[float, float, float]:
         m1, m2 = got[1].metrics_at(args.steps), got[2].metrics_at(args.steps)
         maxdiff = max([maxdiff, *(abs(m1[k] - m2[k]) for k in m1)])
         print(f"run {r}: 1 rank {one_s[-1] * 1e3:.1f} ms/step, 2 ranks {two_s[-1] * 1e3:.1f} ms/step", flush=True)
-    return statistics.median(one_s), statistics.median(two_s), maxdiff
+    ratio = statistics.median(a / b for a, b in zip(one_s, two_s, strict=True))
+    return statistics.median(one_s), statistics.median(two_s), ratio, maxdiff
 
 
 def _resume_exact(tmp: Path) -> bool:
@@ -214,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-multigpu-") as d:
         tmp = Path(d)
-        one, two, maxdiff = _speed(args, tmp / "speed")
+        one, two, speedup, maxdiff = _speed(args, tmp / "speed")
         exact = _resume_exact(tmp / "exact")
         cleanup = asyncio.run(_killed_rank_cleanup(tmp / "kill"))
         doubled = asyncio.run(_oom_doubled(tmp / "oom"))
@@ -224,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"ranks=2 resume_exact={str(exact).lower()} metrics_vs_one_rank_maxdiff={maxdiff:.2e} "
-        f"speedup_2_vs_1={one / two:.2f} killed_rank_cleanup={str(cleanup).lower()} oom_doubled={str(doubled).lower()}"
+        f"speedup_2_vs_1={speedup:.2f} killed_rank_cleanup={str(cleanup).lower()} oom_doubled={str(doubled).lower()}"
     )
     return 0
 
