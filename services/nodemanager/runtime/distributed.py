@@ -8,9 +8,11 @@ worker started ahead, so the rendezvous is known only then); the worker sets the
 
 ``RankGroup`` is what the batch loop needs of the group, and nothing more:
 
-* ``agree(flags)``: every rank's bit flags OR-ed together (an all-reduce MAX per bit), so that a
-  decision one rank takes alone (a preemption signal, a checkpoint due by the clock) is taken by all at
-  the same step: a checkpoint gathers every rank's RNG state, which is a collective;
+* ``step_sync(flags, values)``: after each step, in one all-reduce (on two busy cores a small
+  collective costs milliseconds: ``tests.bench.multigpu``), every rank's bit flags OR-ed together, so
+  that a decision one rank takes alone (a preemption signal, a checkpoint due by the clock) is taken by
+  all at the same step (a checkpoint gathers every rank's RNG state, which is a collective), and the
+  step metrics averaged over the ranks;
 * ``gather(obj)``: every rank's object on rank 0 (RNG states), None elsewhere.
 
 A single-process batch gets ``SINGLE_RANK``, whose calls cost nothing.
@@ -134,13 +136,21 @@ class RankGroup:
     def leader(self) -> bool:
         return self.info.leader
 
-    def agree(self, flags: int) -> int:
-        """``flags`` OR-ed over every rank (each rank must call it at the same point)."""
+    def step_sync(self, flags: int, values: Mapping[str, Any] | None) -> tuple[int, dict[str, float] | None]:
+        """``flags`` (8 bits) OR-ed over every rank, and the step metrics ``values`` (numbers or 0-d
+        tensors; every rank reports the same names) averaged over the ranks, in one all-reduce (each rank
+        must call it at the same point)."""
         if not self.distributed:
-            return flags
-        bits = torch.tensor([(flags >> i) & 1 for i in range(8)], dtype=torch.int32, device=self.device)
-        dist.all_reduce(bits, op=dist.ReduceOp.MAX)
-        return sum(int(b) << i for i, b in enumerate(bits.tolist()))
+            return flags, None if values is None else {k: float(v) for k, v in values.items()}
+        given = values or {}
+        names = sorted(given)
+        row = [float((flags >> i) & 1) for i in range(_FLAG_BITS)] + [float(given[n]) for n in names]
+        buf = torch.tensor(row, dtype=torch.float64, device=self.device)
+        dist.all_reduce(buf)
+        got = buf.tolist()
+        agreed = sum(1 << i for i in range(_FLAG_BITS) if got[i] > 0)
+        world = self.info.world_size
+        return agreed, {n: got[_FLAG_BITS + i] / world for i, n in enumerate(names)} if values is not None else None
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` (by rank) on rank 0; None on the others."""
@@ -156,6 +166,7 @@ class RankGroup:
 
 
 SINGLE_RANK = RankGroup(RankInfo())
+_FLAG_BITS = 8
 
 
 def join_group(info: RankInfo, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> RankGroup:
@@ -190,13 +201,6 @@ def data_parallel(model: torch.nn.Module, device: torch.device, world_size: int)
 
     ids = [device.index or 0] if device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=ids)
-
-
-def global_sum(value: float, device: torch.device) -> float:
-    """``value`` summed over the ranks of the group (a collective)."""
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return float(t.item())
 
 
 # How a rank's failure starts when a collective failed because another rank went away (its group's end

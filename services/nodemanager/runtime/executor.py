@@ -22,9 +22,10 @@ scheduler can retry with more resources.
 
 On a batch of several ranks (``group``, see ``runtime.distributed``) every rank runs this loop in step:
 rank 0 emits the events (the others emit only ``batch_failed``), evaluates and writes the checkpoints,
-each of which holds every rank's RNG state (gathered, a collective); a preemption or a checkpoint due
-by the clock is agreed on by all ranks after each step (``RankGroup.agree``), so they save and stop at
-the same step. A collective that fails because another rank went away is not the user's error.
+each of which holds every rank's RNG state (gathered, a collective); a preemption or a checkpoint due by
+the clock is agreed on by all ranks after each step (``RankGroup.step_sync``, which also averages the
+step metrics over the ranks), so they save and stop at the same step. A collective that fails because
+another rank went away is not the user's error.
 """
 
 from __future__ import annotations
@@ -301,6 +302,12 @@ class BatchRun:
                         if trainer.logged:
                             values = {**trainer.logged, **values} if values else trainer.logged
                             trainer.logged = {}
+                        if distributed:  # every rank saves and stops at the same step; metrics averaged
+                            local = (_PERIODIC if periodic and self._peripheral_due(step, now) else 0) | (
+                                _PREEMPT if should_preempt() else 0
+                            )
+                            agreed, values = group.step_sync(local, values)
+                            periodic_due, preempt_now = bool(agreed & _PERIODIC), bool(agreed & _PREEMPT)
                         if values and curve_every and step % curve_every == 0 and now - last_point >= curve_gap:
                             last_point = now
                             curve.append([step, finite_values(values)])
@@ -313,13 +320,7 @@ class BatchRun:
                             self._handled = step
                             due = step in point_steps
                         saved = due and self._handle_points(trainer, step)
-                        if distributed:  # every rank must save and stop at the same step
-                            local = (_PERIODIC if periodic and self._peripheral_due(step, now) else 0) | (
-                                _PREEMPT if should_preempt() else 0
-                            )
-                            agreed = group.agree(local)
-                            periodic_due, preempt_now = bool(agreed & _PERIODIC), bool(agreed & _PREEMPT)
-                        else:
+                        if not distributed:
                             periodic_due = periodic and self._peripheral_due(step, now)
                             preempt_now = False
                         if periodic_due and step < end and not saved:
@@ -513,7 +514,7 @@ class BatchRun:
         return BatchOutcome("failed", step, trained, error=error, oom=oom, user_error=user)
 
 
-_PERIODIC = 1  # RankGroup.agree bits
+_PERIODIC = 1  # RankGroup.step_sync bits
 _PREEMPT = 2
 _RANK_EVENTS = frozenset({"batch_failed"})  # what a rank other than 0 reports
 

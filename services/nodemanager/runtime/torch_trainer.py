@@ -11,23 +11,16 @@ and exact resume come with it) and the hyper-parameters it applies by itself:
 (``betas`` is a pair, and a sequence's value is one number, so Adam's betas are tuned as ``beta1`` and
 ``beta2``.) Any other tuned name goes to ``apply_hp``, which fails by default naming the known ones.
 
-On a batch of several ranks it trains data-parallel: the model is wrapped in
-``DistributedDataParallel`` (which averages the gradients), every rank draws the same global minibatch
-(``batch_size`` is the global size) and trains on its rank-strided rows ``rank::world_size``; each
-rank's loss is weighted by its share of the rows, so the averaged gradient is the global minibatch's
-mean gradient also when the rows do not divide evenly. The step loss it reports is the global
-minibatch's (summed over the ranks). ``self.model`` stays the plain module: evaluation and checkpoints
-use it, so a checkpoint reads the same whatever the number of ranks (``rescalable``).
-
-    class Digits(stagetree.TorchTrainer):
-        def make_model(self):
-            return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-
-        def make_optimizer(self, params):
-            return torch.optim.SGD(params, lr=0.1)
-
-        def make_data(self):
-            return (x_train, y_train), (x_test, y_test)
+On a batch of several ranks it trains data-parallel: the model is wrapped in ``DistributedDataParallel``
+(which averages the gradients), every rank draws the same global minibatch (``batch_size`` is the global
+size) and trains on its rank-strided rows ``rank::world_size``; each rank's loss is weighted by its
+share of the rows, so the averaged gradient is the global minibatch's mean gradient also when the rows
+do not divide evenly. The step loss each rank returns is its weighted share, so the runtime's average
+over the ranks is the global minibatch's. ``self.model`` stays the plain module: evaluation and
+checkpoints use it, so a checkpoint reads the same whatever the number of ranks (``rescalable``). class
+Digits(stagetree.TorchTrainer): def make_model(self): return nn.Sequential(nn.Linear(64, 64), nn.ReLU(),
+nn.Linear(64, 10)) def make_optimizer(self, params): return torch.optim.SGD(params, lr=0.1) def
+make_data(self): return (x_train, y_train), (x_test, y_test)
 """
 
 from __future__ import annotations
@@ -42,7 +35,7 @@ from torch import nn
 from stagetree.core.errors import InvalidArgument
 from stagetree.core.sequences import Value
 from stagetree.nodemanager.runtime.dataloader import ResumableLoader
-from stagetree.nodemanager.runtime.distributed import data_parallel, global_sum
+from stagetree.nodemanager.runtime.distributed import data_parallel
 from stagetree.nodemanager.runtime.trainer import Trainer
 
 Tensors: TypeAlias = tuple[torch.Tensor, ...]
@@ -156,9 +149,7 @@ class TorchTrainer(Trainer):
                 loss = self.loss(model(*inputs), target)
             loss.backward()  # type: ignore[no-untyped-call]
             self.optimizer.step()
-            total += float(loss.detach()) / world
-        if world > 1:
-            total = global_sum(total, self.device)
+            total += float(loss.detach())
         return {"loss": total / max(1, self.steps_per_call)}
 
     def evaluate(self) -> dict[str, float]:

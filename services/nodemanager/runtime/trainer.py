@@ -15,12 +15,13 @@ synchronously.
 The runtime, not the user, seeds and checkpoints the RNGs of python ``random``, numpy and torch
 (CPU, and CUDA when it is in use), so a resumed run continues the same random streams.
 
-A batch on ``n`` slots runs the trainer in ``n`` processes, one ``torch.distributed`` group (the
-runtime has joined it before ``init``): ``self.rank`` and ``self.world_size`` say which share of the
-data this process trains on. Every rank is seeded alike and builds the same model; ``train`` runs on
-every rank, in step (the ranks' collectives must match), and shards each minibatch by rank;
-``evaluate``, ``save`` and ``state_dict`` run on rank 0 only and must not use collectives; ``load``
-runs on every rank. ``TorchTrainer`` does all of it (DistributedDataParallel, rank-strided rows of
+A batch on ``n`` slots runs the trainer in ``n`` processes, one ``torch.distributed`` group (the runtime
+has joined it before ``init``): ``self.rank`` and ``self.world_size`` say which share of the data this
+process trains on. Every rank is seeded alike and builds the same model; ``train`` runs on every rank,
+in step (the ranks' collectives must match), and shards each minibatch by rank; ``evaluate``, ``save``
+and ``state_dict`` run on rank 0 only and must not use collectives; ``load`` runs on every rank. The
+step metrics ``train`` returns (and ``log``-s) are averaged over the ranks by the runtime (every rank
+reports the same names). ``TorchTrainer`` does all of it (DistributedDataParallel, rank-strided rows of
 each global minibatch); see docs/trainers.md.
 """
 
