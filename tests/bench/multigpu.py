@@ -1,6 +1,6 @@
 """Benchmark of batches on several slots (issue 22), on CPU slots with gloo.
 
-    python -m tests.bench.multigpu [--steps 20] [--runs 5] [--hidden 512] [--bs 4096]
+    python -m tests.bench.multigpu [--steps 40] [--runs 5] [--hidden 512] [--bs 4096]
 
 * speedup_2_vs_1: the same batch (``Wide``: an MLP of two ``--hidden`` layers on 16,384 synthetic rows,
   a global minibatch of ``--bs`` rows per step: a compute-bound step, some 6 GFLOP, whose gradient,
@@ -209,7 +209,7 @@ async def _oom_doubled(tmp: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--bs", type=int, default=4096)
