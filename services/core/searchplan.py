@@ -101,6 +101,10 @@ class SearchPlan:
         self.metrics: dict[Point, dict[str, float]] = {}
         self._node_ids: Iterator[int] = itertools.count(1)
         self._request_ids: Iterator[int] = itertools.count(1)
+        # (parent or None for a root, branch step, hash of the values in force there) -> the node: a walk
+        # takes the child at a branch point in one lookup instead of comparing every sibling (a node, or
+        # the plan's roots, may have thousands)
+        self._branches: dict[tuple[int | None, int, int], int] = {}
 
     # -- structure ------------------------------------------------------------------------------
 
@@ -114,19 +118,52 @@ class SearchPlan:
             self.roots.append(nid)
         else:
             self.nodes[parent].children.setdefault(start, []).append(nid)
+        self._branches.setdefault((parent, start, _values_hash(config, start)), nid)
         return node
+
+    def forget_node(self, nid: int) -> None:
+        """Remove a leaf added by mistake (a walk's node that another writer's node replaces)."""
+        node = self.nodes.pop(nid)
+        if node.parent is None:
+            kids = self.roots
+            kids.remove(nid)
+        else:
+            kids = self.nodes[node.parent].children[node.start]
+            kids.remove(nid)
+            if not kids:
+                del self.nodes[node.parent].children[node.start]
+        key = (node.parent, node.start, _values_hash(node.config, node.start))
+        if self._branches.get(key) == nid:
+            del self._branches[key]
+            for other in kids:  # a sibling under the same hash (a collision) takes its place
+                if _values_hash(self.nodes[other].config, node.start) == key[2]:
+                    self._branches[key] = other
+                    break
+
+    def _child_at(self, node: Node | None, config: Config, d: int) -> Node | None:
+        """The child of ``node`` branching at ``d`` that ``config`` follows (agreeing up to ``d``); with
+        ``node`` None, the root ``config`` starts in."""
+        kids = self.roots if node is None else node.children.get(d)
+        if not kids:
+            return None
+        cid = self._branches.get((None if node is None else node.id, d, _values_hash(config, d)))
+        if cid is None:
+            return None  # no sibling has these values at d, so none agrees with config there
+        child = self.nodes[cid]
+        if divergence(child.config, config, d, d + 1) > d:
+            return child
+        for cid in kids:  # another sibling under the same hash (a collision): compare each
+            child = self.nodes[cid]
+            if divergence(child.config, config, d, d + 1) > d:
+                return child
+        return None
 
     def locate(self, config: Config, step: int, *, create: bool = True) -> tuple[Point | None, list[Node]]:
         """The canonical point whose model is ``config`` trained for ``step`` steps, walking from the
         roots along matching configurations; new nodes are created only at divergence steps."""
         check_step(step)
         created: list[Node] = []
-        node: Node | None = None
-        for rid in self.roots:
-            root = self.nodes[rid]
-            if divergence(root.config, config, 0, 1) >= 1:
-                node = root
-                break
+        node = self._child_at(None, config, 0)
         if node is None:
             if not create:
                 return None, created
@@ -137,12 +174,7 @@ class SearchPlan:
             d = divergence(node.config, config, node.start, step)
             if d >= step:
                 return self.canonical(Point(node.id, step)), created
-            nxt = None
-            for cid in node.children.get(d, ()):
-                child = self.nodes[cid]
-                if divergence(child.config, config, d, d + 1) > d:
-                    nxt = child
-                    break
+            nxt = self._child_at(node, config, d)
             if nxt is None:
                 if not create:
                     return None, created
@@ -265,3 +297,9 @@ class SearchPlan:
         for steps in out.values():
             steps.sort()
         return out
+
+
+def _values_hash(config: Config, step: int) -> int:
+    """A hash of the values ``config`` gives at ``step``. Two configs that agree at ``step`` (``divergence``
+    is conservative: it never says so when a value differs) have equal values there, so equal hashes."""
+    return hash(tuple(config.values_at(step).items()))

@@ -174,14 +174,7 @@ class PlanCache:
 
 def _forget(plan: SearchPlan, node: Node) -> None:
     """Undo a node the walk created in memory only (the database decides which node exists)."""
-    del plan.nodes[node.id]
-    if node.parent is None:
-        plan.roots.remove(node.id)
-    else:
-        kids = plan.nodes[node.parent].children[node.start]
-        kids.remove(node.id)
-        if not kids:
-            del plan.nodes[node.parent].children[node.start]
+    plan.forget_node(node.id)
 
 
 def locate_all(

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import BigInteger, Integer, String, and_, column, func, select, tuple_, values
+from sqlalchemy import func, select, tuple_
 from sqlalchemy.orm import Session
 
 from stagetree.core.errors import NotFound
@@ -22,6 +22,11 @@ from stagetree.master.store.records import NewNode, NewTreeNode, NodeRecord
 
 _NODE_KEY = ["plan_id", "parent_key", "start", "branch_digest"]
 _KEYS_PER_READ = 2000
+_BY_KEYS_PG = (
+    "SELECT n.id, n.parent_key, n.start, n.branch_digest, n.config_json FROM nodes n"
+    " JOIN (VALUES %s) AS k (pk, st, dg) ON n.parent_key = k.pk AND n.start = k.st AND n.branch_digest = k.dg"
+    " WHERE n.plan_id = {plan_id}"
+)
 
 
 class PlanStore:
@@ -141,21 +146,24 @@ class PlanStore:
 
     def _by_keys(self, s: Session, plan_id: int, keys: list[tuple[int, int, str]]) -> list[Any]:
         """(id, parent_key, start, branch_digest, config_json) of the plan's nodes under ``keys``, by the
-        node key's index whatever the plan's size. On Postgres a join with the keys as a VALUES list (a
-        row-value IN list is planned as a scan of the plan's nodes, and a long one overflows the parser's
-        stack); SQLite's row-value IN already probes the index."""
+        node key's index whatever the plan's size. On Postgres a join with the keys as a VALUES list sent
+        by psycopg2 (a row-value IN list is planned as a scan of the plan's nodes, a long one overflows
+        the parser's stack, and compiling either per call cost more than the query); SQLite's row-value
+        IN already probes the index."""
+        if self.db.is_postgres:
+            from psycopg2.extras import execute_values
+
+            sql = _BY_KEYS_PG.format(plan_id=int(plan_id))
+            cur = s.connection().connection.cursor()
+            try:
+                return list(execute_values(cur, sql, keys, page_size=_KEYS_PER_READ, fetch=True))
+            finally:
+                cur.close()
         cols = (m.Node.id, m.Node.parent_key, m.Node.start, m.Node.branch_digest, m.Node.config_json)
+        key = tuple_(m.Node.parent_key, m.Node.start, m.Node.branch_digest)
         out: list[Any] = []
         for i in range(0, len(keys), _KEYS_PER_READ):
-            part = keys[i : i + _KEYS_PER_READ]
-            if self.db.is_postgres:
-                v = values(column("pk", BigInteger), column("st", Integer), column("dg", String), name="k").data(part)
-                on = and_(m.Node.parent_key == v.c.pk, m.Node.start == v.c.st, m.Node.branch_digest == v.c.dg)
-                stmt = select(*cols).join(v, on).where(m.Node.plan_id == plan_id)
-            else:
-                key = tuple_(m.Node.parent_key, m.Node.start, m.Node.branch_digest)
-                stmt = select(*cols).where(m.Node.plan_id == plan_id, key.in_(part))
-            out.extend(s.execute(stmt))
+            out.extend(s.execute(select(*cols).where(m.Node.plan_id == plan_id, key.in_(keys[i : i + _KEYS_PER_READ]))))
         return out
 
     def plan_state(self, plan_id: int) -> tuple[dict[int, dict[str, int]], dict[int, list[int]], dict[int, list[int]]]:
