@@ -22,7 +22,6 @@ manager follows, preempts, kills and reports it like a one-slot worker:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -215,9 +214,3 @@ class WorkerGroup(WorkerProcess):
 
     async def send(self, data: bytes, *, close: bool) -> None:
         raise BrokenPipeError("a worker group takes its specs rank by rank")
-
-    async def close(self) -> None:
-        """Wait for the supervisor (tests and shutdown)."""
-        if self._supervisor is not None:
-            with contextlib.suppress(Exception):
-                await self._supervisor

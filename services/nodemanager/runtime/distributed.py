@@ -160,10 +160,6 @@ class RankGroup:
         dist.gather_object(obj, out, dst=0)
         return out
 
-    def close(self) -> None:
-        if self.distributed and dist.is_initialized():
-            dist.destroy_process_group()
-
 
 SINGLE_RANK = RankGroup(RankInfo())
 _FLAG_BITS = 8
