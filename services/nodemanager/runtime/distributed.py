@@ -140,17 +140,19 @@ class RankGroup:
         """``flags`` (8 bits) OR-ed over every rank, and the step metrics ``values`` (numbers or 0-d
         tensors; every rank reports the same names) averaged over the ranks, in one all-reduce (each rank
         must call it at the same point)."""
-        if not self.distributed:
-            return flags, None if values is None else {k: float(v) for k, v in values.items()}
+        return self.start_sync(flags, values).wait()
+
+    def start_sync(self, flags: int, values: Mapping[str, Any] | None, step: int = 0, at: float = 0.0) -> StepSync:
+        """``step_sync`` started, not waited for: the all-reduce runs while the next step trains, and the
+        caller takes its result (``wait``) one step later (``step`` and ``at`` ride along)."""
         given = values or {}
-        names = sorted(given)
+        names = tuple(sorted(given))
+        if not self.distributed:
+            return StepSync(None, flags, {n: float(given[n]) for n in names}, values is not None, 1, step, at)
         row = [float((flags >> i) & 1) for i in range(_FLAG_BITS)] + [float(given[n]) for n in names]
         buf = torch.tensor(row, dtype=torch.float64, device=self.device)
-        dist.all_reduce(buf)
-        got = buf.tolist()
-        agreed = sum(1 << i for i in range(_FLAG_BITS) if got[i] > 0)
-        world = self.info.world_size
-        return agreed, {n: got[_FLAG_BITS + i] / world for i, n in enumerate(names)} if values is not None else None
+        work = dist.all_reduce(buf, async_op=True)
+        return StepSync((work, buf, names), 0, {}, values is not None, self.info.world_size, step, at)
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` (by rank) on rank 0; None on the others."""
@@ -163,6 +165,30 @@ class RankGroup:
 
 SINGLE_RANK = RankGroup(RankInfo())
 _FLAG_BITS = 8
+
+
+@dataclass
+class StepSync:
+    """A ``RankGroup.start_sync`` in flight; ``wait`` gives the OR-ed flags and the averaged metrics (None
+    when the step reported none) of step ``step``, which ended at ``at``."""
+
+    _inflight: tuple[Any, torch.Tensor, tuple[str, ...]] | None
+    _flags: int
+    _values: dict[str, float]
+    _reported: bool
+    _world: int
+    step: int
+    at: float
+
+    def wait(self) -> tuple[int, dict[str, float] | None]:
+        if self._inflight is not None:
+            work, buf, names = self._inflight
+            self._inflight = None
+            work.wait()
+            got = buf.tolist()
+            self._flags = sum(1 << i for i in range(_FLAG_BITS) if got[i] > 0)
+            self._values = {n: got[_FLAG_BITS + i] / self._world for i, n in enumerate(names)}
+        return self._flags, self._values if self._reported else None
 
 
 def join_group(info: RankInfo, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> RankGroup:

@@ -23,8 +23,9 @@ scheduler can retry with more resources.
 On a batch of several ranks (``group``, see ``runtime.distributed``) every rank runs this loop in step:
 rank 0 emits the events (the others emit only ``batch_failed``), evaluates and writes the checkpoints,
 each of which holds every rank's RNG state (gathered, a collective); a preemption or a checkpoint due by
-the clock is agreed on by all ranks after each step (``RankGroup.step_sync``, which also averages the
-step metrics over the ranks), so they save and stop at the same step. A collective that fails because
+the clock is agreed on by all ranks (``RankGroup.start_sync`` after each step, whose result is taken a
+step later, at once at a stage's end; it also averages the step metrics over the ranks), so they save
+and stop at the same step. A collective that fails because
 another rank went away is not the user's error.
 """
 
@@ -51,7 +52,7 @@ from stagetree.core.batch import BatchSpec, Point
 from stagetree.core.config import Config, FixedPart
 from stagetree.core.sequences import Value
 from stagetree.nodemanager.runtime.checkpoints import CheckpointStore, StoredCheckpoint
-from stagetree.nodemanager.runtime.distributed import PEER_LOST_NOTE, SINGLE_RANK, RankGroup, is_peer_lost
+from stagetree.nodemanager.runtime.distributed import PEER_LOST_NOTE, SINGLE_RANK, RankGroup, StepSync, is_peer_lost
 from stagetree.nodemanager.runtime.events import Emit
 from stagetree.nodemanager.runtime.state import restore, save_now, take_snapshot
 from stagetree.nodemanager.runtime.trainer import (
@@ -286,6 +287,7 @@ class BatchRun:
                 curve = self._curve
                 group = self._group
                 distributed = group.distributed
+                pending_sync: StepSync | None = None
                 for stage in spec.stages:
                     node = stage.node
                     self._flush_curve(node)
@@ -302,12 +304,31 @@ class BatchRun:
                         if trainer.logged:
                             values = {**trainer.logged, **values} if values else trainer.logged
                             trainer.logged = {}
-                        if distributed:  # every rank saves and stops at the same step; metrics averaged
-                            local = (_PERIODIC if periodic and self._peripheral_due(step, now) else 0) | (
-                                _PREEMPT if should_preempt() else 0
-                            )
-                            agreed, values = group.step_sync(local, values)
-                            periodic_due, preempt_now = bool(agreed & _PERIODIC), bool(agreed & _PREEMPT)
+                        if distributed:
+                            # Every rank saves and stops at the same step, and the step metrics are averaged
+                            # over the ranks: one all-reduce per step, started now and taken one step later
+                            # (at a stage's last step, at once), so it runs while the next step trains.
+                            every_s = spec.peripheral_every_s
+                            timed = every_s > 0 and now - self._last_ckpt_time >= every_s
+                            local = (_PERIODIC if timed else 0) | (_PREEMPT if should_preempt() else 0)
+                            started = group.start_sync(local, values, step, now)
+                            values = None  # recorded when its average comes back
+                            ready = [] if pending_sync is None else [pending_sync]
+                            pending_sync = None
+                            if s == stage.end - 1:
+                                ready.append(started)
+                            else:
+                                pending_sync = started
+                            # by steps, every rank knows alike; by the clock, as agreed
+                            every = spec.peripheral_every_steps
+                            periodic_due = every > 0 and step - self._last_ckpt_step >= every
+                            preempt_now = False
+                            for sync in ready:
+                                flags, averaged = sync.wait()
+                                # a checkpoint asked for by the clock at a step is due unless one was saved since
+                                periodic_due |= bool(flags & _PERIODIC) and self._last_save_step < sync.step
+                                preempt_now |= bool(flags & _PREEMPT)
+                                last_point = self._curve_point(sync.step, sync.at, averaged, node, last_point)
                         if values and curve_every and step % curve_every == 0 and now - last_point >= curve_gap:
                             last_point = now
                             curve.append([step, finite_values(values)])
@@ -328,6 +349,9 @@ class BatchRun:
                         if self._pending:
                             self._drain(block=False)
                         if step < end and (preempt_now or (not distributed and should_preempt())):
+                            if pending_sync is not None:  # every rank has it in flight: take its curve point
+                                _, averaged = pending_sync.wait()
+                                self._curve_point(pending_sync.step, pending_sync.at, averaged, node, last_point)
                             self._flush_curve(node)
                             return self._preempt(trainer, node, step, trained)
                 self._flush_curve(self._curve_node)
@@ -338,6 +362,19 @@ class BatchRun:
             return self._fail(e, step, trained)
         finally:
             self._pool = None
+
+    def _curve_point(self, step: int, now: float, values: Any, node: int, last_point: float) -> float:
+        """Keep ``values`` as the curve point of ``step`` (ended at ``now``) when the batch's curve rate
+        says so (the one-rank loop does the same inline); the time of the last point kept."""
+        spec = self.spec
+        every = spec.curve_every_steps
+        gap = 1.0 / spec.curve_max_per_s if spec.curve_max_per_s > 0 else 0.0
+        if not values or not every or step % every or now - last_point < gap:
+            return last_point
+        self._curve.append([step, finite_values(values)])
+        if now - self._curve_flushed >= CURVE_FLUSH_S or len(self._curve) >= CURVE_MAX_BUFFER:
+            self._flush_curve(node, now)
+        return now
 
     def _flush_curve(self, node: int, now: float | None = None) -> None:
         """Emit the buffered curve points (of ``self._curve_node``); later points belong to ``node``."""

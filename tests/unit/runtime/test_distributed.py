@@ -22,7 +22,7 @@ from stagetree.nodemanager.runtime.checkpoints import LocalCheckpointStore
 from stagetree.nodemanager.runtime.distributed import PEER_LOST_NOTE, RankInfo, backend_for, is_peer_lost
 from stagetree.nodemanager.runtime.state import RUNTIME_FILE, restore, take_snapshot
 from stagetree.nodemanager.runtime.trainer import TrainerContext, capture_rng_state
-from tests.unit.runtime.ranks import run_ranks
+from tests.unit.runtime.ranks import RanksRun, run_ranks
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -177,6 +177,18 @@ def test_two_ranks_train_like_one_rank_on_the_same_global_batch(tmp_path: Path) 
     curve2 = [p for c in two.of("curve") for p in c["points"]]
     assert [s for s, _ in curve1] == [s for s, _ in curve2]
     assert max(abs(a["loss"] - b["loss"]) for (_, a), (_, b) in zip(curve1, curve2, strict=True)) <= 1e-5
+
+
+def test_periodic_checkpoints_by_steps_fall_on_the_same_steps_as_on_one_rank(tmp_path: Path) -> None:
+    spec = dataclasses.replace(_spec(0, 10, batch_id=1), peripheral_every_steps=3)
+    one = run_ranks(spec, 1, tmp_path / "ckpt", tmp_path / "w1")
+    two = run_ranks(dataclasses.replace(spec, batch_id=2), 2, tmp_path / "ckpt", tmp_path / "w2")
+    assert two.codes == [0, 0], two.log_tails()
+
+    def saved(run: RanksRun) -> list[tuple[int, str]]:
+        return [(p["step"], p["kind"]) for p in run.of("checkpoint_saved")]
+
+    assert saved(two) == saved(one) == [(3, "peripheral"), (6, "peripheral"), (9, "peripheral"), (10, "central")]
 
 
 def test_a_rank_whose_code_raises_stops_its_peer_with_an_error_that_is_not_the_users(tmp_path: Path) -> None:
