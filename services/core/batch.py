@@ -5,8 +5,10 @@ A batch loads the model at ``source`` (or initializes it when ``source.uri`` is 
 point in ``saves`` (central checkpoints at branch points and at its end) and evaluates at every point
 in ``evals`` (where requests wait). It samples the step metrics its trainer reports (the learning
 curve) every ``curve_every_steps`` steps and at most ``curve_max_per_s`` points a second (0: no
-limit; ``curve_every_steps`` 0: no curve), as its studies' ``CurveSampling`` asks. The JSON form is what
-travels in the assignment stream.
+limit; ``curve_every_steps`` 0: no curve), as its studies' ``CurveSampling`` asks. ``slots`` is how
+many slots of one node manager the batch trains on, one worker process each, as one
+``torch.distributed`` group (data parallel; 1: a plain worker). The JSON form is what travels in the
+assignment stream.
 """
 
 from __future__ import annotations
@@ -107,10 +109,13 @@ class BatchSpec:
     extra: dict[str, Any] = field(default_factory=dict)
     curve_every_steps: int = 1
     curve_max_per_s: float = 0.0
+    slots: int = 1
 
     def __post_init__(self) -> None:
         if not self.stages:
             raise InvalidArgument("a batch needs at least one stage")
+        if isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 1:
+            raise InvalidArgument(f"batch {self.batch_id}: slots must be an integer >= 1, got {self.slots!r}")
         prev_end = self.source.point.step
         for s in self.stages:
             if s.start != prev_end or s.end < s.start:
@@ -136,7 +141,7 @@ class BatchSpec:
         return sum(s.end - s.start for s in self.stages)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "batch_id": self.batch_id,
             "attempt": self.attempt,
             "plan_key": self.plan_key,
@@ -156,6 +161,9 @@ class BatchSpec:
             "curve_every_steps": self.curve_every_steps,
             "curve_max_per_s": self.curve_max_per_s,
         }
+        if self.slots != 1:  # absent for a one-slot batch: its spec reads as before
+            out["slots"] = self.slots
+        return out
 
     @classmethod
     def from_json(cls, o: dict[str, Any]) -> BatchSpec:
@@ -176,6 +184,7 @@ class BatchSpec:
                 extra=dict(o.get("extra", {})),
                 curve_every_steps=int(o.get("curve_every_steps", 1)),
                 curve_max_per_s=float(o.get("curve_max_per_s", 0.0)),
+                slots=int(o.get("slots", 1)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidArgument(f"malformed batch spec: {e!r}") from None

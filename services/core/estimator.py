@@ -14,9 +14,19 @@ proportional to it (a step at batch size 128 does four times the work of one at 
 value seen. The scheduler needs that to rank a branch that will train at a larger batch size than any
 batch so far (a batch-size schedule that grows late) above the others.
 
+A batch may train on ``n`` slots (data parallel: ``n`` ranks share each step's work). Time per step
+is fitted as a function of ``n`` as well, through the feature ``inv_slots = 1 / n`` (``INV_SLOTS``):
+``t = a + b / n + ...`` is a data-parallel step (``b / n``: the work split over the ranks; ``a``: what
+does not shrink, communication included). Until two values of ``n`` have been seen, ``inv_slots`` is
+proportional like the batch size: a plan seen on 1 slot is predicted at half its step time on 2
+(the ideal speedup, which the first measured run on 2 corrects).
+
 A profiling run's first step is set-up (HyperSack discards it), so :meth:`CostModel.observe_run`
-drops it. An out-of-memory failure retries with twice the GPUs of the attempt before (TreeML §5.2),
-up to a cap; a plan that needed more GPUs once starts there next time.
+drops it. An out-of-memory failure retries with twice the slots of the attempt before (TreeML §5.2),
+up to a cap (``record_oom``); a plan that needed more slots once starts there next time. The cap
+that matters is the most slots one node manager has (a batch's slots are on one node manager):
+``slots_for`` says how many a plan's batch takes, and raises ``ResourceExhausted`` saying why when
+that is more than the largest node manager has.
 
 Pure: the master feeds observations in, persists ``to_json()`` and reloads it with ``from_json``.
 """
@@ -30,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stagetree.core.config import Config
-from stagetree.core.errors import InvalidArgument
+from stagetree.core.errors import InvalidArgument, ResourceExhausted
 from stagetree.core.scheduler import StageCost
 from stagetree.core.stagetree import Stage
 
@@ -41,6 +51,7 @@ DEFAULT_MAX_GPUS = 8
 DEFAULT_RIDGE = 1e-12
 DEFAULT_MAX_OBSERVATIONS = 1000
 JSON_VERSION = 1
+INV_SLOTS = "inv_slots"  # 1 / the batch's slots (a feature of every observation; absent = 1 slot)
 
 
 @dataclass(frozen=True)
@@ -166,7 +177,8 @@ class CostModel:
         if isinstance(max_observations, bool) or not isinstance(max_observations, int) or max_observations < 1:
             raise InvalidArgument(f"max_observations: must be an integer >= 1, got {max_observations!r}")
         self.feature_names = names
-        self.proportional = tuple(n for n in proportional if n in names)
+        self.proportional = (*(n for n in proportional if n in names), INV_SLOTS)
+        self._fit_names = (*names, INV_SLOTS)
         self.ridge = float(ridge)
         self.max_gpus = max_gpus
         self.max_observations = max_observations
@@ -184,11 +196,16 @@ class CostModel:
         features: Mapping[str, float],
         seconds_per_step: float,
         peak_memory_bytes: float,
+        slots: int = 1,
     ) -> None:
-        """Record one run's measured time per step and peak memory (oldest dropped past the cap)."""
+        """Record one run's measured time per step and peak memory (oldest dropped past the cap), on
+        ``slots`` slots (unless ``features`` already says, as ``inv_slots``)."""
         key = (_key(plan_key, "plan_key"), _key(gpu_type, "gpu_type"))
+        feats = _features(features)
+        if INV_SLOTS not in feats and _slots(slots) != 1:
+            feats[INV_SLOTS] = 1.0 / slots
         obs = Observation(
-            _features(features),
+            feats,
             _positive(seconds_per_step, "seconds_per_step"),
             _nonneg(peak_memory_bytes, "peak_memory_bytes"),
         )
@@ -221,41 +238,46 @@ class CostModel:
             obs = self._obs.get(key)
             if not obs:
                 return None
-            xs = [o.features for o in obs]
-            time_fit = fit_linear(xs, [o.seconds_per_step for o in obs], self.feature_names, self.ridge)
-            mem_fit = fit_linear(xs, [o.peak_memory_bytes for o in obs], self.feature_names, self.ridge)
+            xs = [{INV_SLOTS: 1.0, **o.features} for o in obs]
+            time_fit = fit_linear(xs, [o.seconds_per_step for o in obs], self._fit_names, self.ridge)
+            mem_fit = fit_linear(xs, [o.peak_memory_bytes for o in obs], self._fit_names, self.ridge)
             fit = self._fits[key] = (time_fit, mem_fit)
             single: dict[str, float] = {}
             for name in self.proportional:
-                seen = {o.features[name] for o in obs if name in o.features}
+                seen = {x[name] for x in xs if name in x}
                 if len(seen) == 1 and (v := seen.pop()) > 0:
                     single[name] = v
             self._single[key] = single
         return fit
 
-    def seconds_per_step(self, plan_key: str, gpu_type: str, features: Mapping[str, float]) -> float:
-        """Predicted seconds per step; 1.0 with no data. Extrapolating a fit below zero gives 0. A
-        proportional feature seen at one value only scales the prediction by ``value / seen``."""
+    def seconds_per_step(self, plan_key: str, gpu_type: str, features: Mapping[str, float], slots: int = 1) -> float:
+        """Predicted seconds per step on ``slots`` slots; 1.0 with no data. Extrapolating a fit below zero
+        gives 0. A proportional feature seen at one value only scales the prediction by ``value / seen``."""
         fit = self._fit(plan_key, gpu_type)
         if fit is None:
             return COLD_SECONDS_PER_STEP
         feats = _features(features)
+        feats.setdefault(INV_SLOTS, 1.0 / _slots(slots))
         y = max(0.0, fit[0].predict(feats))
         for name, seen in self._single[(plan_key, gpu_type)].items():
             if name in feats and feats[name] >= 0:
                 y *= feats[name] / seen
         return y
 
-    def peak_memory(self, plan_key: str, gpu_type: str, features: Mapping[str, float]) -> float | None:
-        """Predicted peak memory in bytes; None with no data."""
+    def peak_memory(self, plan_key: str, gpu_type: str, features: Mapping[str, float], slots: int = 1) -> float | None:
+        """Predicted peak memory in bytes (per rank on ``slots`` slots); None with no data."""
         fit = self._fit(plan_key, gpu_type)
         if fit is None:
             return None
-        return max(0.0, fit[1].predict(_features(features)))
+        feats = _features(features)
+        feats.setdefault(INV_SLOTS, 1.0 / _slots(slots))
+        return max(0.0, fit[1].predict(feats))
 
-    def stage_cost(self, config_of_node: Callable[[int], Config], plan_key: str, gpu_type: str) -> StageCost:
+    def stage_cost(
+        self, config_of_node: Callable[[int], Config], plan_key: str, gpu_type: str, slots: int = 1
+    ) -> StageCost:
         """The scheduler's cost callable: a stage's steps times the predicted time per step under its
-        node's configuration at the stage's midpoint."""
+        node's configuration at the stage's midpoint, on ``slots`` slots."""
         names = self.feature_names
 
         def cost(stage: Stage) -> float:
@@ -263,7 +285,7 @@ class CostModel:
                 return 0.0
             mid = (stage.start + stage.end) // 2
             feats = features_of(config_of_node(stage.node), mid, names)
-            return stage.steps * self.seconds_per_step(plan_key, gpu_type, feats)
+            return stage.steps * self.seconds_per_step(plan_key, gpu_type, feats, slots)
 
         return cost
 
@@ -288,6 +310,33 @@ class CostModel:
         new = min(self.max_gpus, max(self._min_gpus.get(key, COLD_GPUS), 2 * gpus))
         self._min_gpus[key] = new
         return new
+
+    def slots_for(self, plan_key: str, asked: int, most: int) -> int:
+        """The slots a batch of this plan takes: what its study ``asked`` for, or more when the plan ran
+        out of memory before (``record_oom``). ``most``: the most slots one node manager has; asking for
+        more raises ``ResourceExhausted`` with what happened and what to do."""
+        asked, most = _slots(asked), _slots(most)
+        need = max(asked, self._min_gpus.get(plan_key, COLD_GPUS))
+        if need <= most:
+            return need
+        if need > asked:
+            raise ResourceExhausted(
+                f"out of memory on {need // 2} slot(s): the retry would take {need} slots and the largest node "
+                f"manager has {most}; lower the batch size or the model size, or add a node manager with "
+                f"{need} slots"
+            )
+        raise ResourceExhausted(
+            f"the study asks for {asked} slots per batch and the largest node manager has {most}; ask for at "
+            f"most {most} (a batch's slots are on one node manager)"
+        )
+
+    def min_slots(self, plan_key: str) -> int:
+        """The slots a batch of this plan starts with (1 unless it ran out of memory before)."""
+        return self._min_gpus.get(plan_key, COLD_GPUS)
+
+    def any_ran_out_of_memory(self) -> bool:
+        """Whether some plan's batches take more than one slot after running out of memory."""
+        return any(n > COLD_GPUS for n in self._min_gpus.values())
 
     # -- persistence ----------------------------------------------------------------------------
 
@@ -368,6 +417,12 @@ def _positive(x: object, what: str) -> float:
 
 def _nonneg(x: object, what: str) -> float:
     return _number(x, what, minimum=0.0, strict=False)
+
+
+def _slots(x: object) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+        raise InvalidArgument(f"slots: must be an integer >= 1, got {x!r}")
+    return x
 
 
 def _key(x: object, what: str) -> str:

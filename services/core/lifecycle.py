@@ -50,7 +50,10 @@ class BatchState(StrEnum):
 
     RUNNING = "RUNNING"
     DONE = "DONE"  # ran to its end
-    FAILED = "FAILED"  # the worker failed (the trainer raised, the process died, out of memory)
+    FAILED = "FAILED"  # the worker failed (the trainer raised, the process died)
+    # it ran out of memory: a failure like FAILED, kept apart so that the cost estimator, reading the
+    # ledger, gives the plan's next batch twice the slots (TreeML §5.2)
+    OUT_OF_MEMORY = "OUT_OF_MEMORY"
     PREEMPTED = "PREEMPTED"  # yielded at the master's request and saved where it stopped
     LOST = "LOST"  # its node manager was lost, or came back without it
     ABORTED = "ABORTED"  # no live request needed it any more
@@ -97,7 +100,7 @@ _BATCH_STATE_OF = {
     Outcome.SUCCEEDED: BatchState.DONE,
     Outcome.FAILED: BatchState.FAILED,
     Outcome.USER_ERROR: BatchState.FAILED,
-    Outcome.OUT_OF_MEMORY: BatchState.FAILED,
+    Outcome.OUT_OF_MEMORY: BatchState.OUT_OF_MEMORY,
     Outcome.PREEMPTED: BatchState.PREEMPTED,
     Outcome.LOST: BatchState.LOST,
     Outcome.ABORTED: BatchState.ABORTED,

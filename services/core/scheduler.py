@@ -8,7 +8,10 @@ Steps (ARCHITECTURE §5), each pluggable:
 2. **Batch**: the chosen path becomes one stage batch run back to back with no reload; the points where
    work hangs off the path become central checkpoints (saved in the background), and the subtrees
    hanging there rejoin the queue, runnable once that checkpoint exists.
-3. **Place**: runnable batches go to free slots (first fit here; packing policies plug in later).
+3. **Place**: runnable batches go to free slots (first fit here; packing policies plug in later). A
+   batch of a plan whose batches take ``n`` slots (``slots_of``: data parallel on ``n`` ranks) goes to
+   ``n`` free slots of one node manager (the first that has them; several node managers per batch
+   are a later step), or waits while none has; the batches after it are still placed.
 
 The round keeps no state: everything comes in as arguments and goes out as ``Dispatch`` actions.
 """
@@ -42,6 +45,7 @@ class PlannedBatch:
     requests: list[int] = field(default_factory=list)
     cost: float = 0.0
     plan: str = ""
+    slots: int = 1  # data-parallel ranks, one slot each, on one node manager
 
     @property
     def steps(self) -> int:
@@ -51,7 +55,12 @@ class PlannedBatch:
 @dataclass(frozen=True)
 class Dispatch:
     batch: PlannedBatch
-    slot: Slot
+    slot: Slot  # rank 0's
+    slots: tuple[Slot, ...] = ()  # every rank's, in rank order, when the batch takes several
+
+    @property
+    def all_slots(self) -> tuple[Slot, ...]:
+        return self.slots or (self.slot,)
 
 
 @dataclass(frozen=True)
@@ -245,6 +254,23 @@ def iter_batches(
         yield batch
 
 
+def take_slots(free: list[Slot], n: int) -> tuple[Slot, ...] | None:
+    """``n`` slots of one node manager taken out of ``free`` (first fit, in ``free``'s order), or None
+    (``free`` unchanged) when no node manager has that many free."""
+    if n == 1:
+        return (free.pop(0),) if free else None
+    by_nm: dict[str, list[int]] = {}
+    for i, s in enumerate(free):
+        idx = by_nm.setdefault(s.node_manager, [])
+        idx.append(i)
+        if len(idx) == n:
+            taken = tuple(free[j] for j in idx)
+            for j in reversed(idx):
+                del free[j]
+            return taken
+    return None
+
+
 def schedule_round(
     forest: StageForest,
     free_slots: Sequence[Slot],
@@ -252,16 +278,21 @@ def schedule_round(
     policy: OrderPolicy | str = "critical_path",
     boundaries: Boundaries | None = None,
     inflight: Iterable[InflightBatch] = (),
+    slots_of: Callable[[str], int] | None = None,
 ) -> RoundResult:
     """One round. With ``boundaries``, running batches are also asked to save at branch candidates
-    learned since they were dispatched (if they have not passed them yet)."""
+    learned since they were dispatched (if they have not passed them yet). ``slots_of(plan)``: the slots
+    a batch of that plan takes (1 without it); ``cost`` should count its stages at that many."""
     pol = order_policy(policy) if isinstance(policy, str) else policy
     free = list(free_slots)
     dispatches: list[Dispatch] = []
     queue: list[PlannedBatch] = []
     for b in iter_batches(forest, pol, cost, boundaries) if free else ():
-        if b.ready and free:
-            dispatches.append(Dispatch(b, free.pop(0)))
+        if slots_of is not None:
+            b.slots = slots_of(b.plan)
+        taken = take_slots(free, b.slots) if b.ready and free else None
+        if taken is not None:
+            dispatches.append(Dispatch(b, taken[0], taken if len(taken) > 1 else ()))
             if not free:
                 break  # first fit: nothing after this can be placed this round
         else:

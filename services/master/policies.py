@@ -180,9 +180,14 @@ class PolicyStep:
         cost: StageCost,
         order: str,
         policies: Mapping[str, StudyPolicies],
+        slots_of: Callable[[str], int] | None = None,
+        width_scale: Callable[[str, int], float] | None = None,
     ) -> tuple[RoundResult, list[int], list[Kill]]:
         """The round with the policy step: what ``schedule_round`` returns, the running batches to
-        preempt and the trials to kill (with the ones decided earlier and not yet carried out)."""
+        preempt and the trials to kill (with the ones decided earlier and not yet carried out).
+        ``slots_of(plan)``: the slots a batch of the plan takes (``cost`` counts it so); for a study with
+        a QoS class GENIE may give it fewer, 1, 2, 4, ..., timed by ``width_scale(plan, n)`` (time per step
+        on n slots over that on 1)."""
         self.load(policies)
         st = self.state
         now = time.time()
@@ -200,7 +205,13 @@ class PolicyStep:
             end = b.stages[-1]
             job = _job_of(b.plan, end.node, end.end)
             if job not in st.killed:
-                work.append(Work(i, leaf, job, b.cost, min((t for _, t in reqs), default=now)))
+                n = slots_of(b.plan) if slots_of is not None else 1
+                widths: tuple[tuple[int, float], ...] = ()
+                pol = policies.get(leaf)
+                if n > 1 and pol is not None and pol.qos is not None and width_scale is not None:
+                    one = b.cost / max(width_scale(b.plan, n), 1e-12)
+                    widths = tuple((k, one * width_scale(b.plan, k)) for k in _widths(n))
+                work.append(Work(i, leaf, job, b.cost, min((t for _, t in reqs), default=now), n, widths))
         busy = self._busy_slots(free)
         running = self._running(policies, now)
         suspend = self._search(policies, work, running, len(free) + len(busy), now)
@@ -211,6 +222,8 @@ class PolicyStep:
         dispatches = []
         for k, sid in plan.dispatch:
             b, w = ready[k], by_key[k]
+            ids = sid.split(",")  # a batch on several slots: "a,b"
+            b.slots = len(ids)
             pol = policies.get(w.study, StudyPolicies())
             every = [
                 x for x in (pol.time_share and pol.time_share.eval_every, pol.search and pol.search.report_every) if x
@@ -221,7 +234,7 @@ class PolicyStep:
             if pol.time_share is not None:
                 st.jobs.setdefault(w.job, hermes.TimeShareJob(w.job, w.arrival))
                 st.own_job(w.job, w.study)
-            dispatches.append(Dispatch(b, by_id[sid]))
+            dispatches.append(Dispatch(b, by_id[ids[0]], tuple(by_id[x] for x in ids) if len(ids) > 1 else ()))
         for r in running:  # a job that keeps its slot past its quantum starts a new one
             ts = policies.get(r.study, StudyPolicies()).time_share
             if ts is not None and r.batch not in plan.preempt:
@@ -397,6 +410,15 @@ class PolicyStep:
         if losses:
             q = job.record(losses, now, milestones)
             log.debug("quantum recorded", extra={"job": job.id, "convergence": q.convergence, "losses": len(losses)})
+
+
+def _widths(most: int) -> list[int]:
+    """The widths GENIE chooses from: 1, 2, 4, ... below ``most``, and ``most``."""
+    out, k = [], 1
+    while k < most:
+        out.append(k)
+        k *= 2
+    return [*out, most]
 
 
 def _canonical(snapshot: Mapping[str, Any]) -> str:

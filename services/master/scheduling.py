@@ -11,6 +11,10 @@ anything it decided, and a master that takes the lease loads it again.
 
 Requests that the stage tree attaches to an in-flight batch stay NOT_SCHED: amending a running batch
 is not implemented yet, so they are served by a later round from the checkpoint that batch leaves.
+
+A plan's batches take several slots (``plan_slots``) when a study of it asks for them (its policies'
+``slots``) or when the plan ran out of memory before (the cost model doubles them); a plan that needs
+more slots than the largest node manager has cannot run, and its waiting requests fail saying why.
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ import gc
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from stagetree.core.batch import BatchSpec, CurveSampling, Point, Source, StageSpec
 from stagetree.core.cache import choose_evictions, pinned_points, prefix_cost
 from stagetree.core.config import FixedPart
-from stagetree.core.errors import NotFound, StagetreeError, Unavailable
+from stagetree.core.errors import NotFound, ResourceExhausted, StagetreeError, Unavailable
+from stagetree.core.policies.live import StudyPolicies
 from stagetree.core.policies.state import Kill
 from stagetree.core.scheduler import PlannedBatch, RoundResult, StageCost, schedule_round
 from stagetree.core.searchplan import Checkpoint, CheckpointKind, Node
@@ -39,7 +44,7 @@ from stagetree.master.coordination import Coordination, Subscription
 from stagetree.master.costs import CostLearner
 from stagetree.master.plans import PlanCache
 from stagetree.master.policies import PolicyStep
-from stagetree.master.service import CH_ROUND, ch_node_manager
+from stagetree.master.service import CH_RESULTS, CH_ROUND, ch_node_manager
 from stagetree.master.settings import SchedulingSettings
 from stagetree.master.store.nodes import ALIVE
 from stagetree.master.store.records import DispatchItem, NodeManagerRecord, RoundReads
@@ -70,6 +75,7 @@ class Decision:
     forest: StageForest | None  # None when no slot was free (nothing was built)
     preempts: tuple[int, ...] = ()  # running batches the studies' policies preempt (master.policies)
     kills: tuple[Kill, ...] = ()  # trials the studies' search policies kill
+    unplaceable: Mapping[int, str] = field(default_factory=dict)  # plan id -> why no node manager can run it
 
 
 def source_of(spec_json: str) -> Point | None:
@@ -203,7 +209,11 @@ class SchedulingLoop:
         return CurveSampling(every, rate)
 
     def spec_of(
-        self, batch: PlannedBatch, uris: dict[Point, str], curves: CurveSampling | None = None
+        self,
+        batch: PlannedBatch,
+        uris: dict[Point, str],
+        curves: CurveSampling | None = None,
+        slot_ids: Sequence[str] = (),
     ) -> Callable[[int, int], str]:
         """The renderer of ``batch``'s spec for ``store.dispatch``. Everything it needs (the plan's fixed
         part, its nodes) is read here, before the dispatch transaction opens: rendering inside it must
@@ -235,10 +245,21 @@ class SchedulingLoop:
                 peripheral_every_s=every_s,
                 curve_every_steps=curve_every,
                 curve_max_per_s=curve_rate,
+                slots=batch.slots,
+                extra={"slot_ids": list(slot_ids)} if len(slot_ids) > 1 else {},
             )
             return json.dumps(spec.to_json(), separators=(",", ":"))
 
         return render
+
+    def fail_unplaceable(self, why: Mapping[int, str], pending: Mapping[int, Sequence[tuple[int, Point]]]) -> None:
+        """Fail the waiting requests of plans no node manager can run (``plan_slots``), saying why."""
+        failed = []
+        for plan_id, reason in why.items():
+            failed += self.store.requests.fail_waiting([rid for rid, _ in pending.get(plan_id, ())], reason)
+            log.error("plan cannot be placed: its waiting requests fail: %s", reason, extra={"plan_id": plan_id})
+        if failed:
+            self.coord.notify(CH_RESULTS)
 
     def enforce_checkpoint_budget(self, forest: StageForest | None = None) -> list[Point]:
         """Evict checkpoints by the core's cost-benefit policy until the rest fit the budget; never one
@@ -294,24 +315,76 @@ class SchedulingLoop:
             t0 = time.perf_counter()
             reads = self.store.rounds.round_reads() if reads is None else reads
             slots = self.free_slots(reads.node_managers, reads.busy)
-            policies = self.policy_step.active(reads.policy_studies)  # studies that chose policies (usually none)
+            chosen = self.policy_step.active(reads.policy_studies)  # studies that chose policies (usually none)
+            policies = {sid: p for sid, p in chosen.items() if p.schedules}  # not only slots per batch
             if not slots and not any(p.time_share or p.search for p in policies.values()):
                 return Decision(RoundResult([], [], [], {}, 0), {}, 0, (time.perf_counter() - t0) * 1000, 0.0, None)
             forest, uris, count = self.snapshot(reads)
             t1 = time.perf_counter()
-            cost = self.stage_cost(slots)
+            unplaceable: dict[int, str] = {}
+            self.costs.refresh_oom(self.store.ledger)
+            slots_of = self.plan_slots(chosen, reads.node_managers, forest, unplaceable)
+            cost = self.stage_cost(slots, slots_of)
             preempts: list[int] = []
             kills: list[Kill] = []
             if policies:
-                result, preempts, kills = self.policy_step.round(forest, slots, cost, self.settings.policy, policies)
+                result, preempts, kills = self.policy_step.round(
+                    forest, slots, cost, self.settings.policy, policies, slots_of, self.width_scale(slots)
+                )
             else:
-                result = schedule_round(forest, slots, cost, self.settings.policy)
+                result = schedule_round(forest, slots, cost, self.settings.policy, slots_of=slots_of)
             t2 = time.perf_counter()
-        return Decision(result, uris, count, (t1 - t0) * 1000, (t2 - t1) * 1000, forest, tuple(preempts), tuple(kills))
+        return Decision(
+            result,
+            uris,
+            count,
+            (t1 - t0) * 1000,
+            (t2 - t1) * 1000,
+            forest,
+            tuple(preempts),
+            tuple(kills),
+            unplaceable,
+        )
 
-    def stage_cost(self, slots: Sequence[Slot]) -> StageCost:
+    def plan_slots(
+        self,
+        policies: Mapping[str, StudyPolicies],
+        nms: Sequence[NodeManagerRecord],
+        forest: StageForest,
+        unplaceable: dict[int, str],
+    ) -> Callable[[str], int] | None:
+        """The slots a batch of each plan of ``forest`` takes (``CostModel.slots_for``: what its studies
+        ask for, or twice what ran out of memory), or None when every one takes 1 (the common case). A
+        plan that needs more than the largest node manager has goes into ``unplaceable`` with why (and
+        takes more slots than any node manager has: it is never placed)."""
+        asked: dict[str, int] = {}
+        for sid, p in policies.items():
+            if p.slots > 1:
+                for pid in self.store.plans.study_plan_ids(sid):
+                    asked[str(pid)] = max(asked.get(str(pid), 1), p.slots)
+        model = self.costs.model
+        if not asked and not model.any_ran_out_of_memory():
+            return None  # every batch on one slot: no more reads
+        plans = {st.plan for st in forest.stages}
+        keys = {plan: self.store.plans.plan_fixed(int(plan))[0] for plan in plans if plan.isdigit()}
+        most = max((len(n.placed_slots()) for n in nms if n.state == ALIVE), default=0)
+        out: dict[str, int] = {}
+        for plan in plans:
+            n = asked.get(plan, 1)
+            key = keys.get(plan)
+            if key is None or most == 0:
+                out[plan] = n
+                continue
+            try:
+                out[plan] = model.slots_for(key, n, most)
+            except ResourceExhausted as e:
+                unplaceable[int(plan)] = e.message
+                out[plan] = most + 1
+        return lambda plan: out.get(plan, 1)
+
+    def stage_cost(self, slots: Sequence[Slot], slots_of: Callable[[str], int] | None = None) -> StageCost:
         """The round's cost estimate (``master.costs``), learning from the batches that finished since
-        the last read (at most once per ``cost_refresh_s``)."""
+        the last read (at most once per ``cost_refresh_s``); a stage at the slots its plan takes."""
         now = time.monotonic()
         if now - self._costs_read_at >= self.settings.cost_refresh_s:
             self._costs_read_at = now
@@ -321,7 +394,13 @@ class SchedulingLoop:
             lambda plan_id: self.store.plans.plan_fixed(plan_id)[0],
             lambda plan_id: self.plans.ensure(plan_id, ()).nodes,
             gpu_type,
+            slots_of,
         )
+
+    def width_scale(self, slots: Sequence[Slot]) -> Callable[[str, int], float]:
+        """Time per step of a plan's batch on n slots over that on 1 (GENIE's choice of widths)."""
+        gpu_type = slots[0].gpu_type if slots else "cpu"
+        return self.costs.width_scale(lambda plan_id: self.store.plans.plan_fixed(plan_id)[0], gpu_type)
 
     def run_round(self) -> RoundReport:
         t0 = time.monotonic()
@@ -338,10 +417,10 @@ class SchedulingLoop:
         items = [
             DispatchItem(
                 int(d.batch.plan),
-                self.spec_of(d.batch, uris.get(int(d.batch.plan), {}), c),
+                self.spec_of(d.batch, uris.get(int(d.batch.plan), {}), c, [s.id for s in d.slots]),
                 d.batch.requests,
                 d.slot.node_manager,
-                d.slot.id,
+                ",".join(s.id for s in d.all_slots),  # a batch on several slots holds them all
             )
             for d, c in zip(result.dispatches, curves, strict=True)
         ]
@@ -359,6 +438,8 @@ class SchedulingLoop:
             self.coord.notify(ch_node_manager(nm))
         if dec.preempts or dec.kills:
             self.policy_step.carry_out(dec.preempts, dec.kills, self.coord.notify)
+        if dec.unplaceable:
+            self.fail_unplaceable(dec.unplaceable, reads.pending)
         if self.settings.checkpoint_budget_bytes is not None:
             self.enforce_checkpoint_budget(dec.forest)
         metrics.observe_round(time.monotonic() - t0, dispatched)

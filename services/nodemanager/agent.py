@@ -4,7 +4,10 @@ It owns the processes on its machine and nothing else: it registers its slots wi
 heartbeats, and carries out its assignment stream:
 
 * ``RUN``: start one worker process for the batch attempt on a free slot (queued while none is free:
-  the master's view of busy slots can run ahead of a worker that is still exiting), read its events,
+  the master's view of busy slots can run ahead of a worker that is still exiting), or, for a batch on
+  ``spec.slots = n > 1`` slots, ``n`` of them as one ``torch.distributed`` group on ``n`` free slots
+  (``group.WorkerGroup``: a rendezvous on a free loopback port, rank ``r`` on the ``r``-th slot; the
+  first rank to die ends the others, and the attempt ends once, as that rank's end), read its events,
   hand them to the ``BatchReporter``, and report the attempt's end exactly once. A worker that dies
   without a terminal event is a failed attempt with its exit status or signal (a SIGKILL nobody here
   sent is taken for the kernel's out-of-memory killer and flagged ``oom``); one that reports
@@ -49,10 +52,12 @@ from stagetree.core.errors import (
 from stagetree.core.slots import SlotInfo
 from stagetree.nodemanager import metrics
 from stagetree.nodemanager.gpu import GpuProbe
+from stagetree.nodemanager.group import WorkerGroup
 from stagetree.nodemanager.link import ABORT, DELETE_CHECKPOINTS, PREEMPT, RUN, Assignment, MasterLink
 from stagetree.nodemanager.mps import MpsDaemon
 from stagetree.nodemanager.reporting import TERMINAL_EVENTS, AttemptEnd, AttemptInfo, BatchReporter, RecentKeys
 from stagetree.nodemanager.runtime.checkpoints import CheckpointStore
+from stagetree.nodemanager.runtime.distributed import LOOPBACK, RANK_KEY, RankInfo, free_port
 from stagetree.nodemanager.workers import EXIT_USAGE, WorkerLauncher, WorkerProcess
 
 log = logging.getLogger(__name__)
@@ -68,7 +73,8 @@ KNOWN_ENDED = 1000  # ended attempts listed at registration (their reports may n
 class _Attempt:
     info: AttemptInfo
     spec: BatchSpec
-    slot: SlotInfo | None = None
+    slot: SlotInfo | None = None  # rank 0's
+    slots: list[SlotInfo] = field(default_factory=list)  # every rank's, by rank
     worker: WorkerProcess | None = None
     started: bool = False  # batch_started seen: the worker's signal handlers are installed
     preempt_requested: bool = False
@@ -353,15 +359,56 @@ class NodeManager:
         self._dispatch()
 
     def _dispatch(self) -> None:
-        """Start queued attempts on free slots (the master's slot when it named one and it is free)."""
+        """Start queued attempts, in order, on free slots (the master's slots when it named them and
+        they are free); an attempt on ``n`` slots waits, and those behind it, until ``n`` are free."""
         while self._queue and self._free and not self._stopping:
-            att = self._queue.popleft()
-            hint = att.info.slot_id
-            slot = self._free.pop(hint) if hint in self._free else self._free.pop(next(iter(self._free)))
-            att.slot = slot
+            att = self._queue[0]
+            n = att.spec.slots
+            if n > len(self.slots):
+                self._queue.popleft()
+                self._refuse(att, f"the batch asks for {n} slots and node manager {self.id} has {len(self.slots)}")
+                continue
+            if len(self._free) < n:
+                break
+            self._queue.popleft()
+            hints = [att.info.slot_id, *(str(h) for h in att.spec.extra.get("slot_ids", ()))]
+            chosen = [self._free.pop(h) for h in dict.fromkeys(hints) if h in self._free][:n]
+            while len(chosen) < n:
+                chosen.append(self._free.pop(next(iter(self._free))))
+            att.slot, att.slots = chosen[0], chosen
             att.task = self._spawn(self._supervise(att))
         if self._queue:
             log.info("attempts waiting for a free slot", extra={"queued": len(self._queue)})
+
+    def _refuse(self, att: _Attempt, why: str) -> None:
+        """End a queued attempt that cannot run here, as failed (without starting anything)."""
+        key = att.info.key
+        self._attempts.pop(key, None)
+        self._done.add(key)
+        log.error("attempt refused: %s", why, extra={"batch_id": key[0], "attempt": key[1]})
+        self._spawn(self.reporter.finish(att.info, AttemptEnd("failed", error=why, by_worker=False)))
+
+    async def _start_worker(self, att: _Attempt) -> WorkerProcess:
+        """The attempt's worker: one process, or one per rank as a ``WorkerGroup``."""
+        assert att.slot is not None
+        if len(att.slots) <= 1:
+            return await self.launcher.spawn(att.spec, att.slot)
+        n, port = len(att.slots), free_port()
+        workers: list[WorkerProcess] = []
+        try:
+            for rank, slot in enumerate(att.slots):
+                info = RankInfo(rank, n, rank, LOOPBACK, port)
+                spec = replace(att.spec, extra={**att.spec.extra, RANK_KEY: info.to_json()})
+                workers.append(await self.launcher.spawn(spec, slot))
+        except BaseException:
+            for w in workers:
+                w.kill()
+            raise
+        log.info(
+            "rank processes started",
+            extra={"batch_id": att.info.batch_id, "pids": [w.pid for w in workers], "port": port},
+        )
+        return WorkerGroup(workers)
 
     def _abort(self, key: tuple[int, int]) -> None:
         att = self._attempts.get(key)
@@ -418,7 +465,7 @@ class NodeManager:
             try:
                 if self._launcher_ready is not None:
                     await asyncio.shield(self._launcher_ready)
-                worker = await self.launcher.spawn(att.spec, att.slot)
+                worker = await self._start_worker(att)
             except Exception as e:
                 end = AttemptEnd("failed", error=f"cannot start a worker: {e!r}", by_worker=False)
                 log.error("cannot start a worker: %r", e, extra=ids)
@@ -428,7 +475,16 @@ class NodeManager:
             if att.aborted:
                 worker.kill()
             rc = await self._watch(att, worker)
+            if isinstance(worker, WorkerGroup):  # its cause is settled once every rank's report is in
+                rc = worker.returncode if worker.returncode is not None else rc
             end = classify_end(att, rc, worker.stderr_tail() if att.terminal is None else "")
+            if isinstance(worker, WorkerGroup) and worker.cause is not None and not end.by_worker:
+                rank = worker.cause
+                end = replace(
+                    end,
+                    error=f"rank {rank} of {worker.world_size} (pid {worker.workers[rank].pid}): {end.error}; "
+                    "the other ranks were ended",
+                )
             if end.status == "failed" and not end.by_worker:
                 end = replace(end, error=f"{end.error}\n{self._log_note(worker)}")
             log.info(
@@ -442,7 +498,8 @@ class NodeManager:
             raise
         finally:
             att.exited.set()
-            self._free[att.slot.id] = att.slot
+            for slot in att.slots or [att.slot]:
+                self._free[slot.id] = slot
             self._attempts.pop(key, None)
             self._done.add(key)
             self._dispatch()

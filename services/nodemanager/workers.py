@@ -251,7 +251,9 @@ class WorkerLauncher(ABC):
         # The log takes the batch's name as a second link to the same file: a forked worker opens its
         # log by the name it was started with, and a worker started a moment ago may not have yet.
         # The first name goes when the worker has exited.
-        final = self.log_path(f"batch-{spec.batch_id}-a{spec.attempt}.log")
+        rank = spec.extra.get("rank")  # a rank of a batch on several slots: a log per rank
+        suffix = f"-r{int(rank['rank'])}" if isinstance(rank, dict) and "rank" in rank else ""
+        final = self.log_path(f"batch-{spec.batch_id}-a{spec.attempt}{suffix}.log")
         first_name = worker.log_path
         try:
             with contextlib.suppress(FileNotFoundError):

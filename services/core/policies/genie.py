@@ -29,6 +29,10 @@ Plug-in interface (the master's Order + Place steps for multi-GPU stages and stu
     slots = fit_placement(plan.placement, free)        # -> {node: gpus} or None when it does not fit now
 
 ``free`` maps each node to its free GPUs; tasks are launched in the returned order while they fit.
+
+Live (the master's round, ``policies.live``), a batch's width is chosen by ``choose_width``: Alg. 1 for
+one task over widths ``n`` on one node, with the latency the master's cost model predicts on ``n``
+slots standing in for Eq. 1-3 (it is fitted on the batches that ran, ``t = a + b / n`` per step).
 """
 
 from __future__ import annotations
@@ -388,3 +392,27 @@ def deadline_met(task: Task, finish: float, model: PerfModel) -> bool:
     """The QoS guarantee: finished no later than the ECT. (An Urgent task's ECT is its arrival, which
     nothing meets: Eq. 4 gives it the top priority rather than a deadline it could keep.)"""
     return finish <= ect(task, model) + 1e-9
+
+
+def choose_width(
+    qos: str,
+    arrival: float,
+    latency_by_width: Sequence[tuple[int, float]],
+    now: float,
+    shape: ClusterShape,
+    theta: float = DEFAULT_THETA,
+) -> tuple[int, float, float]:
+    """Alg. 1 for one task placed on ``n`` GPUs of one node, ``(n, latency)`` given per width: the ECT
+    (Eq. 4) from its latency on the fewest GPUs; among the widths that meet it, the highest CER (Eq. 5:
+    throughput ``1 / latency`` over ``c = n / (N G) + theta / N``), else the highest CER of all.
+    Returns ``(n, latency, waiting allowance)``."""
+    if qos not in QOS_CLASSES:
+        raise InvalidArgument(f"qos must be one of {QOS_CLASSES}, got {qos!r}")
+    opts = [(int(n), float(lat)) for n, lat in latency_by_width if 1 <= n <= shape.gpus_per_node and lat > 0]
+    if not opts:
+        raise InvalidArgument(f"choose_width: no width of 1..{shape.gpus_per_node} with a positive latency")
+    lbar = min(opts)[1]
+    ect_abs = arrival + {"urgent": 0.0, "prior": lbar, "normal": 2.0 * lbar}[qos]
+    opts.sort(key=lambda o: (-(1.0 / o[1]) / cost(Placement(1, o[0]), shape, theta), o[0]))
+    n, lat = next((o for o in opts if now + o[1] <= ect_abs), opts[0])
+    return n, lat, ect_abs - (now + lat)

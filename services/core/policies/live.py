@@ -7,6 +7,11 @@ returns which work goes to which slot, in which order and which running batches 
 ``eval_points`` says where batches report them. Everything is plain data: the master (``stagetree.master.policies``)
 gathers it from the database and carries the decisions out.
 
+A study's ``"slots": n`` (an integer, default 1) trains each of its batches data-parallel on ``n``
+slots of one node manager; it is not a scheduling step of its own (the master's round places such
+batches, and counts their stages at ``n`` slots), so a study that chooses only ``slots`` keeps the
+master's default steps.
+
 Steps, in the order ``plan_round`` applies them:
 
 1. **Order** (GENIE, ``qos``): when some pending work belongs to a study with a QoS class, all ready
@@ -17,11 +22,19 @@ Steps, in the order ``plan_round`` applies them:
    first (highest confidence ``p``), then the rest in arrival order.
    **Time-sharing order** (Hermes, ``time_share``): within the work of time-sharing studies the job
    with the largest score (Hermes: convergence ``C_j(i)``; never-run jobs first) goes first.
+   With a QoS class and ``slots`` above 1, GENIE also picks each batch's width (multi-GPU placement,
+   ``genie.choose_width``): among widths 1, 2, 4, ... up to ``slots``, the highest cost-effective
+   ratio (Eq. 5) that meets the work's expected completion time, with latencies from the master's cost
+   model on ``n`` slots (``Work.widths``).
 2. **Place** (HyperSack, ``placement``): slots are grouped into devices (a GPU: its slots of one
    ``gpu_index``; the CPU slots of a node manager: one device). Work of a study with a placement
    policy goes to the device that policy picks under compute (``oversub`` x 100 %), memory and CPU
    constraints, given the demand the study declares (``compute`` %, ``memory_bytes``, ``cpus``), then
-   to a free slot of it; what fits nowhere waits. Other work takes the first free slot.
+   to a free slot of it; what fits nowhere waits. Work on ``n > 1`` slots takes ``n`` free slots of one
+   node manager (the first that has them), or waits. Work of a time-sharing study (Hermes Alg. 1-2) goes
+   to the device with the fewest running and placed jobs among those holding fewer than ``g_thres``
+   (``time_share_params``, 4): when every device holds that many, it waits in the global queue. Other
+   work takes the first free slot.
 3. **Preempt** (Hermes ``node_round``): a busy slot running a time-sharing job whose quantum expired
    yields to the best waiting job of a time-sharing study when that one scores higher.
 """
@@ -30,7 +43,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from stagetree.core.errors import InvalidArgument
@@ -49,6 +62,7 @@ class TimeShareParams:
     milestones: tuple[float, ...] = (0.3, 0.45, 0.6)
     eval_every: int = 5  # steps between the losses a running batch reports (Hermes' L_j(i))
     metric: str = "loss"
+    g_thres: int = hermes.G_THRES  # Hermes' global placement cap: time-sharing jobs per device
 
     def make(self) -> hermes.TimeSharePolicy:
         if self.policy == "hermes":
@@ -113,9 +127,17 @@ class StudyPolicies:
     placement: PlacementParams | None = None
     qos: str | None = None
     search: SearchParams | None = None
+    slots: int = 1  # slots per batch (data parallel, on one node manager)
+
+    @property
+    def schedules(self) -> bool:
+        """Whether it chooses a scheduling step (anything but ``slots``)."""
+        return any(x is not None for x in (self.order, self.time_share, self.placement, self.qos, self.search))
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        if self.slots != 1:
+            out["slots"] = self.slots
         if self.order is not None:
             out["order"] = self.order
         if self.time_share is not None:
@@ -127,6 +149,7 @@ class StudyPolicies:
                 "milestones": list(ts.milestones),
                 "eval_every": ts.eval_every,
                 "metric": ts.metric,
+                "g_thres": ts.g_thres,
             }
         if self.placement is not None:
             pl = self.placement
@@ -161,6 +184,7 @@ _PARAMS: Mapping[str, Mapping[str, type]] = {
         "milestones": list,
         "eval_every": int,
         "metric": str,
+        "g_thres": int,
     },
     "placement_params": {"compute": float, "memory_bytes": float, "cpus": float, "oversub": float},
     "search_params": {
@@ -205,7 +229,7 @@ def parse_policies(obj: Any) -> StudyPolicies:
     """Validate a study's ``"policies"`` object (see the master's ``stagetree.master.policies``)."""
     if not isinstance(obj, Mapping):
         raise InvalidArgument("policies: must be an object of step name -> policy name")
-    allowed = set(POLICY_NAMES) | set(_PARAMS)
+    allowed = set(POLICY_NAMES) | set(_PARAMS) | {"slots"}
     unknown = sorted(set(obj) - allowed)
     if unknown:
         raise InvalidArgument(f"policies: unknown keys {unknown}; known: {sorted(allowed)}")
@@ -228,8 +252,10 @@ def parse_policies(obj: Any) -> StudyPolicies:
     if "time_share" in names:
         p = _params(obj, "time_share_params")
         ts = TimeShareParams(names["time_share"], **p)
-        if ts.quantum_s <= 0 or ts.growth < 1 or ts.eval_every < 1:
-            raise InvalidArgument("policies.time_share_params: need quantum_s > 0, growth >= 1, eval_every >= 1")
+        if ts.quantum_s <= 0 or ts.growth < 1 or ts.eval_every < 1 or ts.g_thres < 1:
+            raise InvalidArgument(
+                "policies.time_share_params: need quantum_s > 0, growth >= 1, eval_every >= 1, g_thres >= 1"
+            )
     if "placement" in names:
         p = _params(obj, "placement_params")
         pl = PlacementParams(names["placement"], **p)
@@ -247,7 +273,10 @@ def parse_policies(obj: Any) -> StudyPolicies:
             sp.make(1)  # PopConfig's own checks, and what the baseline needs (earlyterm: max_epochs)
         except InvalidArgument as e:
             raise InvalidArgument(f"policies.search_params: {e.message}") from None
-    return StudyPolicies(names.get("order"), ts, pl, names.get("qos"), sp)
+    slots = obj.get("slots", 1)
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise InvalidArgument(f"policies.slots: must be an integer >= 1 (slots per batch), got {slots!r}")
+    return StudyPolicies(names.get("order"), ts, pl, names.get("qos"), sp, slots)
 
 
 # -- the round's inputs -------------------------------------------------------------------------
@@ -260,8 +289,10 @@ class Work:
     key: int
     study: str
     job: str  # the trial it advances (the time-sharing job)
-    cost_s: float  # estimated seconds on one slot
+    cost_s: float  # estimated seconds on ``slots`` slots
     arrival: float  # when its oldest request arrived
+    slots: int = 1  # the slots it takes (data-parallel ranks on one node manager)
+    widths: tuple[tuple[int, float], ...] = ()  # (n, estimated seconds on n slots): GENIE may pick n
 
 
 @dataclass(frozen=True)
@@ -294,12 +325,16 @@ def order_work(
     jobs: Mapping[str, hermes.TimeShareJob],
     now: float,
     search: Mapping[str, pop.SearchPolicy] | None = None,
+    shape: genie.ClusterShape | None = None,
 ) -> list[Work]:
-    """Step 1: GENIE's waiting allowance across studies when one has a QoS class; then, within the
+    """Step 1: GENIE's waiting allowance across studies when one has a QoS class (and its width for work
+    with ``widths``, on a cluster of ``shape``: node managers x their most slots); then, within the
     positions the work of POP studies holds, POP's promising trials first (highest ``p``) and the rest in
     arrival order (``next_job``); then Hermes' score among the time-sharing studies' work."""
     out = list(work)
-    if any(policies.get(w.study, StudyPolicies()).qos for w in out):
+    if shape is not None and any(w.widths and policies.get(w.study, StudyPolicies()).qos for w in out):
+        out = _genie_widths(out, policies, now, shape)
+    elif any(policies.get(w.study, StudyPolicies()).qos for w in out):
         model = _unit_model()
         tasks = [
             genie.Task(
@@ -339,6 +374,21 @@ def order_work(
         for i, w in zip(ts_pos, items, strict=True):
             out[i] = w
     return out
+
+
+def _genie_widths(
+    work: Sequence[Work], policies: Mapping[str, StudyPolicies], now: float, shape: genie.ClusterShape
+) -> list[Work]:
+    """GENIE Alg. 1 with each work's width chosen (``genie.choose_width``), served in increasing waiting
+    allowance; work without ``widths`` keeps its slots."""
+    planned = []
+    for i, w in enumerate(work):
+        qos = policies.get(w.study, StudyPolicies()).qos or "normal"
+        widths = w.widths or ((w.slots, w.cost_s),)
+        n, latency, allowance = genie.choose_width(qos, w.arrival, widths, now, shape)
+        planned.append((allowance, w.arrival, i, replace(w, slots=n, cost_s=latency)))
+    planned.sort(key=lambda p: p[:3])
+    return [p[3] for p in planned]
 
 
 def _ts(policies: Mapping[str, StudyPolicies], study: str) -> TimeShareParams | None:
@@ -402,11 +452,36 @@ def place_work(
         for i, w in zip(idx, items, strict=True):
             order[i] = w
 
+    load: dict[str, int] = {}  # running and placed jobs per device (Hermes Alg. 2)
+    for r in running:
+        dev = slot_dev.get(r.slot)
+        if dev is not None:
+            load[dev] = load.get(dev, 0) + 1
+
     out: list[tuple[int, str]] = []
     for w in order:
         if not any(free_by_dev.values()):
             break
         p = policies.get(w.study)
+        if w.slots > 1:
+            taken = _wide(free_by_dev, w.slots)
+            if taken is None:
+                continue  # no node manager has that many free now: waits for a later round
+            for dev, slot in taken:
+                usage.add(item(f"w{w.key}.{slot.id}", w.study, w.cost_s), bin_of(dev, 1.0))
+                load[dev] = load.get(dev, 0) + 1
+            out.append((w.key, ",".join(slot.id for _, slot in taken)))
+            continue
+        if p is not None and p.placement is None and p.time_share is not None:
+            counts = {d: load.get(d, 0) for d, sl in free_by_dev.items() if sl}
+            chosen = hermes.find_available_gpu(counts, p.time_share.g_thres)
+            if chosen is None:
+                continue  # every device holds G_thres jobs: the global queue
+            slot = free_by_dev[chosen].pop(0)
+            load[chosen] = load.get(chosen, 0) + 1
+            usage.add(item(f"w{w.key}", w.study, w.cost_s), bin_of(chosen, 1.0))
+            out.append((w.key, slot.id))
+            continue
         if p is None or p.placement is None:
             dev = next(d for d, sl in free_by_dev.items() if sl)
             slot = free_by_dev[dev].pop(0)
@@ -420,8 +495,23 @@ def place_work(
         dev = got.get(it.id)
         if dev is None:
             continue  # fits on no device now: waits for a later round
+        load[dev] = load.get(dev, 0) + 1
         out.append((w.key, free_by_dev[dev].pop(0).id))
     return out
+
+
+def _wide(free_by_dev: dict[str, list[Slot]], n: int) -> list[tuple[str, Slot]] | None:
+    """``n`` free slots of one node manager (the first that has them, its devices in order), taken out
+    of ``free_by_dev``; None, nothing taken, when none has."""
+    by_nm: dict[str, list[tuple[str, Slot]]] = {}
+    for dev, slots in free_by_dev.items():
+        for s in slots:
+            by_nm.setdefault(s.node_manager, []).append((dev, s))
+    pick = next((lst[:n] for lst in by_nm.values() if len(lst) >= n), None)
+    if pick is not None:
+        for dev, s in pick:
+            free_by_dev[dev].remove(s)
+    return pick
 
 
 def preempt_for(
@@ -465,8 +555,13 @@ def plan_round(
     now: float,
     search: Mapping[str, pop.SearchPolicy] | None = None,
 ) -> RoundPlan:
-    """Steps 1-3 for one round; ``work`` is the ready work in the master's base order."""
-    ordered = order_work(work, policies, jobs, now, search)
+    """Steps 1-3 for one round; ``work`` is the ready work in the master's base order. A dispatch of work
+    on several slots names them all, ``"a,b"`` (rank order)."""
+    per_nm: dict[str, int] = {}
+    for s in [*free, *busy.values()]:
+        per_nm[s.node_manager] = per_nm.get(s.node_manager, 0) + 1
+    shape = genie.ClusterShape(len(per_nm), max(per_nm.values())) if per_nm else None
+    ordered = order_work(work, policies, jobs, now, search, shape)
     dispatch = place_work(ordered, free, busy, running, policies)
     placed = {k for k, _ in dispatch}
     waiting = [w for w in ordered if w.key not in placed]

@@ -299,7 +299,7 @@ class BatchLedger:
         with self.db.tx("dispatch batches") as s:
             c = s.connection()
             for it in items:
-                nm, slot = it.node_manager_id, it.slot_id
+                nm, slot = it.node_manager_id, it.slot_id  # a batch on several slots: "a,b" (rank order)
                 row = {"plan_id": it.plan_id, "state": BatchState.RUNNING, "attempt": 1, "spec_json": ""}
                 row |= {"node_manager_id": nm, "slot_id": slot, "created_at": now, "updated_at": now}
                 bid = int(c.execute(_NEW_BATCH, row).scalar_one())
@@ -309,7 +309,8 @@ class BatchLedger:
                     continue
                 spec = it.spec_for(bid, 1)
                 c.execute(_SET_SPEC, {"b": bid, "spec": spec})
-                attempt = {"batch_id": bid, "attempt": 1, "node_manager_id": nm, "slot_id": slot}
+                # the attempt names rank 0's slot: its GPU type is the batch's (finished_attempts joins it)
+                attempt = {"batch_id": bid, "attempt": 1, "node_manager_id": nm, "slot_id": slot.split(",")[0]}
                 c.execute(_NEW_ATTEMPT, attempt | {"state": BatchState.RUNNING, "dispatched_at": now})
                 out.append(BatchRecord(bid, it.plan_id, BatchState.RUNNING, 1, spec, nm, slot))
         return out
@@ -377,16 +378,18 @@ class BatchLedger:
                 q = q.where(_B.c.plan_id == plan_id)
             return sum(int(st["end"]) - int(st["start"]) for spec in s.scalars(q) for st in json.loads(spec)["stages"])
 
-    def finished_attempts(self, since: float, limit: int = 1000) -> list[FinishedAttempt]:
-        """Attempts that ran to their end and finished at or after ``since`` (by the clock of whoever
-        recorded it), oldest first: the latest ``limit`` of them."""
+    def finished_attempts(
+        self, since: float, limit: int = 1000, state: BatchState = BatchState.DONE
+    ) -> list[FinishedAttempt]:
+        """Attempts that ran to their end (or ended in ``state``: OUT_OF_MEMORY) and finished at or after
+        ``since`` (by the clock of whoever recorded it), oldest first: the latest ``limit`` of them."""
         a, b, sl = m.BatchAttempt, m.Batch, m.Slot
         with self.db.tx("finished attempts") as s:
             rows = s.execute(
                 select(a.batch_id, a.attempt, b.spec_json, a.sent_at, a.dispatched_at, a.finished_at, sl.gpu_type)
                 .join(b, b.id == a.batch_id)
                 .outerjoin(sl, (sl.node_manager_id == a.node_manager_id) & (sl.slot_id == a.slot_id))
-                .where(a.finished_at >= since, a.state == BatchState.DONE)
+                .where(a.finished_at >= since, a.state == state)
                 .order_by(a.finished_at.desc())
                 .limit(limit)
             ).all()

@@ -160,6 +160,25 @@ class RequestStore:
                 )
             ]
 
+    def fail_waiting(self, request_ids: Sequence[int], error: str) -> list[int]:
+        """FAIL those of these requests still NOT_SCHED, with ``error`` (work no node manager can run:
+        the scheduler says why); the ids failed."""
+        if not request_ids:
+            return []
+        now = time.time()
+        with self.db.tx("fail waiting requests") as s:
+            failed = [
+                int(i)
+                for i in s.scalars(
+                    update(m.Request)
+                    .where(m.Request.id.in_(list(request_ids)), m.Request.state == RequestState.NOT_SCHED)
+                    .values(state=RequestState.FAILED, error=error[:MAX_ERROR_CHARS], done_at=now)
+                    .returning(m.Request.id)
+                    .execution_options(synchronize_session=False)
+                )
+            ]
+        return sorted(failed)
+
     def set_request_error(self, request_ids: Sequence[int], error: str) -> None:
         """Say why requests ended (e.g. a policy cancelled them); their state is left as it is."""
         if not request_ids:

@@ -65,7 +65,8 @@ class RoundReader:
         return out
 
     def _busy_in(self, s: Session) -> set[tuple[str, str]]:
-        return {(str(a), str(b)) for a, b in self.db.rows(s, _BUSY)}
+        # a batch on several slots holds them all: its slot_id is "a,b"
+        return {(str(a), slot) for a, b in self.db.rows(s, _BUSY) for slot in str(b).split(",")}
 
     @staticmethod
     def _policy_studies_in(s: Session) -> list[tuple[str, str]]:

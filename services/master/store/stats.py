@@ -43,14 +43,8 @@ class StatsReader:
                 )
                 or 0
             )
-            busy = int(
-                s.scalar(
-                    select(func.count())
-                    .select_from(_B)
-                    .where(_B.c.state == BatchState.RUNNING, _B.c.slot_id.is_not(None))
-                )
-                or 0
-            )
+            running = s.scalars(select(_B.c.slot_id).where(_B.c.state == BatchState.RUNNING, _B.c.slot_id.is_not(None)))
+            busy = sum(len(str(slot).split(",")) for slot in running)  # a batch on several slots: "a,b"
         return Overview(studies, states, slots, busy)
 
     def study_stats(self, study_id: str) -> SharingStats:

@@ -3,7 +3,13 @@
 Fixed values (besides the digits ones): ``fault`` names what happens when ``train()`` is called at
 step ``fault_step``; ``sleep_s`` slows every step down without changing what it computes (to give a
 signal time to arrive); ``fault_once`` (a file path) makes the fault happen only while that file does
-not exist (it is created just before the fault), so a retried batch succeeds. Faults:
+not exist (it is created just before the fault), so a retried batch succeeds.
+
+``FaultyTorchDigits`` is the same with ``DigitsTorch`` (a ``TorchTrainer``: data parallel on a batch of
+several slots); ``fault_rank`` (default: every rank) makes only that rank fault. It also takes
+``rank_noise``: rank ``r`` draws ``r + 1`` extra random numbers before each step, so the ranks' random
+streams (dropout masks) differ, as they do when ranks sample differently (an exact resume needs every
+rank's stream). Faults:
 
 =================  =====================================================================
 ``raise``          ``ValueError`` from user code
@@ -27,9 +33,11 @@ import torch
 
 from stagetree.core.errors import InvalidArgument
 from stagetree.nodemanager.examples.digits import DigitsMLP
+from stagetree.nodemanager.examples.torch_digits import DigitsTorch
 from stagetree.nodemanager.runtime.trainer import StepMetrics
 
 ENTRY_POINT = "stagetree.nodemanager.examples.faults:FaultyDigits"
+TORCH_ENTRY_POINT = "stagetree.nodemanager.examples.faults:FaultyTorchDigits"
 EXIT_CODE = 17
 
 
@@ -90,4 +98,32 @@ class FaultyDigits(DigitsMLP):
                 self._fault()
         if self._sleep_s > 0:
             time.sleep(self._sleep_s)
+        return super().train()
+
+
+class FaultyTorchDigits(DigitsTorch):
+    def init(self) -> None:
+        name = str(self.fixed.get("fault", ""))
+        if name and name not in FAULTS:
+            raise InvalidArgument(f"unknown fault {name!r}; known: {sorted(FAULTS)}")
+        rank = int(self.fixed.get("fault_rank", -1))
+        self._fault = FAULTS.get(name) if rank < 0 or rank == self.rank else None
+        self._fault_step = int(self.fixed.get("fault_step", 0))
+        self._sleep_s = float(self.fixed.get("sleep_s", 0.0))
+        self._noise = bool(self.fixed.get("rank_noise", False))
+        once = str(self.fixed.get("fault_once", ""))
+        self._once = Path(once) if once else None
+        super().init()
+
+    def train(self) -> dict[str, float]:
+        if self._fault is not None and self.step == self._fault_step:
+            if self._once is None:
+                self._fault()
+            elif not self._once.exists():
+                self._once.touch()
+                self._fault()
+        if self._sleep_s > 0:
+            time.sleep(self._sleep_s)
+        if self._noise:
+            torch.rand(self.rank + 1)
         return super().train()

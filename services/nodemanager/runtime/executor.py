@@ -19,6 +19,14 @@ lines of the traceback (the whole traceback goes to the worker's log). It is fla
 when the user's code raised (a frame of the trainer's own files is on the traceback, or a metric came
 back NaN or infinite), which the master does not retry; an out-of-memory error is flagged ``oom`` so the
 scheduler can retry with more resources.
+
+On a batch of several ranks (``group``, see ``runtime.distributed``) every rank runs this loop in step:
+rank 0 emits the events (the others emit only ``batch_failed``), evaluates and writes the checkpoints,
+each of which holds every rank's RNG state (gathered, a collective); a preemption or a checkpoint due by
+the clock is agreed on by all ranks (``RankGroup.start_sync`` after each step, whose result is taken a
+step later, at once at a stage's end; it also averages the step metrics over the ranks), so they save
+and stop at the same step. A collective that fails because
+another rank went away is not the user's error.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from stagetree.core.batch import BatchSpec, Point
 from stagetree.core.config import Config, FixedPart
 from stagetree.core.sequences import Value
 from stagetree.nodemanager.runtime.checkpoints import CheckpointStore, StoredCheckpoint
+from stagetree.nodemanager.runtime.distributed import PEER_LOST_NOTE, SINGLE_RANK, RankGroup, StepSync, is_peer_lost
 from stagetree.nodemanager.runtime.events import Emit
 from stagetree.nodemanager.runtime.state import restore, save_now, take_snapshot
 from stagetree.nodemanager.runtime.trainer import (
@@ -169,12 +178,14 @@ def device_for(gpus: int) -> torch.device:
     return torch.device("cuda" if gpus > 0 and torch.cuda.is_available() else "cpu")
 
 
-def new_trainer(factory: Callable[[], Trainer], fixed: FixedPart, device: torch.device) -> Trainer:
+def new_trainer(
+    factory: Callable[[], Trainer], fixed: FixedPart, device: torch.device, rank: int = 0, world_size: int = 1
+) -> Trainer:
     """A trainer bound to its context, seeded and initialized: what every batch of ``fixed`` builds
-    before it loads its checkpoint. It depends on nothing else, so a warm worker can build it before
-    its batch arrives (``runtime.worker``'s prepare line)."""
+    before it loads its checkpoint. On one rank it depends on nothing else, so a warm worker can build
+    it before its batch arrives (``runtime.worker``'s prepare line); every rank is seeded alike."""
     trainer = factory()
-    trainer.bind(TrainerContext(fixed=fixed.values, seed=fixed.seed, device=device))
+    trainer.bind(TrainerContext(fixed=fixed.values, seed=fixed.seed, device=device, rank=rank, world_size=world_size))
     seed_everything(fixed.seed)
     trainer.init()
     return trainer
@@ -197,13 +208,15 @@ class BatchRun:
         progress_interval_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         prepared: Trainer | None = None,
+        group: RankGroup = SINGLE_RANK,
     ) -> None:
         self.spec = spec
+        self._group = group
         self._factory = trainer_factory
         # the user's files: a traceback through them is the user's error (factories in tests are classes too)
         self._user_files = user_files(trainer_factory) if isinstance(trainer_factory, type) else ()
         self._store = store
-        self._emit = emit
+        self._emit = emit if group.leader else _failures_only(emit)
         self._should_preempt = should_preempt
         self._device = device_for(spec.gpus) if device is None else device
         self._prepared = prepared  # new_trainer(trainer_factory, spec.fixed, device), built ahead
@@ -223,6 +236,7 @@ class BatchRun:
         self._last_save: _Save | None = None
         self._last_ckpt_step = spec.start_step
         self._last_ckpt_time = 0.0
+        self._last_save_step = -1  # on every rank (rank 0 alone keeps _last_save)
         self._curve: list[list[Any]] = []  # [[step, {name: value}], ...] of self._curve_node, not emitted yet
         self._curve_node = spec.stages[0].node
         self._curve_flushed = 0.0
@@ -271,6 +285,9 @@ class BatchRun:
                 curve_gap = 1.0 / spec.curve_max_per_s if spec.curve_max_per_s > 0 else 0.0
                 last_point = float("-inf")
                 curve = self._curve
+                group = self._group
+                distributed = group.distributed
+                pending_sync: StepSync | None = None
                 for stage in spec.stages:
                     node = stage.node
                     self._flush_curve(node)
@@ -287,6 +304,31 @@ class BatchRun:
                         if trainer.logged:
                             values = {**trainer.logged, **values} if values else trainer.logged
                             trainer.logged = {}
+                        if distributed:
+                            # Every rank saves and stops at the same step, and the step metrics are averaged
+                            # over the ranks: one all-reduce per step, started now and taken one step later
+                            # (at a stage's last step, at once), so it runs while the next step trains.
+                            every_s = spec.peripheral_every_s
+                            timed = every_s > 0 and now - self._last_ckpt_time >= every_s
+                            local = (_PERIODIC if timed else 0) | (_PREEMPT if should_preempt() else 0)
+                            started = group.start_sync(local, values, step, now)
+                            values = None  # recorded when its average comes back
+                            ready = [] if pending_sync is None else [pending_sync]
+                            pending_sync = None
+                            if s == stage.end - 1:
+                                ready.append(started)
+                            else:
+                                pending_sync = started
+                            # by steps, every rank knows alike; by the clock, as agreed
+                            every = spec.peripheral_every_steps
+                            periodic_due = every > 0 and step - self._last_ckpt_step >= every
+                            preempt_now = False
+                            for sync in ready:
+                                flags, averaged = sync.wait()
+                                # a checkpoint asked for by the clock at a step is due unless one was saved since
+                                periodic_due |= bool(flags & _PERIODIC) and self._last_save_step < sync.step
+                                preempt_now |= bool(flags & _PREEMPT)
+                                last_point = self._curve_point(sync.step, sync.at, averaged, node, last_point)
                         if values and curve_every and step % curve_every == 0 and now - last_point >= curve_gap:
                             last_point = now
                             curve.append([step, finite_values(values)])
@@ -299,11 +341,17 @@ class BatchRun:
                             self._handled = step
                             due = step in point_steps
                         saved = due and self._handle_points(trainer, step)
-                        if periodic and step < end and not saved and self._peripheral_due(step, now):
+                        if not distributed:
+                            periodic_due = periodic and self._peripheral_due(step, now)
+                            preempt_now = False
+                        if periodic_due and step < end and not saved:
                             self._save(trainer, (Point(node, step),), "peripheral", step)
                         if self._pending:
                             self._drain(block=False)
-                        if step < end and should_preempt():
+                        if step < end and (preempt_now or (not distributed and should_preempt())):
+                            if pending_sync is not None:  # every rank has it in flight: take its curve point
+                                _, averaged = pending_sync.wait()
+                                self._curve_point(pending_sync.step, pending_sync.at, averaged, node, last_point)
                             self._flush_curve(node)
                             return self._preempt(trainer, node, step, trained)
                 self._flush_curve(self._curve_node)
@@ -314,6 +362,19 @@ class BatchRun:
             return self._fail(e, step, trained)
         finally:
             self._pool = None
+
+    def _curve_point(self, step: int, now: float, values: Any, node: int, last_point: float) -> float:
+        """Keep ``values`` as the curve point of ``step`` (ended at ``now``) when the batch's curve rate
+        says so (the one-rank loop does the same inline); the time of the last point kept."""
+        spec = self.spec
+        every = spec.curve_every_steps
+        gap = 1.0 / spec.curve_max_per_s if spec.curve_max_per_s > 0 else 0.0
+        if not values or not every or step % every or now - last_point < gap:
+            return last_point
+        self._curve.append([step, finite_values(values)])
+        if now - self._curve_flushed >= CURVE_FLUSH_S or len(self._curve) >= CURVE_MAX_BUFFER:
+            self._flush_curve(node, now)
+        return now
 
     def _flush_curve(self, node: int, now: float | None = None) -> None:
         """Emit the buffered curve points (of ``self._curve_node``); later points belong to ``node``."""
@@ -328,11 +389,12 @@ class BatchRun:
     def _start(self) -> Trainer:
         spec = self.spec
         trainer, self._prepared = self._prepared, None
+        info = self._group.info
         if trainer is None:
-            trainer = new_trainer(self._factory, spec.fixed, self._device)
+            trainer = new_trainer(self._factory, spec.fixed, self._device, info.rank, info.world_size)
         self._trainer = trainer
         if spec.source.uri is not None:
-            at = restore(trainer, self._store, spec.source.uri)
+            at = restore(trainer, self._store, spec.source.uri, info.rank, info.world_size)
             if at.step != spec.source.point.step:
                 log.warning(
                     "source checkpoint is at step %d, the batch says %d",
@@ -376,7 +438,7 @@ class BatchRun:
             saves = ()  # the source checkpoint already holds this point
         if saves:
             self._save(trainer, saves, "central", step)
-        if evals:
+        if evals and self._group.leader:
             rng = capture_rng_state()
             metrics = {str(k): float(v) for k, v in trainer.evaluate().items()}
             restore_rng_state(rng)  # evaluation must not shift the training trajectory
@@ -406,16 +468,23 @@ class BatchRun:
 
     def _save(self, trainer: Trainer, points: tuple[Point, ...], kind: CheckpointKind, step: int) -> None:
         point = Point(points[0].node, step)
+        self._last_save_step = step
+        rng_ranks = None
+        if self._group.distributed:  # every rank's streams, gathered on rank 0, which alone writes
+            rng_ranks = self._group.gather(capture_rng_state())
+            if not self._group.leader:
+                self._last_ckpt_step, self._last_ckpt_time = step, self._clock()
+                return
         key = self._key(point.node, step, kind)
         assert self._pool is not None
         if self._background and type(trainer).snapshots_in_memory():
-            snapshot = take_snapshot(trainer, point)
+            snapshot = take_snapshot(trainer, point, rng_ranks)
             # Bound the snapshots held in memory: wait for the oldest write when too many are queued.
             while sum(not p.future.done() for p in self._pending) >= self._max_pending:
                 next(p for p in self._pending if not p.future.done()).future.exception()
             future = self._pool.submit(self._store.put, key, snapshot.write)
         else:
-            future = _done_future(self._store.put(key, lambda d: save_now(trainer, point, d)))
+            future = _done_future(self._store.put(key, lambda d: save_now(trainer, point, d, rng_ranks)))
         record = _Save(future, points, kind, step)
         self._pending.append(record)
         self._last_save = record
@@ -440,10 +509,11 @@ class BatchRun:
                 )
 
     def _preempt(self, trainer: Trainer, node: int, step: int, trained: int) -> BatchOutcome:
-        record = self._last_save
-        if record is None or record.step != step:
+        if self._last_save_step != step:
             self._save(trainer, (Point(node, step),), "peripheral", step)
-            record = self._last_save
+        if not self._group.leader:
+            return BatchOutcome("preempted", step, trained)
+        record = self._last_save
         assert record is not None
         self._drain(block=True)
         uri = record.future.result().uri
@@ -459,13 +529,16 @@ class BatchRun:
         except Exception:
             log.exception("curve points lost while failing batch", extra={"batch_id": self.spec.batch_id})
         oom = is_oom(exc)
-        user = not oom and raised_in_user_code(exc, self._user_files)
+        peer_lost = self._group.distributed and is_peer_lost(exc)
+        user = not oom and not peer_lost and raised_in_user_code(exc, self._user_files)
         try:  # checkpoints snapshotted before the failure are still good: report them
             self._drain(block=True)
         except Exception:
             log.exception("checkpoint write failed while failing batch", extra={"batch_id": self.spec.batch_id})
         self._pending.clear()
         error = error_text(exc, tb)
+        if peer_lost:
+            error = f"{PEER_LOST_NOTE}: {error}"
         log.error(
             "batch failed at step %d: %s: %s\n%s",
             step,
@@ -476,6 +549,19 @@ class BatchRun:
         )
         self._emit("batch_failed", {**self._ids, "error": error, "traceback": tb, "oom": oom, "user_error": user})
         return BatchOutcome("failed", step, trained, error=error, oom=oom, user_error=user)
+
+
+_PERIODIC = 1  # RankGroup.step_sync bits
+_PREEMPT = 2
+_RANK_EVENTS = frozenset({"batch_failed"})  # what a rank other than 0 reports
+
+
+def _failures_only(emit: Emit) -> Emit:
+    def emit_failure(kind: str, payload: dict[str, Any]) -> None:
+        if kind in _RANK_EVENTS:
+            emit(kind, payload)
+
+    return emit_failure
 
 
 def run_batch(

@@ -5,6 +5,11 @@ Layout of a checkpoint directory::
     user/          what the trainer's ``save`` wrote (``trainer.pt`` for the default save)
     runtime.pt     the runtime's part: RNG states, the point, a format version
 
+A batch on several ranks (``runtime.distributed``) is saved by rank 0, with every rank's RNG state
+(``rng_ranks``, by rank; ``rng`` is rank 0's), so each rank of a resume on the same number of ranks
+continues its own streams exactly. A resume on another number of ranks is refused unless the trainer
+class is ``rescalable`` (each rank then starts from rank 0's streams).
+
 A ``Snapshot`` is the same state held in memory, detached from the live trainer: every tensor is
 copied (to CPU), every container rebuilt, so training may go on while a thread writes it. Restores
 always read from the store, never from a shared in-memory object: ``Optimizer.load_state_dict`` keeps
@@ -63,13 +68,18 @@ def detached_copy(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
-def runtime_state(point: Point) -> dict[str, Any]:
-    return {
+def runtime_state(point: Point, rng_ranks: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The runtime's part of a checkpoint; ``rng_ranks``: every rank's RNG state, by rank (this
+    process's is captured when it is None)."""
+    state: dict[str, Any] = {
         "format": FORMAT_VERSION,
         "node": point.node,
         "step": point.step,
-        "rng": capture_rng_state(),
+        "rng": capture_rng_state() if rng_ranks is None else rng_ranks[0],
     }
+    if rng_ranks is not None and len(rng_ranks) > 1:
+        state["rng_ranks"] = list(rng_ranks)
+    return state
 
 
 @dataclass(frozen=True)
@@ -85,27 +95,45 @@ class Snapshot:
         torch.save(self.runtime, directory / RUNTIME_FILE)
 
 
-def take_snapshot(trainer: Trainer, point: Point) -> Snapshot:
+def take_snapshot(trainer: Trainer, point: Point, rng_ranks: list[dict[str, Any]] | None = None) -> Snapshot:
     """Only for trainers whose class ``snapshots_in_memory()``."""
-    return Snapshot(user=detached_copy(trainer.state_dict()), runtime=detached_copy(runtime_state(point)))
+    return Snapshot(user=detached_copy(trainer.state_dict()), runtime=detached_copy(runtime_state(point, rng_ranks)))
 
 
-def save_now(trainer: Trainer, point: Point, directory: Path) -> None:
+def save_now(trainer: Trainer, point: Point, directory: Path, rng_ranks: list[dict[str, Any]] | None = None) -> None:
     """Write the trainer's checkpoint into ``directory`` synchronously (the user's ``save``)."""
     user = directory / USER_DIR
     user.mkdir()
     trainer.save(user)
-    torch.save(runtime_state(point), directory / RUNTIME_FILE)
+    torch.save(runtime_state(point, rng_ranks), directory / RUNTIME_FILE)
 
 
-def restore(trainer: Trainer, store: CheckpointStore, uri: str) -> Point:
-    """Load the checkpoint at ``uri`` into an ``init``-ed trainer and the process RNGs; its point."""
+def restore(trainer: Trainer, store: CheckpointStore, uri: str, rank: int = 0, world_size: int = 1) -> Point:
+    """Load the checkpoint at ``uri`` into an ``init``-ed trainer and the process RNGs (rank ``rank`` of
+    ``world_size``'s own, see the module doc); its point."""
     with store.open(uri) as directory:
         rt = torch.load(directory / RUNTIME_FILE, weights_only=True)
         if rt.get("format") != FORMAT_VERSION:
             raise FailedPrecondition(
                 f"checkpoint {uri} has format {rt.get('format')!r}, this runtime reads {FORMAT_VERSION}"
             )
+        ranks = rt.get("rng_ranks")
+        saved = len(ranks) if ranks else 1
+        if saved != world_size and not type(trainer).rescalable:
+            raise FailedPrecondition(
+                f"checkpoint {uri} was written by {saved} rank(s) and this batch runs on {world_size}: "
+                f"{type(trainer).__name__} does not say it may resume on another number of ranks (set "
+                "rescalable = True on the class if its state does not depend on the number of ranks)"
+            )
         trainer.load(directory / USER_DIR)
-    restore_rng_state(rt["rng"])
+    if saved == world_size:
+        restore_rng_state(ranks[rank] if ranks else rt["rng"])
+    else:
+        log.warning(
+            "resuming a checkpoint of %d rank(s) on %d: each rank continues from rank 0's random streams",
+            saved,
+            world_size,
+            extra={"uri": uri},
+        )
+        restore_rng_state(rt["rng"])
     return Point(int(rt["node"]), int(rt["step"]))

@@ -11,15 +11,16 @@ and exact resume come with it) and the hyper-parameters it applies by itself:
 (``betas`` is a pair, and a sequence's value is one number, so Adam's betas are tuned as ``beta1`` and
 ``beta2``.) Any other tuned name goes to ``apply_hp``, which fails by default naming the known ones.
 
-    class Digits(stagetree.TorchTrainer):
-        def make_model(self):
-            return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-
-        def make_optimizer(self, params):
-            return torch.optim.SGD(params, lr=0.1)
-
-        def make_data(self):
-            return (x_train, y_train), (x_test, y_test)
+On a batch of several ranks it trains data-parallel: the model is wrapped in ``DistributedDataParallel``
+(which averages the gradients), every rank draws the same global minibatch (``batch_size`` is the global
+size) and trains on its rank-strided rows ``rank::world_size``; each rank's loss is weighted by its
+share of the rows, so the averaged gradient is the global minibatch's mean gradient also when the rows
+do not divide evenly. The step loss each rank returns is its weighted share, so the runtime's average
+over the ranks is the global minibatch's. ``self.model`` stays the plain module: evaluation and
+checkpoints use it, so a checkpoint reads the same whatever the number of ranks (``rescalable``). class
+Digits(stagetree.TorchTrainer): def make_model(self): return nn.Sequential(nn.Linear(64, 64), nn.ReLU(),
+nn.Linear(64, 10)) def make_optimizer(self, params): return torch.optim.SGD(params, lr=0.1) def
+make_data(self): return (x_train, y_train), (x_test, y_test)
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch import nn
 from stagetree.core.errors import InvalidArgument
 from stagetree.core.sequences import Value
 from stagetree.nodemanager.runtime.dataloader import ResumableLoader
+from stagetree.nodemanager.runtime.distributed import data_parallel
 from stagetree.nodemanager.runtime.trainer import Trainer
 
 Tensors: TypeAlias = tuple[torch.Tensor, ...]
@@ -67,8 +69,10 @@ class TorchTrainer(Trainer):
     minibatches: ClassVar[int] = 1
     batch_size: ClassVar[int] = 32
     prepare_ahead = True  # init only builds (model, optimizer, data)
+    rescalable = True  # model, optimizer and loader state do not depend on the number of ranks
 
     model: nn.Module
+    train_model: nn.Module  # the model as trained: ``model`` wrapped for data parallelism on several ranks
     optimizer: torch.optim.Optimizer
     loader: ResumableLoader
     eval_data: Tensors
@@ -105,6 +109,7 @@ class TorchTrainer(Trainer):
     def init(self) -> None:
         name = type(self).__name__
         self.model = self.make_model().to(self.device)
+        self.train_model = data_parallel(self.model, self.device, self.world_size)
         self.optimizer = self.make_optimizer(self.model.parameters())
         train, evaluation = self.make_data()
         train_t = tuple(t.to(self.device) for t in _tensors(name, train))
@@ -127,12 +132,21 @@ class TorchTrainer(Trainer):
                 self.apply_hp(name, value)
 
     def train(self) -> dict[str, float]:  # type: ignore[override]  # the runtime ignores what train() returns
-        self.model.train()
+        model = self.train_model
+        model.train()
+        world, rank = self.world_size, self.rank
         total = 0.0
         for _ in range(self.steps_per_call):
             *inputs, target = next(self.loader)
             self.optimizer.zero_grad(set_to_none=True)
-            loss = self.loss(self.model(*inputs), target)
+            if world > 1:
+                rows = int(target.shape[0])
+                *inputs, target = (t[rank::world] for t in (*inputs, target))
+                # DDP averages over ranks: weighting by the rank's share makes it the global mean
+                weight = int(target.shape[0]) * world / rows
+                loss = self.loss(model(*inputs), target) * weight
+            else:
+                loss = self.loss(model(*inputs), target)
             loss.backward()  # type: ignore[no-untyped-call]
             self.optimizer.step()
             total += float(loss.detach())

@@ -14,6 +14,15 @@ synchronously.
 
 The runtime, not the user, seeds and checkpoints the RNGs of python ``random``, numpy and torch
 (CPU, and CUDA when it is in use), so a resumed run continues the same random streams.
+
+A batch on ``n`` slots runs the trainer in ``n`` processes, one ``torch.distributed`` group (the runtime
+has joined it before ``init``): ``self.rank`` and ``self.world_size`` say which share of the data this
+process trains on. Every rank is seeded alike and builds the same model; ``train`` runs on every rank,
+in step (the ranks' collectives must match), and shards each minibatch by rank; ``evaluate``, ``save``
+and ``state_dict`` run on rank 0 only and must not use collectives; ``load`` runs on every rank. The
+step metrics ``train`` returns (and ``log``-s) are averaged over the ranks by the runtime (every rank
+reports the same names). ``TorchTrainer`` does all of it (DistributedDataParallel, rank-strided rows of
+each global minibatch); see docs/trainers.md.
 """
 
 from __future__ import annotations
@@ -53,18 +62,23 @@ class TrainerContext:
     fixed: Mapping[str, Any] = field(default_factory=dict)
     seed: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    rank: int = 0
+    world_size: int = 1
 
 
 class Trainer(ABC):
     """Base class of a user's training logic; the runtime drives it one step at a time.
 
     Attributes set by the runtime before ``init``: ``fixed`` (the fixed part's values), ``seed``,
-    ``device``; and before each ``train`` call: ``step`` (the number of steps trained so far).
+    ``device``, ``rank`` and ``world_size`` (a batch on several slots: see the module doc); and before
+    each ``train`` call: ``step`` (the number of steps trained so far).
     """
 
     fixed: Mapping[str, Any]
     seed: int
     device: torch.device
+    rank: int
+    world_size: int
     step: int
     # step metrics logged during the current step (``log``); the runtime takes them after ``train``
     logged: dict[str, float | torch.Tensor]
@@ -75,11 +89,18 @@ class Trainer(ABC):
     # trainer built ahead, and any other batch builds its own (the one built ahead is dropped).
     prepare_ahead: ClassVar[bool] = False
 
+    # Whether a checkpoint written by a group of n ranks may resume on another number of ranks: the
+    # trainer's state is the same on every rank (model, optimizer, data position) and does not depend on
+    # n. The run is then valid but not bit-exact (each rank's random streams start from rank 0's).
+    rescalable: ClassVar[bool] = False
+
     def bind(self, ctx: TrainerContext) -> None:
         """Called by the runtime, once, before ``init``."""
         self.fixed = dict(ctx.fixed)
         self.seed = ctx.seed
         self.device = ctx.device
+        self.rank = ctx.rank
+        self.world_size = ctx.world_size
         self.step = 0
         self.logged = {}
 

@@ -23,6 +23,9 @@
   or an unreadable spec. Any other code (a signal, ``os._exit``) means the process died unreported.
 * ``run_forked`` is the same entry for a worker forked from the node manager's fork server.
 * ``torch.set_num_threads`` comes from ``--threads``, else ``STAGETREE_WORKER_THREADS``, else 1.
+* A rank of a batch on several slots finds its place in the spec's ``extra["rank"]``
+  (``distributed.RankInfo``) and joins the group before it builds the trainer; only rank 0 writes
+  events other than ``batch_failed``. A failure to join is the attempt's failure (retried).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from stagetree.core.batch import BatchSpec
 from stagetree.core.config import FixedPart
 from stagetree.core.errors import StagetreeError
 from stagetree.nodemanager.runtime.checkpoints import DEFAULT_CACHE_BYTES, open_checkpoint_store
+from stagetree.nodemanager.runtime.distributed import SINGLE_RANK, RankGroup, RankInfo, join_group
 from stagetree.nodemanager.runtime.events import encode_event
 from stagetree.nodemanager.runtime.executor import BatchRun, device_for, error_text, new_trainer
 from stagetree.nodemanager.runtime.trainer import Trainer, load_trainer_class
@@ -157,6 +161,7 @@ def main(argv: list[str] | None = None, spec_input: TextIO | None = None) -> int
         else:
             text = Path(args.spec).read_text()
         spec = BatchSpec.from_json(json.loads(text))
+        rank = RankInfo.of_extra(spec.extra)
         store = open_checkpoint_store(
             args.checkpoint_root,
             s3_endpoint_url=args.s3_endpoint_url,
@@ -187,20 +192,44 @@ def main(argv: list[str] | None = None, spec_input: TextIO | None = None) -> int
         emit("batch_failed", {**ids, "error": error_text(e, tb), "traceback": tb, "oom": False, "user_error": True})
         return EXIT_FAILED
 
+    group: RankGroup = SINGLE_RANK
+    if rank.distributed:
+        try:
+            group = join_group(rank, device_for(spec.gpus))
+        except Exception as e:  # a peer that never came, a port taken meanwhile: a retry may cure it
+            tb = traceback.format_exc()
+            log.error("cannot join the batch's process group: %s", e, extra=ids)
+            failed = {"error": error_text(e, tb), "traceback": tb, "oom": False, "user_error": False}
+            emit("batch_failed", {**ids, **failed})
+            return EXIT_FAILED
     trainer = None
     if prepared is not None:
-        if prepared.fits(spec):
+        if prepared.fits(spec) and not rank.distributed:
             trainer = prepared.trainer
             log.info("starting from the trainer built ahead", extra=ids)
         else:
             log.info("the trainer prepared ahead is for another fixed part; building the batch's own", extra=ids)
         prepared = None
     run = BatchRun(
-        spec, trainer_cls, store, emit, preempt.is_set, progress_interval_s=args.progress_interval, prepared=trainer
+        spec,
+        trainer_cls,
+        store,
+        emit,
+        preempt.is_set,
+        progress_interval_s=args.progress_interval,
+        prepared=trainer,
+        group=group,
     )
     outcome = run.run()
     emit.flush()
-    return EXIT_FAILED if outcome.status == "failed" else 0
+    code = EXIT_FAILED if outcome.status == "failed" else 0
+    if rank.distributed:
+        # Leave now, with everything written: freeing the trainer (its DistributedDataParallel, the gloo
+        # group) can block for good once a peer has gone (seen in forked workers), and a rank that does
+        # not exit holds its slot until the node manager kills it.
+        stream_out.flush()
+        exit_now(code)
+    return code
 
 
 PREPARE_PREFIX = '{"prepare"'

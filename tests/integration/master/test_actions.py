@@ -68,7 +68,7 @@ def test_preempted_batch_resumes_from_its_checkpoint_without_counting_a_failure(
 
 def test_request_fails_with_the_error_after_max_attempts(app: MasterApp) -> None:
     study, (rid,) = _submit(app, 1)
-    nm = _node_manager(app, 1)
+    nm = _node_manager(app, 2)  # 2 slots: the retry after the out of memory takes both (TreeML §5.2)
     for attempt in range(app.service.retry.max_failures):
         spec = _dispatch_one(app, nm)
         (req,) = app.service.get_requests(ALICE, study, [rid])
@@ -81,6 +81,17 @@ def test_request_fails_with_the_error_after_max_attempts(app: MasterApp) -> None
     assert app.scheduler.run_round().dispatched == []  # not retried forever
     (done,) = app.service.finished(ALICE, study, [rid])
     assert done.state == "FAILED"
+
+
+def test_an_out_of_memory_with_no_wider_node_manager_fails_at_once_saying_why(app: MasterApp) -> None:
+    study, (rid,) = _submit(app, 1)
+    nm = _node_manager(app, 1)
+    spec = _dispatch_one(app, nm)
+    app.service.report_batch(ADMIN, attempt_report(spec.batch_id, 1, ok=False, error="CUDA out of memory", oom=True))
+    assert app.scheduler.run_round().dispatched == []
+    (req,) = app.service.get_requests(ALICE, study, [rid])
+    assert req.state == "FAILED" and req.error is not None
+    assert "out of memory on 1 slot(s): the retry would take 2 slots and the largest node manager has 1" in req.error
 
 
 def test_checkpoints_over_budget_are_evicted_and_deleted_but_never_a_pinned_one(app: MasterApp) -> None:

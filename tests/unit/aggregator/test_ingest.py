@@ -113,7 +113,7 @@ def test_failures_are_bounded_and_out_of_memory_is_named(world: World) -> None:
     assert first.requeued == [r.id] and first.failed_requests == []
     (rec,) = world.store.requests.get_requests(world.study, [r.id])
     assert rec.state == RequestState.NOT_SCHED
-    assert world.store.ledger.get_batch(batch.id).state == BatchState.FAILED
+    assert world.store.ledger.get_batch(batch.id).state == BatchState.OUT_OF_MEMORY
 
     retry = world.dispatch_ids([r.id])
     second = ing.apply([world.failed(retry.id, "CUDA error", oom=True)])

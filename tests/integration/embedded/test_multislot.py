@@ -1,0 +1,99 @@
+"""Batches on several slots end to end in embedded mode, with real rank processes (gloo on CPU slots): a
+study's ``slots`` trains each batch on that many ranks; an out of memory doubles the slots of the retry;
+past the largest node manager the request fails saying why; a killed rank fails its attempt, leaves
+no rank behind, and the work is retried."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+import stagetree
+from stagetree.client.sdk import EvalFailed
+from stagetree.core.sequences import Constant
+from stagetree.embedded import Embedded, EmbeddedSettings
+from stagetree.master.store import models as m
+from stagetree.nodemanager.examples.faults import TORCH_ENTRY_POINT
+from stagetree.nodemanager.group import WorkerGroup
+from tests.unit.nodemanager.test_group import gone
+
+pytestmark = pytest.mark.timeout(240)
+
+CFG = {"lr": Constant(0.1), "bs": Constant(32)}
+
+
+def _batches(cluster: Embedded) -> list[tuple[str, int, str]]:
+    """(state, slots, slot ids) of every batch, in order."""
+    with cluster.app.store.db.tx("test: batches") as s:
+        rows = s.execute(select(m.Batch.state, m.Batch.spec_json, m.Batch.slot_id).order_by(m.Batch.id)).all()
+    return [(str(st), int(json.loads(spec).get("slots", 1)), str(slot)) for st, spec, slot in rows]
+
+
+def _settings(tmp: Path, workers: int) -> EmbeddedSettings:
+    return EmbeddedSettings(home=tmp / "home", workers=workers)
+
+
+async def _study(client: Any, name: str, policies: dict[str, Any] | None = None, **values: Any) -> Any:
+    return await stagetree.Study.create(
+        client, name, trainer=TORCH_ENTRY_POINT, values=values, tuned=["lr", "bs"], policies=policies
+    )
+
+
+async def test_a_study_trains_each_batch_on_the_slots_it_asks_for(tmp_path: Path) -> None:
+    async with Embedded(_settings(tmp_path, 2)) as cluster, stagetree.connect(cluster.target, token=cluster.token) as c:
+        two = await _study(c, "two", {"slots": 2})
+        got = await asyncio.wait_for(two.eval(CFG, 6), 120)
+        assert set(got) == {"accuracy", "loss"}
+        assert _batches(cluster) == [("DONE", 2, "cpu0,cpu1")]
+
+
+async def test_an_out_of_memory_doubles_the_slots_of_the_retry(tmp_path: Path) -> None:
+    once = tmp_path / "oom-once"
+    async with Embedded(_settings(tmp_path, 2)) as cluster, stagetree.connect(cluster.target, token=cluster.token) as c:
+        study = await _study(c, "oom", fault="runtime_oom", fault_step=2, fault_once=str(once))
+        got = await asyncio.wait_for(study.eval(CFG, 6), 120)
+        assert set(got) == {"accuracy", "loss"} and once.exists()
+        (oom, done) = _batches(cluster)
+        assert oom[:2] == ("OUT_OF_MEMORY", 1) and done == ("DONE", 2, "cpu0,cpu1")
+
+
+async def test_an_out_of_memory_on_every_slot_of_the_largest_node_manager_fails_saying_why(tmp_path: Path) -> None:
+    async with Embedded(_settings(tmp_path, 2)) as cluster, stagetree.connect(cluster.target, token=cluster.token) as c:
+        study = await _study(c, "always-oom", fault="runtime_oom", fault_step=1)
+        with pytest.raises(EvalFailed) as err:
+            await asyncio.wait_for(study.eval(CFG, 4), 120)
+        assert "out of memory on 2 slot(s): the retry would take 4 slots" in err.value.message
+        assert "largest node manager has 2" in err.value.message
+        assert [(st, n) for st, n, _ in _batches(cluster)] == [("OUT_OF_MEMORY", 1), ("OUT_OF_MEMORY", 2)]
+
+
+async def test_a_killed_rank_fails_its_attempt_and_the_work_is_retried(tmp_path: Path) -> None:
+    """A rank killed by SIGKILL that nobody here sent reads as the out-of-memory killer (as for a one-slot
+    worker), so the retry takes twice the slots: 4 on this 4-slot node manager."""
+    async with Embedded(_settings(tmp_path, 4)) as cluster, stagetree.connect(cluster.target, token=cluster.token) as c:
+        study = await _study(c, "killed", {"slots": 2}, sleep_s=0.05)
+        task = asyncio.ensure_future(study.eval(CFG, 60))
+        nm = cluster.node_manager
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60
+        group = None
+        while group is None:
+            assert loop.time() < deadline and not task.done()
+            atts = [a for a in nm._attempts.values() if a.started and isinstance(a.worker, WorkerGroup)]
+            group = atts[0].worker if atts else None
+            await asyncio.sleep(0.05)
+        assert isinstance(group, WorkerGroup)
+        pids = group.pids
+        os.kill(pids[1], signal.SIGKILL)
+        got = await asyncio.wait_for(task, 180)
+        assert set(got) == {"accuracy", "loss"}
+        assert all(gone(p) for p in pids)
+        first, *rest = _batches(cluster)
+        assert first[:2] == ("OUT_OF_MEMORY", 2) and rest[-1][:2] == ("DONE", 4)

@@ -1,0 +1,155 @@
+"""Batches on several slots in the pure core: placement on n slots of one node manager, stages costed
+at n, the cost model's time per step as a function of n, the out-of-memory doubling and its cap, the
+study's ``slots`` choice, and the lifecycle's out-of-memory state."""
+
+from __future__ import annotations
+
+import pytest
+
+from stagetree.core.config import Config
+from stagetree.core.errors import InvalidArgument, ResourceExhausted
+from stagetree.core.estimator import INV_SLOTS, CostModel
+from stagetree.core.lifecycle import (
+    AttemptEnd,
+    BatchHead,
+    BatchState,
+    CarriedRequest,
+    Outcome,
+    RetryPolicy,
+    end_attempt,
+)
+from stagetree.core.policies.live import parse_policies
+from stagetree.core.scheduler import schedule_round, steps_cost, take_slots
+from stagetree.core.searchplan import SearchPlan
+from stagetree.core.slots import Slot
+from stagetree.core.stagetree import StageForest, build_stage_tree
+
+PLAN, CPU = "plan-a", "cpu"
+
+
+def _slots(*spec: tuple[str, int]) -> list[Slot]:
+    return [Slot(f"{nm}-s{i}", nm) for nm, n in spec for i in range(n)]
+
+
+def _forest(*trials: tuple[float, int], plan: str = "1") -> StageForest:
+    sp = SearchPlan()
+    for lr, steps in trials:
+        sp.add_request(Config.of({"lr": lr, "bs": 32}), steps)
+    return build_stage_tree(sp.nodes, {}, [(r.id, r.point) for r in sp.pending()], plan=plan)
+
+
+# -- placement -------------------------------------------------------------------------------------
+
+
+def test_n_slots_come_from_one_node_manager_in_first_fit_order() -> None:
+    free = _slots(("a", 1), ("b", 3), ("c", 2))
+    got = take_slots(free, 2)
+    assert got is not None and [s.id for s in got] == ["b-s0", "b-s1"]
+    assert [s.id for s in free] == ["a-s0", "b-s2", "c-s0", "c-s1"]
+    assert take_slots(free, 3) is None and len(free) == 4  # no node manager has 3 free: nothing taken
+    one = take_slots(free, 1)
+    assert one is not None and one[0].id == "a-s0"
+
+
+def test_a_batch_on_two_slots_waits_for_a_node_manager_with_two_free_while_others_are_placed() -> None:
+    two = _forest((0.1, 100), plan="1")  # the longest path, its plan takes 2 slots
+    one = _forest((0.5, 10), plan="2")
+    forest = StageForest()
+    forest.extend(two)
+    forest.extend(one)
+    slots_of = {"1": 2, "2": 1}.__getitem__
+    res = schedule_round(forest, _slots(("a", 1), ("b", 1)), steps_cost(), slots_of=slots_of)
+    assert [(d.batch.plan, [s.id for s in d.all_slots]) for d in res.dispatches] == [("2", ["a-s0"])]
+    assert [b.plan for b in res.queue] == ["1"] and res.queue[0].slots == 2
+    res = schedule_round(forest, _slots(("a", 1), ("b", 2)), steps_cost(), slots_of=slots_of)
+    placed = [(d.batch.plan, d.slot.id, [s.id for s in d.all_slots]) for d in res.dispatches]
+    assert placed == [("1", "b-s0", ["b-s0", "b-s1"]), ("2", "a-s0", ["a-s0"])]
+    assert res.dispatches[0].batch.slots == 2
+
+
+def test_the_critical_path_counts_a_stage_at_its_slots() -> None:
+    """Two trials, 100 steps at 2 s/step on 1 slot and 150 steps on 4 slots at the ideal speedup
+    (0.5 s/step): the 100-step one is the longer path and goes first."""
+    sp = SearchPlan()
+    sp.add_request(Config.of({"lr": 0.1, "bs": 32}), 100)
+    forest = build_stage_tree(sp.nodes, {}, [(r.id, r.point) for r in sp.pending()], plan="1")
+    sp2 = SearchPlan()
+    sp2.add_request(Config.of({"lr": 0.2, "bs": 32}), 150)
+    forest.extend(build_stage_tree(sp2.nodes, {}, [(r.id, r.point) for r in sp2.pending()], plan="2"))
+    slots = {"1": 1, "2": 4}
+    res = schedule_round(
+        forest,
+        _slots(("a", 1)),
+        lambda st: st.steps * 2.0 / slots[st.plan],
+        slots_of=slots.__getitem__,
+    )
+    assert [d.batch.plan for d in res.dispatches] == ["1"]
+
+
+# -- the cost model --------------------------------------------------------------------------------
+
+
+def test_time_per_step_is_fitted_on_one_over_n_and_extrapolates() -> None:
+    m = CostModel()
+    m.observe(PLAN, CPU, {"bs": 32}, 1.0, 0.0)  # 1 slot
+    # seen on one n only: the ideal speedup
+    assert m.seconds_per_step(PLAN, CPU, {"bs": 32}, 2) == pytest.approx(0.5)
+    m.observe(PLAN, CPU, {"bs": 32}, 0.6, 0.0, slots=2)  # t = 0.2 + 0.8 / n
+    assert m.seconds_per_step(PLAN, CPU, {"bs": 32}, 1) == pytest.approx(1.0)
+    assert m.seconds_per_step(PLAN, CPU, {"bs": 32}, 4) == pytest.approx(0.4)
+    assert m.observations(PLAN, CPU)[1].features == {"bs": 32.0, INV_SLOTS: 0.5}
+    again = CostModel.from_json(m.to_json())
+    assert again.seconds_per_step(PLAN, CPU, {"bs": 32}, 4) == pytest.approx(0.4)
+    with pytest.raises(InvalidArgument, match="slots"):
+        m.seconds_per_step(PLAN, CPU, {"bs": 32}, 0)
+
+
+def test_a_one_slot_model_predicts_as_before() -> None:
+    m = CostModel()
+    m.observe(PLAN, CPU, {"bs": 32}, 1.0, 0.0)
+    m.observe(PLAN, CPU, {"bs": 64}, 2.0, 0.0)
+    assert m.seconds_per_step(PLAN, CPU, {"bs": 128}) == pytest.approx(4.0)
+    assert "inv_slots" not in m.observations(PLAN, CPU)[0].features
+
+
+def test_out_of_memory_doubles_the_slots_up_to_the_largest_node_manager_then_says_why() -> None:
+    m = CostModel()
+    assert m.slots_for(PLAN, 1, 4) == 1
+    assert m.record_oom(PLAN, 1) == 2 and m.slots_for(PLAN, 1, 4) == 2
+    assert m.record_oom(PLAN, 2) == 4 and m.slots_for(PLAN, 1, 4) == 4
+    assert m.slots_for(PLAN, 1, 8) == 4 and m.min_slots("other") == 1
+    m.record_oom(PLAN, 4)
+    with pytest.raises(ResourceExhausted) as err:
+        m.slots_for(PLAN, 1, 4)
+    assert "out of memory on 4 slot(s)" in err.value.message and "largest node manager has 4" in err.value.message
+    with pytest.raises(
+        ResourceExhausted, match="the study asks for 3 slots per batch and the largest node manager has 2"
+    ):
+        m.slots_for("fresh", 3, 2)
+    assert CostModel.from_json(m.to_json()).min_slots(PLAN) == 8
+
+
+# -- the study's choice and the lifecycle ----------------------------------------------------------
+
+
+def test_a_study_chooses_its_slots_per_batch_without_choosing_a_scheduling_step() -> None:
+    p = parse_policies({"slots": 2})
+    assert p.slots == 2 and not p.schedules and p.to_json() == {"slots": 2}
+    assert parse_policies(p.to_json()) == p
+    both = parse_policies({"slots": 4, "qos": "urgent"})
+    assert both.slots == 4 and both.schedules
+    assert parse_policies({"order": "bfs"}).slots == 1
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(InvalidArgument, match=r"policies\.slots"):
+            parse_policies({"slots": bad})
+
+
+def test_an_attempt_out_of_memory_is_its_own_batch_state_and_is_retried() -> None:
+    d = end_attempt(
+        BatchHead(1, BatchState.RUNNING),
+        AttemptEnd(9, 1, Outcome.OUT_OF_MEMORY, "CUDA"),
+        [CarriedRequest(1, 0)],
+        RetryPolicy(3),
+    )
+    assert d.batch_state is BatchState.OUT_OF_MEMORY and d.batch_state.is_finished()
+    assert d.requeued == (1,) and d.counted == (1,) and d.error == "out of memory: CUDA"
