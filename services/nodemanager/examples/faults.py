@@ -26,8 +26,10 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -77,53 +79,61 @@ FAULTS: dict[str, Callable[[], None]] = {
 }
 
 
-class FaultyDigits(DigitsMLP):
-    def init(self) -> None:
-        name = str(self.fixed.get("fault", ""))
+@dataclass(frozen=True)
+class Injected:
+    """What a trainer's fixed values ask it to do wrong: ``fault`` (a name in ``FAULTS``) at step
+    ``fault_step`` on rank ``fault_rank`` (-1: every rank), only the first time when ``fault_once`` names a
+    marker file, and ``sleep_s`` seconds of sleep in every step."""
+
+    fault: Callable[[], None] | None
+    step: int
+    sleep_s: float
+    once: Path | None
+
+    @classmethod
+    def of(cls, fixed: Mapping[str, Any], rank: int = 0) -> Injected:
+        name = str(fixed.get("fault", ""))
         if name and name not in FAULTS:
             raise InvalidArgument(f"unknown fault {name!r}; known: {sorted(FAULTS)}")
-        self._fault = FAULTS.get(name)
-        self._fault_step = int(self.fixed.get("fault_step", 0))
-        self._sleep_s = float(self.fixed.get("sleep_s", 0.0))
-        once = str(self.fixed.get("fault_once", ""))
-        self._once = Path(once) if once else None
+        on = int(fixed.get("fault_rank", -1))
+        once = str(fixed.get("fault_once", ""))
+        return cls(
+            FAULTS.get(name) if on < 0 or on == rank else None,
+            int(fixed.get("fault_step", 0)),
+            float(fixed.get("sleep_s", 0.0)),
+            Path(once) if once else None,
+        )
+
+    def at(self, step: int) -> None:
+        """Call at the start of each step."""
+        if self.fault is not None and step == self.step:
+            if self.once is None:
+                self.fault()
+            elif not self.once.exists():
+                self.once.touch()
+                self.fault()
+        if self.sleep_s > 0:
+            time.sleep(self.sleep_s)
+
+
+class FaultyDigits(DigitsMLP):
+    def init(self) -> None:
+        self._injected = Injected.of(self.fixed)
         super().init()
 
     def train(self) -> StepMetrics | None:
-        if self._fault is not None and self.step == self._fault_step:
-            if self._once is None:
-                self._fault()
-            elif not self._once.exists():
-                self._once.touch()
-                self._fault()
-        if self._sleep_s > 0:
-            time.sleep(self._sleep_s)
+        self._injected.at(self.step)
         return super().train()
 
 
 class FaultyTorchDigits(DigitsTorch):
     def init(self) -> None:
-        name = str(self.fixed.get("fault", ""))
-        if name and name not in FAULTS:
-            raise InvalidArgument(f"unknown fault {name!r}; known: {sorted(FAULTS)}")
-        rank = int(self.fixed.get("fault_rank", -1))
-        self._fault = FAULTS.get(name) if rank < 0 or rank == self.rank else None
-        self._fault_step = int(self.fixed.get("fault_step", 0))
-        self._sleep_s = float(self.fixed.get("sleep_s", 0.0))
+        self._injected = Injected.of(self.fixed, self.rank)
         self._noise = bool(self.fixed.get("rank_noise", False))
-        once = str(self.fixed.get("fault_once", ""))
-        self._once = Path(once) if once else None
         super().init()
 
     def train(self) -> dict[str, float]:
-        if self._fault is not None and self.step == self._fault_step:
-            if self._once is None:
-                self._fault()
-            elif not self._once.exists():
-                self._once.touch()
-                self._fault()
-        if self._sleep_s > 0:
-            time.sleep(self._sleep_s)
+        self._injected.at(self.step)
         if self._noise:
             torch.rand(self.rank + 1)
         return super().train()
