@@ -17,12 +17,11 @@ from sqlalchemy import ColumnElement, and_, func, or_, select, tuple_
 from sqlalchemy.orm import Session
 
 from stagetree.master.store import models as m
-from stagetree.master.store.database import Database, table
+from stagetree.master.store.database import Database, insert_first_points, table
 from stagetree.master.store.records import metric_value
 
 CurveRows = Sequence[tuple[int, int, dict[str, float]]]  # (node, step, values) at canonical points
 Point = tuple[int, int, dict[str, float]]
-BULK_ROWS = 64  # from this many rows a write goes through Database.bulk_insert_ignore (COPY on Postgres)
 
 _C = table(m.CurvePoint)
 
@@ -47,18 +46,7 @@ class CurveStore:
         if not points:
             return 0
         now = time.time() if now is None else now
-        first: dict[tuple[int, int], dict[str, float]] = {}
-        for n, st, v in points:
-            first.setdefault((n, st), v)
-        keys = sorted(first)  # one lock order for concurrent writers
-        if len(keys) >= BULK_ROWS:
-            cols = ("node_id", "step", "values", "recorded_at")
-            rows = [(n, st, first[(n, st)], now) for n, st in keys]
-            self.db.bulk_insert_ignore(s, _C, cols, rows, ("node_id", "step"), chunk=self.chunk)
-        else:
-            dicts = [{"node_id": n, "step": st, "values": first[(n, st)], "recorded_at": now} for n, st in keys]
-            self.db.insert_ignore(s, _C, dicts, ["node_id", "step"])
-        return len(keys)
+        return len(insert_first_points(self.db, s, _C, points, now, self.chunk))
 
     def path_points(
         self, segments: Sequence[tuple[int, int, int]], start: int = 0, end: int | None = None

@@ -288,3 +288,32 @@ def _copy(conn: Any, tbl: str, cols: str, text: str) -> None:
         cursor.copy_expert(f"COPY {tbl} ({cols}) FROM STDIN", io.StringIO(text))
     finally:
         cursor.close()
+
+
+BULK_ROWS = 64  # from this many rows a point write goes through Database.bulk_insert_ignore (COPY on Postgres)
+
+
+def insert_first_points(
+    db: Database,
+    s: Session,
+    tbl: Table,
+    points: Sequence[tuple[int, int, dict[str, float]]],
+    now: float,
+    chunk: int,
+) -> dict[tuple[int, int], dict[str, float]]:
+    """Write ``(node, step, values)`` into a point table (``node_id, step, values, recorded_at``; metrics
+    and curve points) inside the caller's transaction; the first value at a point wins, here and against
+    the rows there. Returns the distinct points offered, with the values written for them."""
+    first: dict[tuple[int, int], dict[str, float]] = {}
+    for n, st, v in points:
+        first.setdefault((n, st), v)
+    keys = sorted(first)  # one lock order for concurrent writers
+    if len(keys) >= BULK_ROWS:
+        rows = [(n, st, first[(n, st)], now) for n, st in keys]
+        db.bulk_insert_ignore(
+            s, tbl, ("node_id", "step", "values", "recorded_at"), rows, ("node_id", "step"), chunk=chunk
+        )
+    else:
+        dicts = [{"node_id": n, "step": st, "values": first[(n, st)], "recorded_at": now} for n, st in keys]
+        db.insert_ignore(s, tbl, dicts, ["node_id", "step"])
+    return first

@@ -18,11 +18,10 @@ from sqlalchemy.orm import Session
 from stagetree.core.errors import NotFound
 from stagetree.core.lifecycle import FINISHED_REQUEST_STATES, LIVE_REQUEST_STATES, MAX_ERROR_CHARS, RequestState
 from stagetree.master.store import models as m
-from stagetree.master.store.database import Database, table
+from stagetree.master.store.database import BULK_ROWS, Database, insert_first_points, table
 from stagetree.master.store.records import NewRequest, RequestRecord, metric_value
 
 Points = Sequence[tuple[int, int, dict[str, float]]]  # (node, step, values) at canonical points
-BULK_ROWS = 64  # from this many rows a write goes through Database.bulk_insert_ignore (COPY on Postgres)
 
 _R, _M = table(m.Request), table(m.Metric)
 _COLS = (
@@ -245,17 +244,8 @@ class RequestStore:
         if not points:
             return {}
         now = time.time() if now is None else now
-        first: dict[tuple[int, int], dict[str, float]] = {}
-        for n, st, v in points:
-            first.setdefault((n, st), v)
-        keys = sorted(first)  # one lock order for concurrent writers
-        if len(keys) >= BULK_ROWS:
-            cols = ("node_id", "step", "values", "recorded_at")
-            rows = [(n, st, first[(n, st)], now) for n, st in keys]
-            self.db.bulk_insert_ignore(s, _M, cols, rows, ("node_id", "step"), chunk=self.chunk)
-        else:
-            dicts = [{"node_id": n, "step": st, "values": first[(n, st)], "recorded_at": now} for n, st in keys]
-            self.db.insert_ignore(s, _M, dicts, ["node_id", "step"])
+        first = insert_first_points(self.db, s, _M, points, now, self.chunk)
+        keys = sorted(first)
         # The live requests waiting at these points. A few points (a node manager's report): by point.
         # Many (the aggregator's ingest): by node, matched here, which is cheaper than a row-value IN
         # list over thousands of points.
