@@ -35,7 +35,7 @@ from stagetree.core.errors import NotFound, ResourceExhausted, StagetreeError, U
 from stagetree.core.policies.live import StudyPolicies
 from stagetree.core.policies.state import Kill
 from stagetree.core.scheduler import PlannedBatch, RoundResult, StageCost, schedule_round
-from stagetree.core.searchplan import Checkpoint, CheckpointKind, Node
+from stagetree.core.searchplan import Checkpoint, CheckpointKind, Node, SearchPlan
 from stagetree.core.slots import Slot
 from stagetree.core.stagetree import InflightBatch, InflightStage, StageForest, build_stage_tree
 from stagetree.master import metrics
@@ -115,6 +115,7 @@ class SchedulingLoop:
         self.costs = CostLearner(settings.default_step_seconds)
         self._costs_read_at = float("-inf")
         self._bad_specs: set[int] = set()
+        self._inflight: dict[tuple[int, int], InflightBatch] = {}  # (batch, attempt) -> its parsed spec
         self._bad_plans: set[int] = set()
         self._good_plans: set[int] = set()  # plans whose fixed part was checked (a plan's rows never change)
 
@@ -147,39 +148,52 @@ class SchedulingLoop:
         reads = self.store.rounds.round_reads() if reads is None else reads
         pending = reads.pending
         inflight: dict[int, list[InflightBatch]] = {}
+        seen: dict[tuple[int, int], InflightBatch] = {}
         for b in reads.running:
             if b.plan_id not in pending:
                 continue  # nothing waits in its plan: it cannot take new work
-            try:
-                inflight.setdefault(b.plan_id, []).append(inflight_of(b.spec_json))
-            except (ValueError, KeyError, TypeError):
-                if b.id not in self._bad_specs:  # say it once; one bad row must not stop every round
-                    self._bad_specs.add(b.id)
-                    log.error("running batch with an unreadable spec ignored", extra={"batch_id": b.id})
-        forest = StageForest()
-        uris = dict(reads.checkpoints)  # plans without checkpoints get an empty entry below
-        count = 0
+            key = (b.id, b.attempt)
+            ib = self._inflight.get(key)
+            if ib is None:
+                try:
+                    ib = inflight_of(b.spec_json)
+                except (ValueError, KeyError, TypeError):
+                    if b.id not in self._bad_specs:  # say it once; one bad row must not stop every round
+                        self._bad_specs.add(b.id)
+                        log.error("running batch with an unreadable spec ignored", extra={"batch_id": b.id})
+                    continue
+            seen[key] = ib
+            inflight.setdefault(b.plan_id, []).append(ib)
+        self._inflight = seen  # parsed once per attempt, kept while it runs
+        plans: dict[int, SearchPlan] = {}
         for plan_id, reqs in pending.items():
             if plan_id in self._bad_plans:
                 continue
             try:
-                plan = self.plans.ensure(plan_id, {p.node for _, p in reqs})
+                plans[plan_id] = self.plans.ensure(plan_id, {p.node for _, p in reqs})
                 if plan_id not in self._good_plans:  # its fixed part must load too: every dispatch renders it
                     FixedPart.from_json(json.loads(self.store.plans.plan_fixed(plan_id)[1]))
                     self._good_plans.add(plan_id)
             except (StagetreeError, ValueError, KeyError, TypeError):
                 # a plan whose rows no longer load (written by another version, edited by hand) must not
                 # stop the rounds of every other study: leave it out, and say so once
+                plans.pop(plan_id, None)
                 self._bad_plans.add(plan_id)
                 log.exception("plan left out of scheduling: its rows do not load", extra={"plan_id": plan_id})
-                continue
+        paths = {plan_id: path_nodes(plan, pending[plan_id]) for plan_id, plan in plans.items()}
+        on_paths = self.store.rounds.path_checkpoints(sorted(n for nodes in paths.values() for n in nodes))
+        forest = StageForest()
+        uris: dict[int, dict[Point, str]] = {}
+        count = 0
+        for plan_id, plan in plans.items():
+            reqs = pending[plan_id]
             count += len(reqs)
             ckpts = uris.setdefault(plan_id, {})
             steps: dict[int, list[int]] = {}
-            for p in ckpts:
-                steps.setdefault(p.node, []).append(p.step)
-            for lst in steps.values():
-                lst.sort()
+            for n in paths[plan_id]:
+                if n in on_paths:
+                    ckpts.update(on_paths[n])
+                    steps[n] = sorted(p.step for p in on_paths[n])
             forest.extend(build_stage_tree(plan.nodes, steps, reqs, inflight.get(plan_id, ()), plan=str(plan_id)))
         return forest, uris, count
 
@@ -481,6 +495,18 @@ class SchedulingLoop:
             except Exception:
                 log.exception("scheduling round failed; retrying on the next wake-up")
             await wakeups.wait(min(s.round_interval_s, s.lease_ttl_s / 3))
+
+
+def path_nodes(plan: SearchPlan, reqs: Sequence[tuple[int, Point]]) -> set[int]:
+    """The nodes on the paths from the roots to the requests' nodes: where the checkpoints a round can
+    start them from lie. Each node is walked once (paths share their prefixes)."""
+    out: set[int] = set()
+    for _, p in reqs:
+        n: int | None = p.node
+        while n is not None and n not in out:
+            out.add(n)
+            n = plan.nodes[n].parent
+    return out
 
 
 @contextlib.contextmanager

@@ -85,6 +85,31 @@ MD = (("authorization", f"Bearer {TOKEN}"),)
 CALL = 100  # items per SubmitRequests, and rows per transaction of the reference
 
 
+def cpu_s(pid: int | None = None) -> float:
+    """User + system CPU seconds of a process (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid or 'self'}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def postgres_cpu_s() -> float:
+    """CPU seconds of every process named postgres on this machine (the server and its backends)."""
+    total = 0.0
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/comm") as f:
+                    if f.read().strip() != "postgres":
+                        continue
+            except OSError:
+                continue
+            total += cpu_s(int(d))
+    return total
+
+
 def rss_mb(pid: int | None = None) -> float:
     with open(f"/proc/{pid or 'self'}/status") as f:
         for line in f:
@@ -419,6 +444,16 @@ def live(cfg: LiveConfig, root: Path) -> dict[str, object]:
         th = threading.Thread(target=sampler, args=(cluster, stop, samples), daemon=True)
         th.start()
         progress = [0]
+        procs = {"master": cluster.pid("master"), "broker": cluster._broker.process.pid, "client": os.getpid()}
+        procs.update({n: cluster.pid(n) for n in cluster.aggregator_names()})
+        procs.update({f"fleet-{i}": p.pid for i, (p, _, _) in enumerate(fleets)})
+
+        def cpu_now() -> dict[str, float]:
+            now = {name: cpu_s(pid) for name, pid in procs.items() if pid}
+            now["postgres"] = postgres_cpu_s()
+            return now
+
+        cpu0 = cpu_now()
         t0 = time.time()
 
         async def run() -> tuple[float, int]:
@@ -436,6 +471,12 @@ def live(cfg: LiveConfig, root: Path) -> dict[str, object]:
 
         last_start, evals = asyncio.run(run())
         wall = time.time() - t0
+        cpu = {k: v - cpu0.get(k, 0.0) for k, v in cpu_now().items()}
+        print(
+            f"live: cpu seconds over {wall:.0f} s: "
+            + " ".join(f"{k}={v:.0f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])),
+            flush=True,
+        )
         stop.set()
         th.join()
         for proc, _, _ in fleets:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from sqlalchemy import bindparam, func, select, tuple_
+from sqlalchemy import BigInteger, any_, bindparam, func, select, tuple_
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session
 
 from stagetree.core.batch import Point
@@ -26,6 +27,12 @@ _OF_PLANS = (
     .join(_N, _N.c.id == _C.c.node_id)
     .where(_N.c.plan_id.in_(bindparam("plans", expanding=True)))
 )
+
+_ON_NODES = select(_C.c.node_id, _C.c.step, _C.c.uri).where(_C.c.node_id.in_(bindparam("nodes", expanding=True)))
+_ON_NODES_PG = select(_C.c.node_id, _C.c.step, _C.c.uri).where(
+    _C.c.node_id == any_(bindparam("nodes", type_=ARRAY(BigInteger)))
+)
+_NODES_PER_READ = 500  # an IN list of 500 parameters stays under SQLite's variable limit and parses fast
 
 
 class CheckpointCatalog:
@@ -84,6 +91,23 @@ class CheckpointCatalog:
             return out
         for pid, n, st, uri in self.db.rows(s, _OF_PLANS, {"plans": list(plan_ids)}):
             out.setdefault(int(pid), {})[Point(int(n), int(st))] = uri
+        return out
+
+    def checkpoints_on(self, s: Session, nodes: Sequence[int]) -> dict[int, dict[Point, str]]:
+        """Checkpoint uri per point on ``nodes`` (any plan), per node: what a round needs for the paths of
+        its pending work, read in time proportional to them rather than to every checkpoint of the plans
+        (which grows with everything the plans ever trained). One ``= ANY(array)`` on Postgres."""
+        out: dict[int, dict[Point, str]] = {}
+        if not nodes:
+            return out
+        if self.db.is_postgres:
+            rows = list(self.db.rows(s, _ON_NODES_PG, {"nodes": list(nodes)}))
+        else:
+            rows = []
+            for i in range(0, len(nodes), _NODES_PER_READ):
+                rows += self.db.rows(s, _ON_NODES, {"nodes": list(nodes[i : i + _NODES_PER_READ])})
+        for n, st, uri in rows:
+            out.setdefault(int(n), {})[Point(int(n), int(st))] = uri
         return out
 
     def delete_checkpoints(self, points: Sequence[Point]) -> dict[str, list[str]]:

@@ -151,7 +151,6 @@ class RoundReads:
     policy_studies: list[tuple[str, str]]  # (study id, fixed json) with policies and live requests
     pending: dict[int, list[tuple[int, Point]]]  # per plan: (request id, point) of NOT_SCHED requests
     running: list[BatchRecord]
-    checkpoints: dict[int, dict[Point, str]]  # per pending plan: checkpoint uri per point
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from stagetree.core.batch import Point
@@ -12,13 +12,18 @@ from stagetree.master.store.checkpoints import CheckpointCatalog
 from stagetree.master.store.database import Database, table
 from stagetree.master.store.ledger import BatchLedger
 from stagetree.master.store.nodes import NodeRegistry
-from stagetree.master.store.records import RoundReads
+from stagetree.master.store.records import BatchRecord, RoundReads
 
 _R, _B, _S = table(m.Request), table(m.Batch), table(m.Study)
 _PENDING = select(_R.c.id, _R.c.plan_id, _R.c.node_id, _R.c.step).where(_R.c.state == RequestState.NOT_SCHED)
 _BUSY = select(_B.c.node_manager_id, _B.c.slot_id).where(
     _B.c.state == BatchState.RUNNING, _B.c.node_manager_id.is_not(None)
 )
+_RUNNING_KEYS = select(_B.c.id, _B.c.plan_id, _B.c.attempt, _B.c.node_manager_id, _B.c.slot_id).where(
+    _B.c.state == BatchState.RUNNING
+)
+_SPECS = select(_B.c.id, _B.c.attempt, _B.c.spec_json).where(_B.c.id.in_(bindparam("ids", expanding=True)))
+_SPECS_PER_READ = 500
 _POLICY_STUDIES = select(_S.c.id, _S.c.fixed_json).where(
     _S.c.fixed_json.like('%"policies"%'),
     select(_R.c.id).where(_R.c.study_id == _S.c.id, _R.c.state.in_(LIVE_REQUEST_STATES)).exists(),
@@ -31,17 +36,41 @@ class RoundReader:
         self.nodes = nodes
         self.ledger = ledger
         self.checkpoints = checkpoints
+        # (batch id, attempt) -> spec json of the running batches: a spec never changes once an attempt is
+        # dispatched, so each round reads only the specs of attempts it has not seen (a few a round, not
+        # every running batch's kilobytes)
+        self._specs: dict[tuple[int, int], str] = {}
 
     def round_reads(self) -> RoundReads:
-        """Everything a scheduling round reads, in one transaction."""
+        """Everything a scheduling round reads, in one transaction, but the checkpoints: those are read
+        for the paths of the pending work (``path_checkpoints``) once the plans say what the paths are."""
         with self.db.tx("round reads") as s:
             nms = self.nodes.node_managers_in(s)
             busy = self._busy_in(s)
             policies = self._policy_studies_in(s)
             pending = self._pending_in(s)
-            running = self.ledger.running_in(s)
-            ckpts = self.checkpoints.checkpoints_in(s, sorted(pending))
-        return RoundReads(nms, busy, policies, pending, running, ckpts)
+            running = self._running_in(s)
+        return RoundReads(nms, busy, policies, pending, running)
+
+    def path_checkpoints(self, nodes: list[int]) -> dict[int, dict[Point, str]]:
+        """Checkpoint uri per point, per node, on ``nodes`` (the pending work's paths)."""
+        with self.db.tx("path checkpoints") as s:
+            return self.checkpoints.checkpoints_on(s, nodes)
+
+    def _running_in(self, s: Session) -> list[BatchRecord]:
+        keys = [(int(i), int(p), int(a), nm, slot) for i, p, a, nm, slot in self.db.rows(s, _RUNNING_KEYS)]
+        live = {(i, a) for i, _, a, _, _ in keys}
+        missing = sorted({i for i, a in live if (i, a) not in self._specs})
+        for k in range(0, len(missing), _SPECS_PER_READ):
+            for i, a, spec in self.db.rows(s, _SPECS, {"ids": missing[k : k + _SPECS_PER_READ]}):
+                if (int(i), int(a)) in live:  # a batch retried since the first read has a new spec
+                    self._specs[(int(i), int(a))] = str(spec)
+        self._specs = {k: v for k, v in self._specs.items() if k in live}
+        return [
+            BatchRecord(i, p, BatchState.RUNNING, a, spec, nm, slot)
+            for i, p, a, nm, slot in keys
+            if (spec := self._specs.get((i, a))) is not None
+        ]
 
     def pending(self) -> dict[int, list[tuple[int, Point]]]:
         """(request id, point) of every NOT_SCHED request, per plan."""
