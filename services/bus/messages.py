@@ -1,7 +1,7 @@
 """The versioned messages that travel on the metric/event bus, and their JSON wire form.
 
 This module owns the schema (version 1) of everything a node manager publishes and an aggregator
-consumes: the seven batch events the worker runtime emits, GPU telemetry, which topic each kind goes
+consumes: the eight batch events the worker runtime emits, GPU telemetry, which topic each kind goes
 to, the key that keeps one batch's messages ordered, and validation. Validation runs on both ends:
 constructing a message (and so encoding it) checks every field, and decoding checks the bytes the same
 way, so a bad emitter fails at its own call site and a foreign or corrupt record never reaches the
@@ -20,7 +20,8 @@ message of a bundle is validated on its own, so one bad message does not spoil i
 Topics and order: a topic per audience, every record keyed by batch id (telemetry by node manager).
 
 - the metrics topic carries everything that decides a batch's outcome, in the order the batch produced
-  it: ``progress``, ``metrics``, ``curve`` (learning-curve points), ``checkpoint_saved`` and the
+  it: ``progress``, ``metrics``, ``curve`` (learning-curve points), ``checkpoint_saved``, ``rescaled``
+  (the batch resumed a checkpoint written by another number of ranks: the plan's path change) and the
   terminal ``batch_finished`` / ``batch_preempted`` / ``batch_failed``. Kafka keeps order within one
   partition only, and one key is one partition, so an aggregator always applies a batch's last
   ``metrics`` before (or in the same database transaction as) its ``batch_finished``. Were they on two
@@ -90,6 +91,7 @@ def make_msg_id(node_manager: str, batch_id: int, attempt: int, seq: int) -> str
 _SCHEMA = ConfigDict(strict=True, extra="forbid", ser_json_inf_nan="constants")
 NonEmpty = Annotated[str, Field(min_length=1)]
 Count = Annotated[int, Field(ge=0)]
+Ranks = Annotated[int, Field(ge=1, le=2**31 - 1)]
 
 
 @pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=_SCHEMA)
@@ -211,6 +213,27 @@ class CheckpointSaved(BatchMessage):
     uri: NonEmpty
     bytes: Count
     kind: CheckpointKind
+    ranks: Ranks = 1  # how many ranks' training wrote it (absent from an older producer: one)
+
+
+@pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=_SCHEMA)
+class Rescaled(BatchMessage):
+    """The batch, on ``to_ranks`` ranks, resumed the checkpoint at (node, step) that ``from_ranks`` ranks
+    wrote (its trainer is ``rescalable``): the plan's path changed there. On the metrics topic, ahead of
+    everything the batch then produced."""
+
+    TYPE: ClassVar[str] = "rescaled"
+    TOPIC: ClassVar[str] = TOPIC_METRICS
+
+    node: Count
+    step: Count
+    uri: NonEmpty
+    from_ranks: Ranks
+    to_ranks: Ranks
+
+    def __post_init__(self) -> None:
+        if self.from_ranks == self.to_ranks:
+            raise MalformedMessage(f"rescaled: from_ranks and to_ranks are both {self.to_ranks}: nothing changed")
 
 
 @pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=_SCHEMA)
@@ -229,6 +252,7 @@ class BatchPreempted(BatchMessage):
     node: Count
     step: Count
     uri: NonEmpty
+    ranks: Ranks = 1  # how many ranks' training wrote its checkpoint
 
 
 @pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=_SCHEMA)
@@ -277,6 +301,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         Metrics,
         Curve,
         CheckpointSaved,
+        Rescaled,
         BatchFinished,
         BatchPreempted,
         BatchFailed,

@@ -162,6 +162,21 @@ class CheckpointPoint:
     uri: str
     bytes: int
     kind: str = "central"
+    ranks: int = 1  # how many ranks' training wrote it (a batch on several slots saves once, on rank 0)
+
+
+@dataclass(frozen=True)
+class Rescaled:
+    """A batch attempt on ``to_ranks`` ranks resumed from a checkpoint (``uri``, at a point) written by
+    ``from_ranks`` ranks: the trainer said it may (``rescalable``), and from that point on the plan's
+    path is not the bit-exact run of one number of ranks. The worker reports it once its restore
+    succeeded; the ledger keeps it as the plan's *path change*."""
+
+    node: int
+    step: int
+    uri: str
+    from_ranks: int
+    to_ranks: int
 
 
 @dataclass(frozen=True)
@@ -176,6 +191,7 @@ class AttemptReport:
     checkpoints: Sequence[CheckpointPoint] = ()
     error: str = ""
     curve: Sequence[MetricPoint] = ()  # the learning curve's sampled step metrics
+    rescaled: Rescaled | None = None  # it resumed a checkpoint written by another number of ranks
 
     @property
     def end(self) -> AttemptEnd:

@@ -2,8 +2,9 @@
 
 Owns the pages' data, not their drawing: the studies list (state counts, best metric, merge rate,
 compute saved), a study (its trials with readable schedules, its metrics, the best trial), its stage
-tree (the plan's nodes with state, span, checkpoints, curve points and trials), and the cluster (node
-managers, slots, what runs on each, recent policy decisions). Every read goes through
+tree (the plan's nodes with state, span, checkpoints, curve points, trials and path changes: resumes on
+another number of ranks), and the cluster (node managers, slots, what runs on each, recent policy
+decisions). Every read goes through
 ``MasterService`` for visibility (another owner's study does not exist for the caller); the cluster
 page shows the caller's own running work in detail and other owners' only as "busy".
 """
@@ -205,6 +206,7 @@ class DashboardViews:
                     "checkpoints": n.checkpoints,
                     "metric_steps": n.metrics,
                     "curve_points": curve_counts.get(n.id, 0),
+                    "path_changes": [c.to_json() for c in n.path_changes],
                     "trials": sorted(through[n.id]),
                     "schedule": describe_config(json.loads(n.config_json), n.start, end[n.id] or None),
                 }

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from stagetree.core.batch import CurveSampling, Point
 from stagetree.core.config import Config, FixedPart, divergence
 from stagetree.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, StagetreeError
-from stagetree.core.lifecycle import AssignmentKind, AttemptReport, CheckpointPoint, MetricPoint, RetryPolicy
+from stagetree.core.lifecycle import AssignmentKind, AttemptReport, MetricPoint, RetryPolicy
 from stagetree.core.searchplan import check_step
 from stagetree.core.sharing import SharingStats
 from stagetree.core.text import INT64_MAX, check_id, check_text
@@ -27,6 +27,7 @@ from stagetree.master.auth import Principal, scope_of
 from stagetree.master.plans import PlanCache, config_text
 from stagetree.master.policies import fixed_without_policies, split_policies
 from stagetree.master.settings import LimitSettings
+from stagetree.master.store.paths import PathChange
 from stagetree.master.store.records import (
     Assignment,
     NewRequest,
@@ -80,6 +81,8 @@ class NodeView:
     requests: dict[str, int]
     checkpoints: list[int]
     metrics: list[int]
+    # where training resumed a checkpoint on another number of ranks at this node (issue 22)
+    path_changes: list[PathChange] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -391,6 +394,7 @@ class MasterService:
         plan_key, pid = self._study_plan(study, plan_key)
         plan = self.plans.refresh(pid)
         counts, ckpts, mets = self.store.plans.plan_state(pid)
+        changes = self.store.paths.of_nodes(list(plan.nodes))
         nodes = [
             NodeView(
                 n.id,
@@ -400,6 +404,7 @@ class MasterService:
                 counts.get(n.id, {}),
                 sorted(ckpts.get(n.id, [])),
                 sorted(mets.get(n.id, [])),
+                changes.get(n.id, []),
             )
             for n in sorted(plan.nodes.values(), key=lambda n: n.id)
         ]
@@ -540,7 +545,7 @@ class MasterService:
         ckpts = []
         for c in r.checkpoints:
             p = self.plans.canonical(plan_id, Point(c.node, check_step(c.step)))
-            ckpts.append(CheckpointPoint(p.node, p.step, c.uri, c.bytes, c.kind))
+            ckpts.append(replace(c, node=p.node, step=p.step))
         points = []
         for mr in r.metrics:
             p = self.plans.canonical(plan_id, Point(mr.node, check_step(mr.step)))
@@ -549,4 +554,8 @@ class MasterService:
         for cp in r.curve:
             p = self.plans.canonical(plan_id, Point(cp.node, check_step(cp.step)))
             curve.append(MetricPoint(p.node, p.step, dict(cp.values)))
-        return replace(r, metrics=points, checkpoints=ckpts, curve=curve)
+        rescaled = r.rescaled
+        if rescaled is not None:
+            p = self.plans.canonical(plan_id, Point(rescaled.node, check_step(rescaled.step)))
+            rescaled = replace(rescaled, node=p.node, step=p.step)
+        return replace(r, metrics=points, checkpoints=ckpts, curve=curve, rescaled=rescaled)

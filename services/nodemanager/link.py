@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import grpc
 
 from stagetree.core import errors
-from stagetree.core.lifecycle import CheckpointPoint, MetricPoint  # the domain's own point types
+from stagetree.core.lifecycle import CheckpointPoint, MetricPoint, Rescaled  # the domain's own point types
 from stagetree.core.slots import SlotInfo
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
 from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
@@ -62,6 +62,7 @@ class BatchReport:
     preempted: bool = False
     user_error: bool = False  # the trainer's own code raised
     curve: tuple[MetricPoint, ...] = ()  # the learning curve's sampled points
+    rescaled: Rescaled | None = None  # it resumed a checkpoint written by another number of ranks
 
 
 class MasterLink(ABC):
@@ -227,7 +228,7 @@ class GrpcMasterLink(MasterLink):
             ok=report.ok,
             metrics=[pb.MetricPoint(node=m.node, step=m.step, values=m.values) for m in report.metrics],
             checkpoints=[
-                pb.CheckpointPoint(node=c.node, step=c.step, uri=c.uri, bytes=c.bytes, kind=c.kind)
+                pb.CheckpointPoint(node=c.node, step=c.step, uri=c.uri, bytes=c.bytes, kind=c.kind, ranks=c.ranks)
                 for c in report.checkpoints
             ],
             error=report.error,
@@ -235,6 +236,7 @@ class GrpcMasterLink(MasterLink):
             preempted=report.preempted,
             user_error=report.user_error,
             curve=[pb.MetricPoint(node=m.node, step=m.step, values=m.values) for m in report.curve],
+            rescaled=_rescaled_pb(report.rescaled),
         )
         try:
             resp = await self._get_stub().ReportBatch(req, metadata=self._metadata, timeout=self._timeout)
@@ -246,3 +248,9 @@ class GrpcMasterLink(MasterLink):
         if self._channel is not None:
             await self._channel.close()
         self._channel = self._stub = None
+
+
+def _rescaled_pb(r: Rescaled | None) -> pb.Rescaled | None:
+    if r is None:
+        return None
+    return pb.Rescaled(node=r.node, step=r.step, uri=r.uri, from_ranks=r.from_ranks, to_ranks=r.to_ranks)

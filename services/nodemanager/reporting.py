@@ -10,7 +10,8 @@ crash, or an out-of-memory) or aborted.
   come from each message's ``route()``, never from this module. GPU telemetry goes the same way.
 * ``GrpcReporter`` (the direct path, no bus): collects an attempt's metrics and checkpoints and sends
   one ``ReportBatch`` through the ``MasterLink`` when it ends, retrying while the master is away.
-  Learning curves (``curve`` events) go in the same report.
+  Learning curves (``curve`` events) and a resume on another number of ranks (``rescaled``) go in the
+  same report.
 
 An aborted attempt publishes nothing more on the bus (the master already ended it); the direct path
 still reports it (not ok) so the checkpoints and metrics it produced are recorded, which the master
@@ -43,10 +44,12 @@ from stagetree.bus.messages import (
     Message,
     Metrics,
     Progress,
+    Rescaled,
     make_msg_id,
 )
 from stagetree.core.errors import ResourceExhausted, StagetreeError
 from stagetree.core.lifecycle import CheckpointPoint, MetricPoint
+from stagetree.core.lifecycle import Rescaled as RescaledPoint
 from stagetree.nodemanager.gpu import GpuSample
 from stagetree.nodemanager.link import BatchReport, MasterLink
 
@@ -154,6 +157,7 @@ _BUS_TYPES: dict[str, type[BatchMessage]] = {
     "metrics": Metrics,
     "curve": Curve,
     "checkpoint_saved": CheckpointSaved,
+    "rescaled": Rescaled,
     "batch_finished": BatchFinished,
     "batch_preempted": BatchPreempted,
     "batch_failed": BatchFailed,
@@ -296,6 +300,7 @@ class _Collected:
     metrics: list[MetricPoint] = field(default_factory=list)
     checkpoints: list[CheckpointPoint] = field(default_factory=list)
     curve: list[MetricPoint] = field(default_factory=list)
+    rescaled: RescaledPoint | None = None
 
 
 class GrpcReporter(BatchReporter):
@@ -331,7 +336,16 @@ class GrpcReporter(BatchReporter):
             got.metrics.append(MetricPoint(int(payload["node"]), int(payload["step"]), values))
         elif kind == "checkpoint_saved":
             node, step, nbytes = int(payload["node"]), int(payload["step"]), int(payload["bytes"])
-            got.checkpoints.append(CheckpointPoint(node, step, str(payload["uri"]), nbytes, str(payload["kind"])))
+            kind_, ranks = str(payload["kind"]), int(payload["ranks"])
+            got.checkpoints.append(CheckpointPoint(node, step, str(payload["uri"]), nbytes, kind_, ranks))
+        elif kind == "rescaled":
+            got.rescaled = RescaledPoint(
+                int(payload["node"]),
+                int(payload["step"]),
+                str(payload["uri"]),
+                int(payload["from_ranks"]),
+                int(payload["to_ranks"]),
+            )
         elif kind == "curve":
             node = int(payload["node"])
             for step, values in payload["points"]:
@@ -353,6 +367,7 @@ class GrpcReporter(BatchReporter):
             preempted=end.status == "preempted",
             user_error=end.user_error and end.status == "failed",
             curve=tuple(got.curve),
+            rescaled=got.rescaled,
         )
 
     async def _finish(self, info: AttemptInfo, end: AttemptEnd) -> None:

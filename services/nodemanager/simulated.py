@@ -258,12 +258,13 @@ class SimulatedWorker(WorkerProcess):
         spec = self._spec
         stored = self._store.put(f"n{p.node}/s{p.step}-{kind}-b{spec.batch_id}a{spec.attempt}", lambda _d: None)
         payload = {**ids, "node": p.node, "step": p.step, "uri": stored.uri, "bytes": stored.bytes, "kind": kind}
+        payload["ranks"] = spec.slots
         self._emit("checkpoint_saved", payload)
         return stored.uri
 
     def _end_preempted(self, p: Point, ids: dict[str, int]) -> None:
         uri = self._checkpoint(p, "peripheral", ids)
-        self._emit("batch_preempted", {**ids, "node": p.node, "step": p.step, "uri": uri})
+        self._emit("batch_preempted", {**ids, "node": p.node, "step": p.step, "uri": uri, "ranks": self._spec.slots})
 
 
 class SimulatedLauncher(WorkerLauncher):

@@ -58,7 +58,7 @@ def stream() -> list[tuple[str, dict[str, Any]]]:
             if s % 10 == 0:
                 batch.append(("progress", {"node": b, "step": s}))
             if s % 100 == 0:
-                ckpt = {"uri": f"file:///ckpt/{b}/{s}", "bytes": 123456, "kind": "peripheral"}
+                ckpt = {"uri": f"file:///ckpt/{b}/{s}", "bytes": 123456, "kind": "peripheral", "ranks": 1}
                 batch.append(("checkpoint_saved", {"node": b, "step": s, **ckpt}))
         batch.append(("batch_finished", {"steps": STEPS}))
         for seq, (kind, fields) in enumerate(batch):
@@ -144,6 +144,7 @@ class _PCheckpoint(_PBatch):
     uri: _Id
     bytes: _Count
     kind: Literal["central", "peripheral"]
+    ranks: Annotated[StrictInt, Field(ge=1)] = 1
 
 
 @pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=_PD)
@@ -243,6 +244,7 @@ def msgspec_codec() -> tuple[Codec, Callable[[bytes], Any]] | None:
         uri: ident
         bytes: count
         kind: Literal["central", "peripheral"]
+        ranks: Annotated[int, Meta(ge=1)] = 1
 
     class Finished(Batch, frozen=True, kw_only=True, tag="batch_finished"):
         steps: count

@@ -1,5 +1,6 @@
 // The Stage tree page: the study's plan drawn as a tree (ECharts tree series), nodes sized by their
-// steps and colored by state, checkpoints marked; a click shows the node's trials and metrics.
+// steps and colored by state, checkpoints marked, a node where training resumed a checkpoint on another
+// number of ranks (a path change) marked ⇄; a click shows the node's trials, metrics and path changes.
 import { alive, api, esc, fmt, throttle } from "./app.js";
 
 const COLOR = { pending: "#9aa5b1", running: "#2f6fde", done: "#2fa36b", failed: "#d64545", cancelled: "#c69026" };
@@ -12,7 +13,7 @@ export async function renderTree(main, studyId, gen) {
   main.innerHTML = `<h1>Stage tree of <a href="#/study/${id}" id="study-link">${esc(study.study.name)}</a></h1>
     <div class="row"><div class="card" style="flex: 3 1 700px"><div class="controls muted" id="tree-info"></div>
       <div class="controls">${Object.entries(COLOR).map(([k, c]) => `<span><span class="badge" style="background:${c}">${k}</span></span>`).join("")}
-      <span>◆ checkpoint</span></div><div id="tree" class="tree-chart"></div></div>
+      <span>◆ checkpoint</span><span>⇄ resumed on another number of ranks</span></div><div id="tree" class="tree-chart"></div></div>
     <div class="card" style="flex: 1 1 420px" id="node-info"><p class="muted">click a node</p></div></div>`;
   const chart = echarts.init(document.getElementById("tree"), null, { renderer: "canvas" });
   const onResize = () => chart.resize();
@@ -31,7 +32,8 @@ export async function renderTree(main, studyId, gen) {
       symbol: n.checkpoints.length ? "diamond" : "circle",
       symbolSize: 6 + 18 * Math.sqrt(n.steps / maxSteps),
       itemStyle: { color: COLOR[n.state] || COLOR.pending, borderColor: n.checkpoints.length ? "#1f2933" : "#fff", borderWidth: n.checkpoints.length ? 2 : 1 },
-      label: { show: !many, formatter: `n${n.id} [${n.start}, ${n.end}]${n.progress !== null ? ` ${Math.round(100 * n.progress)}%` : ""}` },
+      rescaled: n.path_changes.length > 0,
+      label: { show: !many, formatter: `n${n.id} [${n.start}, ${n.end}]${n.path_changes.length ? " ⇄" : ""}${n.progress !== null ? ` ${Math.round(100 * n.progress)}%` : ""}` },
       children: [],
     }]));
     const roots = [];
@@ -43,7 +45,7 @@ export async function renderTree(main, studyId, gen) {
       + `${nodes.reduce((a, n) => a + n.checkpoints.length, 0)} checkpoints`;
     chart.setOption({
       animation: false,
-      tooltip: { trigger: "item", formatter: (p) => p.data.nodeId ? `node ${p.data.nodeId}: ${p.data.value} steps${p.data.progress !== null ? `, running: ${Math.round(100 * p.data.progress)}%` : ""}` : "plan" },
+      tooltip: { trigger: "item", formatter: (p) => p.data.nodeId ? `node ${p.data.nodeId}: ${p.data.value} steps${p.data.rescaled ? ", path changed (⇄)" : ""}${p.data.progress !== null ? `, running: ${Math.round(100 * p.data.progress)}%` : ""}` : "plan" },
       series: [{ type: "tree", data: [data], orient: "LR", top: 20, bottom: 20, left: 40, right: 160,
         initialTreeDepth: -1, expandAndCollapse: false, roam: true, animation: false,
         lineStyle: { width: 1.2, curveness: 0.4 }, label: { position: "top", fontSize: 11 },
@@ -68,6 +70,7 @@ export async function renderTree(main, studyId, gen) {
       <p>steps ${n.start} → ${n.end} (${n.steps})${n.parent !== null ? `, branches from node ${n.parent} at step ${n.start}` : ", the root"}</p>
       <p class="sched muted">${esc(n.schedule)}</p>
       <p>checkpoints at ${n.checkpoints.join(", ") || "–"}; evaluations at ${n.metric_steps.join(", ") || "–"}; ${n.curve_points} curve points</p>
+      ${n.path_changes.map((c) => `<p class="path-change">⇄ at step ${c.step}: batch ${c.batch_id} resumed a checkpoint of ${c.from_ranks} rank(s) on ${c.to_ranks} (${esc(c.node_manager)}); from here the run is valid but not the bit-exact one</p>`).join("")}
       <h2>${n.trials.length} trials share it</h2><div class="scroll"><table id="node-trials"><tr><th>request</th><th>trial</th><th>state</th><th>step</th><th>metrics</th></tr>${rows}</table></div>`;
   }
 

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import grpc
 
 from stagetree.core.errors import InvalidArgument, StagetreeError
-from stagetree.core.lifecycle import AttemptReport, CheckpointPoint, MetricPoint, Outcome
+from stagetree.core.lifecycle import AttemptReport, CheckpointPoint, MetricPoint, Outcome, Rescaled
 from stagetree.core.sharing import SharingStats
 from stagetree.master.api.admission import RETRY_AFTER_MD, Admission
 from stagetree.master.api.grouping import Grouper
@@ -76,6 +76,29 @@ def stats_pb(st: SharingStats) -> pb.StudyStats:
         compute_seconds=st.compute_seconds,
         saved_seconds=st.saved_seconds,
     )
+
+
+def _report_of(request: pb.ReportBatchRequest) -> AttemptReport:
+    return AttemptReport(
+        request.batch_id,
+        request.attempt,
+        Outcome.of_report(request.ok, preempted=request.preempted, oom=request.oom, user_error=request.user_error),
+        [MetricPoint(m.node, m.step, dict(m.values)) for m in request.metrics],
+        [
+            CheckpointPoint(c.node, c.step, c.uri, c.bytes, c.kind or "central", max(c.ranks, 1))  # 0: unset
+            for c in request.checkpoints
+        ],
+        error=request.error,
+        curve=[MetricPoint(m.node, m.step, dict(m.values)) for m in request.curve],
+        rescaled=_rescaled(request.rescaled) if request.HasField("rescaled") else None,
+    )
+
+
+def _rescaled(r: pb.Rescaled) -> Rescaled:
+    """The report's resume on another number of ranks (its point is canonicalized by the service)."""
+    if r.from_ranks < 1 or r.to_ranks < 1 or r.from_ranks == r.to_ranks:
+        raise InvalidArgument(f"rescaled: from_ranks and to_ranks must be two different counts >= 1, got {r}")
+    return Rescaled(r.node, r.step, r.uri, r.from_ranks, r.to_ranks)
 
 
 def slot_pb(s: SlotInfo) -> pb.Slot:
@@ -340,16 +363,8 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
             await wakeups.wait(POLL_S)
 
     async def ReportBatch(self, request: pb.ReportBatchRequest, context: Any) -> pb.ReportBatchResponse:
-        report = AttemptReport(
-            request.batch_id,
-            request.attempt,
-            Outcome.of_report(request.ok, preempted=request.preempted, oom=request.oom, user_error=request.user_error),
-            [MetricPoint(m.node, m.step, dict(m.values)) for m in request.metrics],
-            [CheckpointPoint(c.node, c.step, c.uri, c.bytes, c.kind or "central") for c in request.checkpoints],
-            error=request.error,
-            curve=[MetricPoint(m.node, m.step, dict(m.values)) for m in request.curve],
-        )
         try:
+            report = _report_of(request)
             who = self._who(context)
             who.require_admin()
             done = await self._reports.submit((who, report))

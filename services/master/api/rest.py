@@ -331,6 +331,7 @@ def create_rest_app(master: MasterApp) -> FastAPI:
                     "requests": n.requests,
                     "checkpoint_steps": n.checkpoints,
                     "metric_steps": n.metrics,
+                    "path_changes": [c.to_json() for c in n.path_changes],
                 }
                 for n in view.nodes
             ],

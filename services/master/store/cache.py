@@ -82,7 +82,7 @@ class CachedBatchLedger(BatchLedger):
     """Each batch's plan, remembered from its dispatch or read once."""
 
     def __init__(self, inner: BatchLedger, size: int = 100_000) -> None:
-        super().__init__(inner.db, inner.requests, inner.checkpoints, inner.curves)
+        super().__init__(inner.db, inner.requests, inner.checkpoints, inner.curves, inner.paths)
         self._plans: Bounded[int, int] = Bounded(size)
 
     def plan_of_batch(self, batch_id: int) -> int:

@@ -19,7 +19,7 @@ from stagetree.master.store import models as m
 from stagetree.master.store.database import Database, table
 from stagetree.master.store.nodes import ALIVE, enqueue_action
 
-Saved = Sequence[tuple[int, int, str, int, str]]  # (node, step, uri, bytes, kind) at canonical points
+Saved = Sequence[tuple[int, int, str, int, str, int]]  # (node, step, uri, bytes, kind, ranks) at canonical points
 
 _C, _N = table(m.Checkpoint), table(m.Node)
 _OF_PLANS = (
@@ -39,21 +39,22 @@ class CheckpointCatalog:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    def record_checkpoint(self, node: int, step: int, uri: str, nbytes: int, kind: str) -> None:
+    def record_checkpoint(self, node: int, step: int, uri: str, nbytes: int, kind: str, ranks: int = 1) -> None:
         with self.db.tx("record checkpoint") as s:
-            self.record_in(s, [(node, step, uri, nbytes, kind)])
+            self.record_in(s, [(node, step, uri, nbytes, kind, ranks)])
 
     def record_in(self, s: Session, saved: Saved, now: float | None = None) -> None:
         """Record checkpoints (insert-or-ignore: the first at a point wins) inside the caller's transaction."""
         if not saved:
             return
         now = time.time() if now is None else now
-        first: dict[tuple[int, int], tuple[str, int, str]] = {}
-        for n, st, uri, nb, kind in saved:
-            first.setdefault((n, st), (uri, nb, kind))
+        first: dict[tuple[int, int], tuple[str, int, str, int]] = {}
+        for n, st, uri, nb, kind, ranks in saved:
+            first.setdefault((n, st), (uri, nb, kind, ranks))
         rows = [
             {"node_id": n, "step": st, "uri": uri, "bytes": nb, "kind": kind, "refcount": 0, "last_used": now}
-            for (n, st), (uri, nb, kind) in sorted(first.items())
+            | {"ranks": ranks}
+            for (n, st), (uri, nb, kind, ranks) in sorted(first.items())
         ]
         self.db.insert_ignore(s, _C, rows, ["node_id", "step"])
 

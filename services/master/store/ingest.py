@@ -7,7 +7,11 @@ through the same store roles as the master's direct path (``BatchLedger.report_b
   waiting there become DONE (``RequestStore.record_metrics_in``);
 - ``curve``: learning-curve points, each stored at its canonical point (the first value wins:
   ``CurveStore.record_in``);
-- ``checkpoint_saved``: recorded at the canonical point (``CheckpointCatalog.record_in``);
+- ``checkpoint_saved``: recorded at the canonical point with the number of ranks that wrote it
+  (``CheckpointCatalog.record_in``);
+- ``rescaled``: the batch resumed a checkpoint written by another number of ranks; recorded once per
+  attempt at the canonical point as the plan's path change (``PathChangeStore.record_in``; the worker
+  emits it once its restore succeeded, see ``store.paths`` for why the worker's word is taken);
 - ``batch_finished`` / ``batch_failed`` / ``batch_preempted``: the attempt ends through
   ``BatchLedger.end_attempts_in``, which the core's ``lifecycle.end_attempt`` decides (bounded
   retries; a preemption first records its checkpoint and is no failure; a report for an attempt that
@@ -46,10 +50,12 @@ from stagetree.bus.messages import (
     Curve,
     Message,
     Metrics,
+    Rescaled,
 )
 from stagetree.core.batch import Point
 from stagetree.core.errors import InvalidArgument, NotFound
 from stagetree.core.lifecycle import AttemptEnd, Outcome, RetryPolicy
+from stagetree.core.lifecycle import Rescaled as RescaledPoint
 from stagetree.core.searchplan import SearchPlan
 from stagetree.master.plans import PlanCache
 from stagetree.master.store import models as m
@@ -64,9 +70,9 @@ MAX_INT32 = 2**31 - 1  # metrics.step, checkpoints.step
 MAX_INT64 = 2**63 - 1  # ids, checkpoint bytes
 PREEMPTION_CHECKPOINT_KIND = "peripheral"  # a preemption saves where it stopped, not at a branch point
 
-_EFFECTFUL = frozenset({Metrics, Curve, CheckpointSaved, BatchFinished, BatchPreempted, BatchFailed})
-_POINTED = frozenset({Metrics, CheckpointSaved, BatchPreempted})  # the kinds that carry a (node, step)
-_NODED = frozenset({Metrics, Curve, CheckpointSaved, BatchPreempted})  # the kinds that name a node
+_EFFECTFUL = frozenset({Metrics, Curve, CheckpointSaved, Rescaled, BatchFinished, BatchPreempted, BatchFailed})
+_POINTED = frozenset({Metrics, CheckpointSaved, Rescaled, BatchPreempted})  # the kinds that carry a (node, step)
+_NODED = frozenset({Metrics, Curve, CheckpointSaved, Rescaled, BatchPreempted})  # the kinds that name a node
 _Terminal = BatchFinished | BatchPreempted | BatchFailed
 
 
@@ -81,6 +87,7 @@ class IngestResult:
     points: int = 0  # metrics messages applied
     curve_points: int = 0  # learning-curve points offered by the curve messages applied
     checkpoints: int = 0  # checkpoint_saved / batch_preempted checkpoints applied
+    path_changes: int = 0  # rescaled messages applied (resumes on another number of ranks)
     completed: list[int] = field(default_factory=list)  # request ids that became DONE
     failed_requests: list[int] = field(default_factory=list)  # request ids that became FAILED
     finished: list[int] = field(default_factory=list)  # batch ids whose running attempt ended
@@ -99,7 +106,8 @@ class IngestResult:
 
     def merge(self, other: IngestResult) -> None:
         """Add ``other``'s counts and ids to this one (for applies split in parts)."""
-        for name in ("applied", "duplicates", "ignored", "rejected", "points", "curve_points", "checkpoints", "stale"):
+        counts = ("applied", "duplicates", "ignored", "rejected", "points", "curve_points", "checkpoints", "stale")
+        for name in (*counts, "path_changes"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("completed", "failed_requests", "finished", "requeued"):
             getattr(self, name).extend(getattr(other, name))
@@ -126,6 +134,7 @@ class Ingestor:
         self.requests = store.requests
         self.checkpoints = store.checkpoints
         self.curves = store.curves
+        self.paths = store.paths
         self.plans = plans or PlanCache(store.plans)
         self.policy = RetryPolicy(max_failures)
         self.chunk = chunk
@@ -155,7 +164,8 @@ class Ingestor:
             out.duplicates += len(candidates) - len(new)
             out.rejected += sum(1 for i in rejected_ids if i in new)
             metrics: list[tuple[int, int, dict[str, float]]] = []
-            saved: list[tuple[int, int, str, int, str]] = []
+            saved: list[tuple[int, int, str, int, str, int]] = []
+            rescaled: list[tuple[int, int, RescaledPoint]] = []
             curve: list[tuple[int, int, dict[str, float]]] = []
             ends: list[AttemptEnd] = []
             for msg, point in placed:
@@ -169,16 +179,22 @@ class Ingestor:
                     out.applied += 1
                 elif isinstance(msg, CheckpointSaved):
                     assert point is not None
-                    saved.append((point.node, point.step, msg.uri, msg.bytes, msg.kind))
+                    saved.append((point.node, point.step, msg.uri, msg.bytes, msg.kind, msg.ranks))
+                    out.applied += 1
+                elif isinstance(msg, Rescaled):
+                    assert point is not None
+                    change = RescaledPoint(point.node, point.step, msg.uri, msg.from_ranks, msg.to_ranks)
+                    rescaled.append((msg.batch_id, msg.attempt, change))
                     out.applied += 1
                 if isinstance(msg, BatchPreempted):
                     assert point is not None
-                    saved.append((point.node, point.step, msg.uri, 0, PREEMPTION_CHECKPOINT_KIND))
+                    saved.append((point.node, point.step, msg.uri, 0, PREEMPTION_CHECKPOINT_KIND, msg.ranks))
                 if isinstance(msg, _Terminal):
                     ends.append(_end_of(msg))
             out.applied += len(metrics) + len(ends)
             out.points += len(metrics)
             self.checkpoints.record_in(s, saved, now)
+            out.path_changes += self.paths.record_in(s, rescaled, now)
             out.curve_points += self.curves.record_in(s, curve, now)
             out.checkpoints += len({(n, st) for n, st, *_ in saved})
             for ids in self.requests.record_metrics_in(s, metrics, now).values():

@@ -36,6 +36,7 @@ from stagetree.master.store.checkpoints import CheckpointCatalog
 from stagetree.master.store.curves import CurveStore
 from stagetree.master.store.database import Database, table
 from stagetree.master.store.nodes import LOST, enqueue_action
+from stagetree.master.store.paths import PathChangeStore
 from stagetree.master.store.records import BatchRecord, DispatchItem, FinishedAttempt
 from stagetree.master.store.requests import RequestStore
 
@@ -100,12 +101,18 @@ class BatchLedger:
     """Batches and attempts: dispatch, the end of attempts (``end_attempts_in``), and what they ran."""
 
     def __init__(
-        self, db: Database, requests: RequestStore, checkpoints: CheckpointCatalog, curves: CurveStore | None = None
+        self,
+        db: Database,
+        requests: RequestStore,
+        checkpoints: CheckpointCatalog,
+        curves: CurveStore | None = None,
+        paths: PathChangeStore | None = None,
     ) -> None:
         self.db = db
         self.requests = requests
         self.checkpoints = checkpoints
         self.curves = CurveStore(db) if curves is None else curves
+        self.paths = PathChangeStore(db) if paths is None else paths
 
     # -- the end of attempts --------------------------------------------------------------------------
 
@@ -186,8 +193,9 @@ class BatchLedger:
     def report_batches(
         self, reports: Sequence[AttemptReport], policy: RetryPolicy = DEFAULT_RETRY
     ) -> list[tuple[Completed, Requeued] | StagetreeError]:
-        """What batch attempts produced (checkpoints, then metrics, at canonical points) and how they
-        ended, in one transaction with as many statements as for one report. Each report gets the
+        """What batch attempts produced (checkpoints, then metrics, at canonical points, and a resume on
+        another number of ranks: the plan's path change) and how they ended, in one transaction with as
+        many statements as for one report. Each report gets the
         requests it completed and those it requeued, or NotFound when its batch does not exist (the
         others are applied all the same). A stale report's products are kept; its end changes nothing."""
         now = time.time()
@@ -196,8 +204,9 @@ class BatchLedger:
             present = {b for b, h in heads.items() if h is not None}
             known = [r for r in reports if r.batch_id in present]
             self.checkpoints.record_in(
-                s, [(c.node, c.step, c.uri, c.bytes, c.kind) for r in known for c in r.checkpoints], now
+                s, [(c.node, c.step, c.uri, c.bytes, c.kind, c.ranks) for r in known for c in r.checkpoints], now
             )
+            self.paths.record_in(s, [(r.batch_id, r.attempt, r.rescaled) for r in known if r.rescaled], now)
             done_at = self.requests.record_metrics_in(
                 s, [(p.node, p.step, dict(p.values)) for r in known for p in r.metrics], now
             )

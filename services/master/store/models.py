@@ -145,6 +145,27 @@ class Checkpoint(Base):
     kind: Mapped[str] = mapped_column(String(16))
     refcount: Mapped[int] = mapped_column(Integer, default=0)
     last_used: Mapped[float] = mapped_column(Float)
+    # how many ranks' training wrote it (a batch on n slots saves once, on rank 0; 1 for rows of before 0010)
+    ranks: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+
+
+class PathChange(Base):
+    """A batch attempt on ``to_ranks`` ranks resumed the checkpoint at (node, step) that ``from_ranks``
+    ranks wrote (its trainer is ``rescalable``): what the plan computed from that point on is a valid run
+    but not the bit-exact one of a single number of ranks. One row per attempt (a redelivered report
+    records nothing more)."""
+
+    __tablename__ = "path_changes"
+
+    batch_id: Mapped[int] = mapped_column(ForeignKey("batches.id"), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id"), index=True)  # the canonical resume point
+    step: Mapped[int] = mapped_column(Integer)
+    uri: Mapped[str] = mapped_column(Text)
+    from_ranks: Mapped[int] = mapped_column(Integer)
+    to_ranks: Mapped[int] = mapped_column(Integer)
+    node_manager_id: Mapped[str] = mapped_column(String(128))
+    recorded_at: Mapped[float] = mapped_column(Float)
 
 
 class Metric(Base):

@@ -3,9 +3,10 @@
 - ``delete_study``: the study, its requests and its policy state. Its plans stay: they belong to the
   scope (the owner or the team), and other studies of that scope may use them; ``forget_plan`` frees them.
 - ``forget_plan``: what a plan computed, i.e. its checkpoints (their files are deleted by the live node
-  managers, through the outbox), its metrics and learning curves, and the finished requests those metrics
-  answered. The plan row and its nodes stay (plans are never deleted, so caches of plan ids stay true);
-  the next eval on it trains again. Refused while a request on it is live: cancel those first.
+  managers, through the outbox), its metrics and learning curves, the path changes recorded on it (they
+  say how what is forgotten was computed), and the finished requests those metrics answered. The plan
+  row and its nodes stay (plans are never deleted, so caches of plan ids stay true); the next eval on it
+  trains again. Refused while a request on it is live: cancel those first.
 
 The caller cancels a study's live requests (``MasterService.cancel``, which also aborts their batches)
 before ``delete_study``; a request still live then is refused the same way.
@@ -64,6 +65,7 @@ class Retention:
                 s.execute(delete(m.Checkpoint).where(m.Checkpoint.node_id.in_(nodes)))
             metrics = _count(s.execute(delete(m.Metric).where(m.Metric.node_id.in_(nodes))))
             s.execute(delete(m.CurvePoint).where(m.CurvePoint.node_id.in_(nodes)))
+            s.execute(delete(m.PathChange).where(m.PathChange.node_id.in_(nodes)))
             requests = _count(s.execute(delete(m.Request).where(m.Request.plan_id == plan_id)))
             return Forgotten(len(ckpts), sum(int(b) for _, b in ckpts), metrics, requests)
 

@@ -7,6 +7,7 @@
     ├── checkpoints  CheckpointCatalog   checkpoints by canonical point
     ├── curves       CurveStore          learning-curve points by canonical point
     ├── ledger       BatchLedger         batches, attempts, and how an attempt's end is persisted
+    ├── paths        PathChangeStore     resumes on another number of ranks (the plan's path changes)
     ├── nodes        NodeRegistry        node managers, their slots and outboxes
     ├── rounds       RoundReader         what a scheduling round reads, in one transaction
     ├── stats        StatsReader         what sharing bought a study
@@ -28,6 +29,7 @@ from stagetree.master.store.curves import CurveStore
 from stagetree.master.store.database import Database, make_engine
 from stagetree.master.store.ledger import BatchLedger
 from stagetree.master.store.nodes import NodeRegistry
+from stagetree.master.store.paths import PathChangeStore
 from stagetree.master.store.plans import PlanStore
 from stagetree.master.store.requests import RequestStore
 from stagetree.master.store.retention import Retention
@@ -53,20 +55,23 @@ class Store:
     retention: Retention
     curves: CurveStore
     telemetry: TelemetryStore
+    paths: PathChangeStore
 
     @classmethod
     def open(cls, engine: Engine, *, check: bool = True, cached: bool = True) -> Store:
         """Every role over one database (``check``: refuse an old schema, with the command that fixes it)."""
         db = Database(engine, check=check)
         requests, checkpoints, nodes, curves = RequestStore(db), CheckpointCatalog(db), NodeRegistry(db), CurveStore(db)
-        studies, plans, ledger = StudyStore(db), PlanStore(db), BatchLedger(db, requests, checkpoints, curves)
+        paths = PathChangeStore(db)
+        studies, plans = StudyStore(db), PlanStore(db)
+        ledger = BatchLedger(db, requests, checkpoints, curves, paths)
         if cached:
             studies, plans, ledger = CachedStudyStore(studies), CachedPlanStore(plans), CachedBatchLedger(ledger)
         rounds = RoundReader(db, nodes, ledger, checkpoints)
         stats, retention = StatsReader(db), Retention(db)
         telemetry = TelemetryStore(db)
         return cls(
-            db, studies, plans, requests, checkpoints, ledger, nodes, rounds, stats, retention, curves, telemetry
+            db, studies, plans, requests, checkpoints, ledger, nodes, rounds, stats, retention, curves, telemetry, paths
         )
 
     def dispose(self) -> None:

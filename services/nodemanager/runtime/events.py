@@ -23,9 +23,13 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
     "metrics": frozenset({"batch_id", "attempt", "node", "step", "metrics"}),
     # learning-curve points of one node, in step order: ``points`` is ``[[step, {name: value}], ...]``
     "curve": frozenset({"batch_id", "attempt", "node", "points"}),
-    "checkpoint_saved": frozenset({"batch_id", "attempt", "node", "step", "uri", "bytes", "kind"}),
+    # ``ranks``: how many ranks' training wrote the checkpoint (rank 0 saves for all of them)
+    "checkpoint_saved": frozenset({"batch_id", "attempt", "node", "step", "uri", "bytes", "kind", "ranks"}),
+    # the batch resumed the checkpoint at (node, step) written by ``from_ranks`` ranks on ``to_ranks``
+    # (its trainer is ``rescalable``): the master records it as the plan's path change
+    "rescaled": frozenset({"batch_id", "attempt", "node", "step", "uri", "from_ranks", "to_ranks"}),
     "batch_finished": frozenset({"batch_id", "attempt", "steps"}),
-    "batch_preempted": frozenset({"batch_id", "attempt", "node", "step", "uri"}),
+    "batch_preempted": frozenset({"batch_id", "attempt", "node", "step", "uri", "ranks"}),
     "batch_failed": frozenset({"batch_id", "attempt", "error", "traceback", "oom", "user_error"}),
 }
 

@@ -21,7 +21,9 @@ back NaN or infinite), which the master does not retry; an out-of-memory error i
 scheduler can retry with more resources.
 
 On a batch of several ranks (``group``, see ``runtime.distributed``) every rank runs this loop in step:
-rank 0 emits the events (the others emit only ``batch_failed``), evaluates and writes the checkpoints,
+rank 0 emits the events (the others emit only ``batch_failed``; ``checkpoint_saved`` says how many ranks
+wrote a checkpoint, and ``rescaled`` that the batch resumed one written by another number of ranks),
+evaluates and writes the checkpoints,
 each of which holds every rank's RNG state (gathered, a collective); a preemption or a checkpoint due by
 the clock is agreed on by all ranks (``RankGroup.start_sync`` after each step, whose result is taken a
 step later, at once at a stage's end; it also averages the step metrics over the ranks), so they save
@@ -54,7 +56,7 @@ from stagetree.core.sequences import Value
 from stagetree.nodemanager.runtime.checkpoints import CheckpointStore, StoredCheckpoint
 from stagetree.nodemanager.runtime.distributed import PEER_LOST_NOTE, SINGLE_RANK, RankGroup, StepSync, is_peer_lost
 from stagetree.nodemanager.runtime.events import Emit
-from stagetree.nodemanager.runtime.state import restore, save_now, take_snapshot
+from stagetree.nodemanager.runtime.state import restore_checkpoint, save_now, take_snapshot
 from stagetree.nodemanager.runtime.trainer import (
     Trainer,
     TrainerContext,
@@ -394,7 +396,19 @@ class BatchRun:
             trainer = new_trainer(self._factory, spec.fixed, self._device, info.rank, info.world_size)
         self._trainer = trainer
         if spec.source.uri is not None:
-            at = restore(trainer, self._store, spec.source.uri, info.rank, info.world_size)
+            at, ranks = restore_checkpoint(trainer, self._store, spec.source.uri, info.rank, info.world_size)
+            if ranks != info.world_size:  # the trainer is rescalable (restore refuses otherwise): say so
+                self._emit(
+                    "rescaled",
+                    {
+                        **self._ids,
+                        "node": spec.source.point.node,
+                        "step": spec.source.point.step,
+                        "uri": spec.source.uri,
+                        "from_ranks": ranks,
+                        "to_ranks": info.world_size,
+                    },
+                )
             if at.step != spec.source.point.step:
                 log.warning(
                     "source checkpoint is at step %d, the batch says %d",
@@ -505,6 +519,7 @@ class BatchRun:
                         "uri": stored.uri,
                         "bytes": stored.bytes,
                         "kind": record.kind,
+                        "ranks": self._group.info.world_size,
                     },
                 )
 
@@ -518,7 +533,8 @@ class BatchRun:
         self._drain(block=True)
         uri = record.future.result().uri
         at = record.points[0].node
-        self._emit("batch_preempted", {**self._ids, "node": at, "step": step, "uri": uri})
+        ranks = self._group.info.world_size
+        self._emit("batch_preempted", {**self._ids, "node": at, "step": step, "uri": uri, "ranks": ranks})
         log.info("batch preempted", extra={"batch_id": self.spec.batch_id, "step": step, "uri": uri})
         return BatchOutcome("preempted", step, trained, uri=uri)
 

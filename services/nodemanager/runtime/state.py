@@ -8,7 +8,9 @@ Layout of a checkpoint directory::
 A batch on several ranks (``runtime.distributed``) is saved by rank 0, with every rank's RNG state
 (``rng_ranks``, by rank; ``rng`` is rank 0's), so each rank of a resume on the same number of ranks
 continues its own streams exactly. A resume on another number of ranks is refused unless the trainer
-class is ``rescalable`` (each rank then starts from rank 0's streams).
+class is ``rescalable`` (each rank then starts from rank 0's streams); ``restore_checkpoint`` says how
+many ranks wrote the checkpoint, so the worker can report the resume and the master record the plan's
+path change.
 
 A ``Snapshot`` is the same state held in memory, detached from the live trainer: every tensor is
 copied (to CPU), every container rebuilt, so training may go on while a thread writes it. Restores
@@ -25,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -108,9 +110,24 @@ def save_now(trainer: Trainer, point: Point, directory: Path, rng_ranks: list[di
     torch.save(runtime_state(point, rng_ranks), directory / RUNTIME_FILE)
 
 
+class Restored(NamedTuple):
+    """What a restore read: the checkpoint's point and how many ranks wrote it."""
+
+    point: Point
+    ranks: int
+
+
 def restore(trainer: Trainer, store: CheckpointStore, uri: str, rank: int = 0, world_size: int = 1) -> Point:
+    """``restore_checkpoint``'s point."""
+    return restore_checkpoint(trainer, store, uri, rank, world_size).point
+
+
+def restore_checkpoint(
+    trainer: Trainer, store: CheckpointStore, uri: str, rank: int = 0, world_size: int = 1
+) -> Restored:
     """Load the checkpoint at ``uri`` into an ``init``-ed trainer and the process RNGs (rank ``rank`` of
-    ``world_size``'s own, see the module doc); its point."""
+    ``world_size``'s own, see the module doc); its point and the number of ranks that wrote it (the
+    caller reports a resume on another number, which the master records as the plan's path change)."""
     with store.open(uri) as directory:
         rt = torch.load(directory / RUNTIME_FILE, weights_only=True)
         if rt.get("format") != FORMAT_VERSION:
@@ -136,4 +153,4 @@ def restore(trainer: Trainer, store: CheckpointStore, uri: str, rank: int = 0, w
             extra={"uri": uri},
         )
         restore_rng_state(rt["rng"])
-    return Point(int(rt["node"]), int(rt["step"]))
+    return Restored(Point(int(rt["node"]), int(rt["step"])), saved)

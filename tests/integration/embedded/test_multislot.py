@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 import stagetree
 from stagetree.client.sdk import EvalFailed
@@ -62,6 +62,28 @@ async def test_an_out_of_memory_doubles_the_slots_of_the_retry(tmp_path: Path) -
         assert set(got) == {"accuracy", "loss"} and once.exists()
         (oom, done) = _batches(cluster)
         assert oom[:2] == ("OUT_OF_MEMORY", 1) and done == ("DONE", 2, "cpu0,cpu1")
+
+
+async def test_a_retry_on_two_slots_resumes_a_one_rank_checkpoint_and_the_plan_records_the_path_change(
+    tmp_path: Path,
+) -> None:
+    """The natural rescale (issue 22): a 1-slot batch saves at step 3; the next one resumes it on 1 slot
+    (no change) and runs out of memory at step 4; its retry on 2 slots resumes that 1-rank checkpoint
+    (the trainer is rescalable): one path change, at step 3, from 1 rank to 2, by the retry."""
+    once = tmp_path / "oom-once"
+    async with Embedded(_settings(tmp_path, 2)) as cluster, stagetree.connect(cluster.target, token=cluster.token) as c:
+        study = await _study(c, "rescale", fault="runtime_oom", fault_step=4, fault_once=str(once))
+        await asyncio.wait_for(study.eval(CFG, 3), 120)
+        got = await asyncio.wait_for(study.eval(CFG, 6), 120)
+        assert set(got) == {"accuracy", "loss"} and once.exists()
+        assert [(st, n) for st, n, _ in _batches(cluster)] == [("DONE", 1), ("OUT_OF_MEMORY", 1), ("DONE", 2)]
+        with cluster.app.store.db.tx("test: path changes") as s:
+            p = m.PathChange
+            changes = s.execute(select(p.batch_id, p.step, p.from_ranks, p.to_ranks, p.node_manager_id)).all()
+            last = s.scalar(select(func.max(m.Batch.id)))
+            ranks = dict(s.execute(select(m.Checkpoint.step, m.Checkpoint.ranks)).all())
+        assert [tuple(r)[:4] for r in changes] == [(last, 3, 1, 2)]
+        assert ranks == {3: 1, 6: 2}
 
 
 async def test_an_out_of_memory_on_every_slot_of_the_largest_node_manager_fails_saying_why(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from stagetree.bus.messages import (
     Curve,
     Metrics,
     Progress,
+    Rescaled,
     make_msg_id,
 )
 from stagetree.core.config import Config
@@ -89,7 +90,7 @@ class World:
             **self._common(batch_id, attempt), node=node, steps=[s for s, _ in points], values=[v for _, v in points]
         )
 
-    def checkpoint(self, batch_id: int, node: int, step: int, attempt: int = 1) -> CheckpointSaved:
+    def checkpoint(self, batch_id: int, node: int, step: int, attempt: int = 1, ranks: int = 1) -> CheckpointSaved:
         return CheckpointSaved(
             **self._common(batch_id, attempt),
             node=node,
@@ -97,6 +98,20 @@ class World:
             uri=f"file:///ckpt/{node}/{step}",
             bytes=1024,
             kind="central",
+            ranks=ranks,
+        )
+
+    def rescaled(
+        self, batch_id: int, node: int, step: int, from_ranks: int, to_ranks: int, attempt: int = 1
+    ) -> Rescaled:
+        """The batch resumed the checkpoint at (node, step), written by ``from_ranks`` ranks, on ``to_ranks``."""
+        return Rescaled(
+            **self._common(batch_id, attempt),
+            node=node,
+            step=step,
+            uri=f"file:///ckpt/{node}/{step}",
+            from_ranks=from_ranks,
+            to_ranks=to_ranks,
         )
 
     def finished(self, batch_id: int, steps: int = 0, attempt: int = 1) -> BatchFinished:
@@ -131,14 +146,18 @@ class World:
                 select(m.Metric.node_id, m.Metric.step, m.Metric.values).where(m.Metric.node_id.in_(nodes))
             ).all()
             ckpts = s.execute(
-                select(m.Checkpoint.node_id, m.Checkpoint.step, m.Checkpoint.uri, m.Checkpoint.kind).where(
-                    m.Checkpoint.node_id.in_(nodes)
-                )
+                select(
+                    m.Checkpoint.node_id, m.Checkpoint.step, m.Checkpoint.uri, m.Checkpoint.kind, m.Checkpoint.ranks
+                ).where(m.Checkpoint.node_id.in_(nodes))
             ).all()
             curve = s.execute(
                 select(m.CurvePoint.node_id, m.CurvePoint.step, m.CurvePoint.values).where(
                     m.CurvePoint.node_id.in_(nodes)
                 )
+            ).all()
+            p = m.PathChange
+            paths = s.execute(
+                select(p.batch_id, p.attempt, p.node_id, p.step, p.from_ranks, p.to_ranks).where(p.node_id.in_(nodes))
             ).all()
         return {
             "requests": sorted(tuple(r) for r in reqs),
@@ -147,6 +166,7 @@ class World:
             "metrics": sorted((n, st, sorted(v.items())) for n, st, v in metrics),
             "checkpoints": sorted(tuple(c) for c in ckpts),
             "curve": sorted((n, st, sorted(_json(v).items())) for n, st, v in curve),
+            "path_changes": sorted(tuple(c) for c in paths),
         }
 
     def request_states(self, ids: list[int]) -> list[str]:

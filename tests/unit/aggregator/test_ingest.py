@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import math
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from stagetree.bus.messages import GpuTelemetry, Message
-from stagetree.core.lifecycle import BatchState, CheckpointPoint, MetricPoint, RequestState, RetryPolicy
+from stagetree.core.lifecycle import BatchState, CheckpointPoint, MetricPoint, RequestState, Rescaled, RetryPolicy
 from stagetree.master.auth import Principal
 from stagetree.master.service import MasterService
 from stagetree.master.settings import LimitSettings
@@ -130,7 +131,7 @@ def test_a_preemption_records_its_checkpoint_and_is_not_a_failure(world: World) 
     assert res.requeued == [b.id] and res.failed_requests == [] and res.checkpoints == 1
     assert world.store.ledger.get_batch(batch.id).state == BatchState.PREEMPTED
     assert world.store.checkpoints.checkpoints(world.plan_id) == {(world.root, 25): "file:///pre/25"}
-    assert world.state()["checkpoints"] == [(world.root, 25, "file:///pre/25", "peripheral")]
+    assert world.state()["checkpoints"] == [(world.root, 25, "file:///pre/25", "peripheral", 1)]
     (rec,) = world.store.requests.get_requests(world.study, [b.id])
     assert rec.state == RequestState.NOT_SCHED
 
@@ -209,7 +210,8 @@ def test_applied_ids_can_be_pruned(world: World) -> None:
 
 # -- parity with the master's direct path ---------------------------------------------------------------
 
-SCENARIOS = ["finished", "failed", "oom", "preempted", "stale"]
+SCENARIOS = ["finished", "failed", "oom", "preempted", "stale", "rescaled"]
+RESUMED = 5  # "rescaled": the batch (on 2 ranks) resumed a 1-rank checkpoint of the root at this step
 
 
 def _run_direct(world: World, scenario: str) -> None:
@@ -218,16 +220,20 @@ def _run_direct(world: World, scenario: str) -> None:
     admin = Principal("admin", admin=True)
     batch, _ = world.dispatch([(world.root, 10), (world.child, 70), (world.root, 30)])
     metrics = [MetricPoint(world.root, 10, {"loss": 0.5}), MetricPoint(world.child, 70, {"loss": 0.25})]
-    ckpts = [CheckpointPoint(world.child, BRANCH, f"file:///ckpt/{world.child}/{BRANCH}", 1, "central")]
+    ranks = 2 if scenario == "rescaled" else 1
+    ckpts = [CheckpointPoint(world.child, BRANCH, f"file:///ckpt/{world.child}/{BRANCH}", 1, "central", ranks)]
+    rescaled = Rescaled(world.root, RESUMED, f"file:///ckpt/{world.root}/{RESUMED}", 1, 2)
     if scenario == "stale":
         world.store.ledger.mark_lost(world.nm)
     if scenario == "preempted":
         ckpts.append(CheckpointPoint(world.root, 20, "file:///pre/20", 0, "peripheral"))  # as a node manager would
-    ok = scenario in ("finished", "stale")
-    for _ in range(2 if scenario in ("failed", "oom") else 1):
+    ok = scenario in ("finished", "stale", "rescaled")
+    for _ in range(2 if scenario in ("failed", "oom", "rescaled") else 1):  # "rescaled": a report retried
         report = attempt_report(
             batch.id, 1, ok, metrics, ckpts, error="boom", oom=scenario == "oom", preempted=scenario == "preempted"
         )
+        if scenario == "rescaled":
+            report = replace(report, rescaled=rescaled)
         svc.report_batch(admin, report)
         if scenario in ("failed", "oom"):
             pending = [rid for rid, _ in world.store.rounds.pending().get(world.plan_id, [])]
@@ -240,13 +246,15 @@ def _run_bus(world: World, scenario: str) -> None:
     batch, _ = world.dispatch([(world.root, 10), (world.child, 70), (world.root, 30)])
     if scenario == "stale":
         world.store.ledger.mark_lost(world.nm)
-    for _ in range(2 if scenario in ("failed", "oom") else 1):
+    resumed = [world.rescaled(batch.id, world.root, RESUMED, 1, 2)] if scenario == "rescaled" else []
+    for _ in range(2 if scenario in ("failed", "oom", "rescaled") else 1):  # "rescaled": redelivered
         msgs: list[Message] = [
-            world.checkpoint(batch.id, world.child, BRANCH),
+            *resumed,
+            world.checkpoint(batch.id, world.child, BRANCH, ranks=2 if scenario == "rescaled" else 1),
             world.metrics(batch.id, world.root, 10, {"loss": 0.5}),
             world.metrics(batch.id, world.child, 70, {"loss": 0.25}),
         ]
-        if scenario in ("finished", "stale"):
+        if scenario in ("finished", "stale", "rescaled"):
             msgs.append(world.finished(batch.id, 70))
         elif scenario == "preempted":
             msgs.append(world.preempted(batch.id, world.root, 20))
@@ -275,7 +283,11 @@ def test_the_bus_path_has_the_same_effects_as_report_batch(
         finally:
             store.dispose()
         # the checkpoint bytes and kinds differ by design (a preemption reports no size); compare the rest
-        state["checkpoints"] = [c[:3] for c in state["checkpoints"]]
+        state["checkpoints"] = [(*c[:3], c[4]) for c in state["checkpoints"]]
         states.append(state)
     direct, bus = states
     assert bus == direct
+    # a resume on another number of ranks is recorded once per attempt, whatever was delivered twice
+    rescaled = scenario == "rescaled"
+    assert [c[3:] for c in bus["path_changes"]] == ([(RESUMED, 1, 2)] if rescaled else [])
+    assert {c[-1] for c in bus["checkpoints"] if c[1] == BRANCH} == {2 if rescaled else 1}

@@ -28,6 +28,7 @@ from stagetree.bus.messages import (
     Message,
     Metrics,
     Progress,
+    Rescaled,
     UnsupportedVersion,
     decode,
     decode_many,
@@ -62,6 +63,17 @@ messages: st.SearchStrategy[Message] = st.one_of(
         uri=ids,
         bytes=counts,
         kind=st.sampled_from(["central", "peripheral"]),
+        ranks=st.integers(1, 64),
+    ),
+    st.tuples(st.integers(1, 64), st.integers(1, 63)).flatmap(
+        lambda r: st.builds(
+            Rescaled,
+            **batch_fields,
+            **at,
+            uri=ids,
+            from_ranks=st.just(r[0]),
+            to_ranks=st.just(r[1] if r[1] < r[0] else r[1] + 1),  # never equal
+        )
     ),
     st.lists(
         st.tuples(st.integers(1, 2**31), st.dictionaries(ids, finite, max_size=3)), min_size=1, max_size=4
@@ -71,7 +83,7 @@ messages: st.SearchStrategy[Message] = st.one_of(
         )
     ),
     st.builds(BatchFinished, **batch_fields, steps=counts),
-    st.builds(BatchPreempted, **batch_fields, **at, uri=ids),
+    st.builds(BatchPreempted, **batch_fields, **at, uri=ids, ranks=st.integers(1, 64)),
     st.builds(BatchFailed, **batch_fields, error=st.text(), traceback=st.text(), oom=st.booleans()),
     st.builds(
         GpuTelemetry,
@@ -108,7 +120,7 @@ def test_a_message_is_keyed_by_its_batch_or_its_node_manager(message: Message) -
 
 def test_everything_that_decides_a_batch_outcome_shares_one_topic_so_one_partition_orders_it() -> None:
     # A finish applied before that batch's last metrics would requeue work that is already done.
-    outcome = {Metrics, CheckpointSaved, BatchFinished, BatchPreempted, BatchFailed}
+    outcome = {Metrics, CheckpointSaved, Rescaled, BatchFinished, BatchPreempted, BatchFailed}
     assert {cls.TOPIC for cls in outcome} == {TOPIC_METRICS}
     assert [cls.TYPE for cls in MESSAGE_TYPES.values() if cls.TOPIC == TOPIC_EVENTS] == ["batch_started"]
 
@@ -270,7 +282,7 @@ def test_plan_key_is_optional_on_the_wire() -> None:
     assert decode(json.dumps(obj).encode()).plan_key is None  # type: ignore[attr-defined]
 
 
-def test_the_registry_has_the_nine_kinds() -> None:
+def test_the_registry_has_the_ten_kinds() -> None:
     assert sorted(MESSAGE_TYPES) == sorted(
         [
             "batch_started",
@@ -278,12 +290,29 @@ def test_the_registry_has_the_nine_kinds() -> None:
             "metrics",
             "curve",
             "checkpoint_saved",
+            "rescaled",
             "batch_finished",
             "batch_preempted",
             "batch_failed",
             "gpu_telemetry",
         ]
     )
+
+
+def test_a_checkpoint_without_ranks_was_written_by_one_and_a_rescale_must_change_the_count() -> None:
+    """An older node manager's checkpoint_saved has no ranks: one rank wrote it. A rescaled message
+    whose counts agree says nothing changed, which no worker emits: malformed."""
+    obj = _valid()
+    del obj["ranks"]
+    assert decode(json.dumps(obj).encode()).ranks == 1  # type: ignore[attr-defined]
+    with pytest.raises(MalformedMessage, match="both 2"):
+        Rescaled(
+            msg_id="m", node_manager="nm", batch_id=1, attempt=1, node=1, step=2, uri="u", from_ranks=2, to_ranks=2
+        )
+    with pytest.raises(MalformedMessage, match="from_ranks"):
+        Rescaled(
+            msg_id="m", node_manager="nm", batch_id=1, attempt=1, node=1, step=2, uri="u", from_ranks=0, to_ranks=2
+        )
 
 
 def test_msg_id_is_stable_and_distinct_per_sequence_number() -> None:

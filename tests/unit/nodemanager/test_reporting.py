@@ -24,6 +24,7 @@ from stagetree.bus.messages import (
     GpuTelemetry,
     Message,
     Metrics,
+    Rescaled,
 )
 from stagetree.core.errors import InvalidArgument, Unavailable
 from stagetree.nodemanager.gpu import GpuSample
@@ -48,6 +49,8 @@ class Facts:
     status: str | None = None  # finished | preempted | failed | None (nothing terminal)
     metrics: list[tuple[int, int, dict[str, float]]] = field(default_factory=list)
     checkpoints: list[tuple[int, int, str, str]] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)  # of each checkpoint
+    rescaled: list[tuple[int, int, str, int, int]] = field(default_factory=list)
     curve: list[tuple[int, int, dict[str, float]]] = field(default_factory=list)
     error: str = ""
     oom: bool = False
@@ -72,6 +75,9 @@ def _bus_facts(consumer: BusConsumer, seen: list[Message]) -> Callable[[], Facts
                 out.metrics.append((m.node, m.step, m.metrics))
             elif isinstance(m, CheckpointSaved):
                 out.checkpoints.append((m.node, m.step, m.uri, m.kind))
+                out.ranks.append(m.ranks)
+            elif isinstance(m, Rescaled):
+                out.rescaled.append((m.node, m.step, m.uri, m.from_ranks, m.to_ranks))
             elif isinstance(m, Curve):
                 out.curve.extend((m.node, s, dict(v)) for s, v in zip(m.steps, m.values, strict=True))
             elif isinstance(m, BatchFinished | BatchPreempted | BatchFailed):
@@ -94,6 +100,9 @@ def _grpc_facts(link: FakeLink) -> Callable[[], Facts]:
             out.status = "finished" if r.ok else ("preempted" if r.preempted else "failed")
             out.metrics = [(m.node, m.step, m.values) for m in r.metrics]
             out.checkpoints = [(c.node, c.step, c.uri, c.kind) for c in r.checkpoints]
+            out.ranks = [c.ranks for c in r.checkpoints]
+            rs = r.rescaled
+            out.rescaled = [] if rs is None else [(rs.node, rs.step, rs.uri, rs.from_ranks, rs.to_ranks)]
             out.curve = [(m.node, m.step, m.values) for m in r.curve]
             out.error, out.oom = r.error, r.oom
         return out
@@ -133,7 +142,7 @@ async def test_a_finished_attempt_carries_its_metrics_checkpoints_and_curve(adap
     await r.event(INFO, "curve", ids(node=1, points=[[4, {"loss": 0.75}]]))
     await r.event(INFO, "progress", ids(node=1, step=5))
     await r.event(INFO, "metrics", ids(node=1, step=5, metrics={"loss": 0.5, "accuracy": 0.9}))
-    await r.event(INFO, "checkpoint_saved", ids(node=1, step=5, uri=URI, bytes=123, kind="central"))
+    await r.event(INFO, "checkpoint_saved", ids(node=1, step=5, uri=URI, bytes=123, kind="central", ranks=1))
     await r.event(INFO, "batch_finished", ids(steps=5))
     await r.finish(INFO, AttemptEnd("finished"))
     facts = await _settled(adapter)
@@ -141,6 +150,20 @@ async def test_a_finished_attempt_carries_its_metrics_checkpoints_and_curve(adap
     assert facts.metrics == [(1, 5, {"loss": 0.5, "accuracy": 0.9})]
     assert facts.checkpoints == [(1, 5, URI, "central")]
     assert facts.curve == [(1, 1, {"loss": 2.0}), (1, 2, {"loss": 1.5, "lr": 0.1}), (1, 4, {"loss": 0.75})]
+
+
+async def test_a_resume_on_another_number_of_ranks_and_the_ranks_of_each_checkpoint_reach_the_master(
+    adapter: Adapter,
+) -> None:
+    r = adapter.reporter
+    await r.event(INFO, "batch_started", ids())
+    await r.event(INFO, "rescaled", ids(node=1, step=5, uri=URI, from_ranks=1, to_ranks=2))
+    await r.event(INFO, "checkpoint_saved", ids(node=1, step=9, uri=URI + "-9", bytes=7, kind="central", ranks=2))
+    await r.event(INFO, "batch_finished", ids(steps=4))
+    await r.finish(INFO, AttemptEnd("finished"))
+    facts = await _settled(adapter)
+    assert facts.rescaled == [(1, 5, URI, 1, 2)]
+    assert facts.checkpoints == [(1, 9, URI + "-9", "central")] and facts.ranks == [2]
 
 
 async def test_the_workers_own_failure_keeps_its_error_and_oom_flag(adapter: Adapter) -> None:
@@ -170,8 +193,8 @@ async def test_a_preempted_attempt_carries_its_peripheral_checkpoint(adapter: Ad
     r = adapter.reporter
     uri = URI.replace("central", "peripheral")
     await r.event(INFO, "batch_started", ids())
-    await r.event(INFO, "checkpoint_saved", ids(node=1, step=9, uri=uri, bytes=10, kind="peripheral"))
-    await r.event(INFO, "batch_preempted", ids(node=1, step=9, uri=uri))
+    await r.event(INFO, "checkpoint_saved", ids(node=1, step=9, uri=uri, bytes=10, kind="peripheral", ranks=1))
+    await r.event(INFO, "batch_preempted", ids(node=1, step=9, uri=uri, ranks=1))
     await r.finish(INFO, AttemptEnd("preempted"))
     facts = await _settled(adapter)
     assert (facts.status, facts.terminals) == ("preempted", 1)
@@ -259,7 +282,7 @@ async def test_bus_reporter_says_nothing_more_about_an_aborted_attempt() -> None
 async def test_direct_report_of_an_aborted_attempt_keeps_what_it_saved() -> None:
     link = FakeLink()
     reporter = GrpcReporter(link)
-    await reporter.event(INFO, "checkpoint_saved", ids(node=1, step=4, uri=URI, bytes=1, kind="central"))
+    await reporter.event(INFO, "checkpoint_saved", ids(node=1, step=4, uri=URI, bytes=1, kind="central", ranks=1))
     await reporter.finish(INFO, AttemptEnd("aborted", by_worker=False))
     (report,) = link.reports
     assert not report.ok and not report.preempted and "aborted" in report.error

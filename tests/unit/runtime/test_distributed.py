@@ -20,7 +20,7 @@ from stagetree.nodemanager.examples.torch_digits import ENTRY_POINT as TORCH_DIG
 from stagetree.nodemanager.examples.torch_digits import DigitsTorch
 from stagetree.nodemanager.runtime.checkpoints import LocalCheckpointStore
 from stagetree.nodemanager.runtime.distributed import PEER_LOST_NOTE, RankInfo, backend_for, is_peer_lost
-from stagetree.nodemanager.runtime.state import RUNTIME_FILE, restore, take_snapshot
+from stagetree.nodemanager.runtime.state import RUNTIME_FILE, Restored, restore, restore_checkpoint, take_snapshot
 from stagetree.nodemanager.runtime.trainer import TrainerContext, capture_rng_state
 from tests.unit.runtime.ranks import RanksRun, run_ranks
 
@@ -111,8 +111,8 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_only_when_the_trainer_says_it_
         fresh = cls()
         fresh.bind(TrainerContext(seed=0))
         fresh.init()
-        if cls.rescalable:
-            assert restore(fresh, store, uri, 0, 1) == Point(1, 5)
+        if cls.rescalable:  # and the worker learns it resumed 2 ranks' checkpoint, to report it
+            assert restore_checkpoint(fresh, store, uri, 0, 1) == Restored(Point(1, 5), 2)
         else:
             with pytest.raises(FailedPrecondition, match="written by 2 rank"):
                 restore(fresh, store, uri, 0, 1)

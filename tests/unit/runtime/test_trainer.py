@@ -50,7 +50,16 @@ def test_detached_copy_shares_no_storage() -> None:
 
 
 def test_event_lines_round_trip_and_are_checked() -> None:
-    payload = {"batch_id": 1, "attempt": 2, "node": 3, "step": 4, "uri": "file:///x", "bytes": 5, "kind": "central"}
+    payload = {
+        "batch_id": 1,
+        "attempt": 2,
+        "node": 3,
+        "step": 4,
+        "uri": "file:///x",
+        "bytes": 5,
+        "kind": "central",
+        "ranks": 1,
+    }
     kind, ts, got = decode_event(encode_event("checkpoint_saved", payload, ts=12.5))
     assert (kind, ts, got) == ("checkpoint_saved", 12.5, payload)
     with pytest.raises(InvalidArgument, match="expected fields"):

@@ -406,21 +406,37 @@ class MetricPoint(_message.Message):
     def __init__(self, node: _Optional[int] = ..., step: _Optional[int] = ..., values: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class CheckpointPoint(_message.Message):
-    __slots__ = ("node", "step", "uri", "bytes", "kind")
+    __slots__ = ("node", "step", "uri", "bytes", "kind", "ranks")
     NODE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     URI_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     node: int
     step: int
     uri: str
     bytes: int
     kind: str
-    def __init__(self, node: _Optional[int] = ..., step: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
+    ranks: int
+    def __init__(self, node: _Optional[int] = ..., step: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., kind: _Optional[str] = ..., ranks: _Optional[int] = ...) -> None: ...
+
+class Rescaled(_message.Message):
+    __slots__ = ("node", "step", "uri", "from_ranks", "to_ranks")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    URI_FIELD_NUMBER: _ClassVar[int]
+    FROM_RANKS_FIELD_NUMBER: _ClassVar[int]
+    TO_RANKS_FIELD_NUMBER: _ClassVar[int]
+    node: int
+    step: int
+    uri: str
+    from_ranks: int
+    to_ranks: int
+    def __init__(self, node: _Optional[int] = ..., step: _Optional[int] = ..., uri: _Optional[str] = ..., from_ranks: _Optional[int] = ..., to_ranks: _Optional[int] = ...) -> None: ...
 
 class ReportBatchRequest(_message.Message):
-    __slots__ = ("batch_id", "attempt", "ok", "metrics", "checkpoints", "error", "oom", "preempted", "user_error", "curve")
+    __slots__ = ("batch_id", "attempt", "ok", "metrics", "checkpoints", "error", "oom", "preempted", "user_error", "curve", "rescaled")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
@@ -431,6 +447,7 @@ class ReportBatchRequest(_message.Message):
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     USER_ERROR_FIELD_NUMBER: _ClassVar[int]
     CURVE_FIELD_NUMBER: _ClassVar[int]
+    RESCALED_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     attempt: int
     ok: bool
@@ -441,7 +458,8 @@ class ReportBatchRequest(_message.Message):
     preempted: bool
     user_error: bool
     curve: _containers.RepeatedCompositeFieldContainer[MetricPoint]
-    def __init__(self, batch_id: _Optional[int] = ..., attempt: _Optional[int] = ..., ok: _Optional[bool] = ..., metrics: _Optional[_Iterable[_Union[MetricPoint, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointPoint, _Mapping]]] = ..., error: _Optional[str] = ..., oom: _Optional[bool] = ..., preempted: _Optional[bool] = ..., user_error: _Optional[bool] = ..., curve: _Optional[_Iterable[_Union[MetricPoint, _Mapping]]] = ...) -> None: ...
+    rescaled: Rescaled
+    def __init__(self, batch_id: _Optional[int] = ..., attempt: _Optional[int] = ..., ok: _Optional[bool] = ..., metrics: _Optional[_Iterable[_Union[MetricPoint, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointPoint, _Mapping]]] = ..., error: _Optional[str] = ..., oom: _Optional[bool] = ..., preempted: _Optional[bool] = ..., user_error: _Optional[bool] = ..., curve: _Optional[_Iterable[_Union[MetricPoint, _Mapping]]] = ..., rescaled: _Optional[_Union[Rescaled, _Mapping]] = ...) -> None: ...
 
 class ReportBatchResponse(_message.Message):
     __slots__ = ("completed_request_ids",)
