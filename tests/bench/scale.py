@@ -96,18 +96,33 @@ def cpu_s(pid: int | None = None) -> float:
 
 
 def postgres_cpu_s() -> float:
-    """CPU seconds of every process named postgres on this machine (the server and its backends)."""
+    """CPU seconds of the Postgres server on this machine: every live process named postgres, plus what
+    the ended backends used (their parent, the postmaster, is charged it when it reaps them)."""
     total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
     for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/comm") as f:
-                    if f.read().strip() != "postgres":
-                        continue
-            except OSError:
-                continue
-            total += cpu_s(int(d))
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/comm") as f:
+                if f.read().strip() != "postgres":
+                    continue
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick
+        if int(fields[1]) == 1 or _comm(int(fields[1])) != "postgres":  # the postmaster
+            total += (int(fields[13]) + int(fields[14])) / tick
     return total
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def rss_mb(pid: int | None = None) -> float:

@@ -19,11 +19,11 @@ from stagetree.core.lifecycle import AttemptReport, CheckpointPoint, MetricPoint
 from stagetree.core.sharing import SharingStats
 from stagetree.master.api.admission import RETRY_AFTER_MD, Admission
 from stagetree.master.api.grouping import Grouper
+from stagetree.master.api.results_hub import ResultsHub
 from stagetree.master.auth import Authenticator, Principal, bearer
 from stagetree.master.coordination import Coordination, Subscription
 from stagetree.master.curves import CurveService
 from stagetree.master.service import (
-    CH_RESULTS,
     MasterService,
     SubmitItem,
     ch_node_manager,
@@ -128,6 +128,7 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
         self.heartbeat_interval_s = heartbeat_interval_s
         self.admission = admission or Admission(1 << 30, 1.0)
         self.curves = CurveService(service)
+        self.results = ResultsHub(coordination, service.store.requests.finished_among)
         self._reports: Grouper[tuple[Principal, AttemptReport], list[int]] = Grouper(self._report_group)
 
     def _who(self, context: grpc.aio.ServicerContext) -> Principal:
@@ -258,17 +259,20 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
             missing = wanted - {r.id for r in known}
             if missing:
                 raise InvalidArgument(f"request_ids: {sorted(missing)[:10]} are not requests of this study")
-            wakeups = await self.coord.subscribe(CH_RESULTS)  # before the first look: none is missed
+            watch = await self.results.watch(sorted(wanted))  # the hub listens before the first look
             try:
-                while wanted:
-                    recs = await asyncio.to_thread(self.svc.finished, who, request.study_id, sorted(wanted))
+                recs = watch.take(await asyncio.to_thread(self.svc.finished, who, request.study_id, sorted(wanted)))
+                while True:
                     for r in recs:
-                        wanted.discard(r.id)
                         yield result_pb(r)
-                    if wanted:
-                        await wakeups.wait(POLL_S)
+                    if not watch.wanted:
+                        break
+                    recs = await watch.next(POLL_S)  # what the hub took for this stream
+                    if not recs and not self.results.running:  # the hub failed: look for ourselves
+                        mine = sorted(watch.wanted)
+                        recs = watch.take(await asyncio.to_thread(self.svc.finished, who, request.study_id, mine))
             finally:
-                await wakeups.close()
+                self.results.unwatch(watch)
         except Exception as exc:
             await self._abort(context, exc)
 

@@ -32,6 +32,9 @@ _OF_STUDY = select(*_COLS).where(_R.c.study_id == bindparam("study")).order_by(_
 _BY_ID = _OF_STUDY.where(_R.c.id.in_(bindparam("ids", expanding=True)))
 _BY_CLIENT = _OF_STUDY.where(_R.c.client_request_id.in_(bindparam("cids", expanding=True)))
 _FINISHED = _BY_ID.where(_R.c.state.in_(FINISHED_REQUEST_STATES))
+_FINISHED_AMONG = select(*_COLS).where(
+    _R.c.id.in_(bindparam("ids", expanding=True)), _R.c.state.in_(FINISHED_REQUEST_STATES)
+)
 _METRICS_AT = select(_M.c.node_id, _M.c.step, _M.c["values"]).where(
     tuple_(_M.c.node_id, _M.c.step).in_(bindparam("keys", expanding=True))
 )
@@ -115,10 +118,23 @@ class RequestStore:
         """The requests among ``request_ids`` that are finished (DONE, CANCELLED or FAILED), with metrics."""
         return self._read("finished requests", _FINISHED, {"study": study_id, "ids": list(request_ids)})
 
+    def finished_among(self, request_ids: Sequence[int]) -> list[RequestRecord]:
+        """The finished requests among ``request_ids`` of any study, with metrics (the results hub's one
+        read for every stream of a master; each stream was checked to own its ids)."""
+        with self.db.tx("finished requests") as s:
+            rows: list[Sequence[Any]] = []
+            for i in range(0, len(request_ids), self.chunk):
+                rows += self.db.rows(s, _FINISHED_AMONG, {"ids": list(request_ids[i : i + self.chunk])})
+            return self._records_in(s, rows)
+
     def _read(self, what: str, stmt: Any, params: dict[str, Any]) -> list[RequestRecord]:
         with self.db.tx(what) as s:
-            recs = [_request_row(*r) for r in self.db.rows(s, stmt, params)]
-            metrics = self.metrics_in(s, {(r.node, r.step) for r in recs if r.state is RequestState.DONE})
+            return self._records_in(s, self.db.rows(s, stmt, params))
+
+    def _records_in(self, s: Session, rows: Sequence[Sequence[Any]]) -> list[RequestRecord]:
+        """Request rows as records, the DONE ones with their metrics."""
+        recs = [_request_row(*r) for r in rows]
+        metrics = self.metrics_in(s, {(r.node, r.step) for r in recs if r.state is RequestState.DONE})
         return [r.with_metrics(metrics.get((r.node, r.step))) for r in recs]
 
     def cancel_request(self, study_id: str, request_id: int) -> tuple[RequestRecord, int | None]:
