@@ -105,6 +105,9 @@ class SearchPlan:
         # takes the child at a branch point in one lookup instead of comparing every sibling (a node, or
         # the plan's roots, may have thousands)
         self._branches: dict[tuple[int | None, int, int], int] = {}
+        # how many more nodes share a key of _branches (a hash collision of their values): only then does
+        # forgetting the indexed one look among its siblings for the next
+        self._shadowed: dict[tuple[int | None, int, int], int] = {}
 
     # -- structure ------------------------------------------------------------------------------
 
@@ -118,7 +121,9 @@ class SearchPlan:
             self.roots.append(nid)
         else:
             self.nodes[parent].children.setdefault(start, []).append(nid)
-        self._branches.setdefault((parent, start, _values_hash(config, start)), nid)
+        key = (parent, start, _values_hash(config, start))
+        if self._branches.setdefault(key, nid) != nid:  # a sibling under the same hash (a collision)
+            self._shadowed[key] = self._shadowed.get(key, 0) + 1
         return node
 
     def forget_node(self, nid: int) -> None:
@@ -126,19 +131,28 @@ class SearchPlan:
         node = self.nodes.pop(nid)
         if node.parent is None:
             kids = self.roots
-            kids.remove(nid)
         else:
             kids = self.nodes[node.parent].children[node.start]
+        if kids[-1] == nid:  # the usual case: the walk's newest node
+            kids.pop()
+        else:
             kids.remove(nid)
-            if not kids:
-                del self.nodes[node.parent].children[node.start]
+        if not kids and node.parent is not None:
+            del self.nodes[node.parent].children[node.start]
         key = (node.parent, node.start, _values_hash(node.config, node.start))
-        if self._branches.get(key) == nid:
-            del self._branches[key]
-            for other in kids:  # a sibling under the same hash (a collision) takes its place
-                if _values_hash(self.nodes[other].config, node.start) == key[2]:
-                    self._branches[key] = other
-                    break
+        shadowed = self._shadowed.get(key, 0)
+        if self._branches.get(key) != nid:
+            if shadowed:  # it was one of the shadowed siblings
+                self._shadowed[key] = shadowed - 1
+            return
+        del self._branches[key]
+        if not shadowed:  # no sibling shares its hash: nothing takes its place (no scan of the siblings)
+            return
+        for other in kids:  # a sibling under the same hash (a collision) takes its place
+            if _values_hash(self.nodes[other].config, node.start) == key[2]:
+                self._branches[key] = other
+                self._shadowed[key] = shadowed - 1
+                break
 
     def _child_at(self, node: Node | None, config: Config, d: int) -> Node | None:
         """The child of ``node`` branching at ``d`` that ``config`` follows (agreeing up to ``d``); with

@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 POLL_S = 1.0  # a stream re-checks at least this often even when a wake-up is missed
+# An assignment stream's fallback look. Every RUN and action is announced on the node manager's channel
+# (and a broken Redis connection reports a wake-up), so this only bounds a lost notice; at 1 s, 200 node
+# managers' idle looks were a tenth of a busy master's CPU (tests.bench.scale).
+ASSIGNMENT_POLL_S = 5.0
 
 
 def study_pb(s: StudyRecord) -> pb.Study:
@@ -364,7 +368,7 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
                     checkpoint_uris=a.checkpoint_uris,
                     slot_id=a.slot_id,
                 )
-            await wakeups.wait(POLL_S)
+            await wakeups.wait(ASSIGNMENT_POLL_S)
 
     async def ReportBatch(self, request: pb.ReportBatchRequest, context: Any) -> pb.ReportBatchResponse:
         try:

@@ -69,3 +69,23 @@ def test_siblings_under_one_hash_are_told_apart(monkeypatch: pytest.MonkeyPatch)
     reference.forget_node(gone)
     for config, step in items:
         assert plan.locate(config, step)[0] == reference.locate(config, step)[0]
+
+
+def test_forgetting_siblings_under_one_hash_in_any_order_keeps_the_index_right(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The index counts the siblings a key shadows: forgetting the newest (not indexed), then the
+    indexed one, leaves the remaining sibling found, as a scan finds it."""
+    monkeypatch.setattr(searchplan, "_values_hash", lambda config, step: 0)
+    plan, reference = SearchPlan(), ScanningPlan()
+    items = [(Config.of({"lr": MultiStep(0.1, [10], g)}), 30) for g in (0.5, 0.2, 0.1)]
+    for config, step in items:
+        assert plan.locate(config, step)[0] == reference.locate(config, step)[0]
+    (kids,) = plan.nodes[plan.roots[0]].children.values()
+    for gone in (kids[-1], kids[0]):  # the newest, then the indexed one
+        plan.forget_node(gone)
+        reference.forget_node(gone)
+        left = [(c, s) for c, s in items if reference.locate(c, s, create=False)[0] is not None]
+        for config, step in left:
+            assert plan.locate(config, step, create=False)[0] == reference.locate(config, step, create=False)[0]
+    assert len(left) == 1
