@@ -129,10 +129,7 @@ class SearchPlan:
     def forget_node(self, nid: int) -> None:
         """Remove a leaf added by mistake (a walk's node that another writer's node replaces)."""
         node = self.nodes.pop(nid)
-        if node.parent is None:
-            kids = self.roots
-        else:
-            kids = self.nodes[node.parent].children[node.start]
+        kids = self.roots if node.parent is None else self.nodes[node.parent].children[node.start]
         if kids[-1] == nid:  # the usual case: the walk's newest node
             kids.pop()
         else:

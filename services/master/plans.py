@@ -136,7 +136,8 @@ class PlanCache:
 
         One pass walks every item, creating missing nodes in memory (negative ids) so later items of
         the batch walk through them; all of them are written in one transaction; when another writer's
-        node took one of their keys, the cache is refreshed and the items walked again. The second pass normally creates nothing; it creates more only
+        node took one of their keys, the cache is refreshed and the items walked again. The second pass
+        normally creates nothing; it creates more only
         when another master wrote a node under the same key first (its config may diverge later)."""
         e = self._entry(plan_id)
         with e.lock:
