@@ -136,9 +136,8 @@ class PlanCache:
 
         One pass walks every item, creating missing nodes in memory (negative ids) so later items of
         the batch walk through them; all of them are written in one transaction; when another writer's
-        node took one of their keys, the cache is refreshed and the items walked again. The second pass
-        normally creates nothing; it creates more only
-        when another master wrote a node under the same key first (its config may diverge later)."""
+        node took one of their keys, the cache is refreshed and the items walked again (that pass
+        creates more only when the other writer's config diverges later)."""
         e = self._entry(plan_id)
         with e.lock:
             # The plan is append-only, so a walk that finds every point in the cache is correct as it
