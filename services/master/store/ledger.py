@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy import bindparam, case, insert, select, update
 from sqlalchemy.orm import Session
 
 from stagetree.core.errors import NotFound, StagetreeError
@@ -83,12 +83,12 @@ _REQUEUE = (
     .where(_R.c.id.in_(bindparam("ids", expanding=True)), _R.c.state == RequestState.SCHED)
     .values(state=RequestState.NOT_SCHED, batch_id=None)
 )
-_CLAIM = (
+_CLAIM_MANY = (
     update(_R)
     .where(_R.c.id.in_(bindparam("ids", expanding=True)), _R.c.state == RequestState.NOT_SCHED)
-    .values(state=RequestState.SCHED, batch_id=bindparam("bid"))
+    .returning(_R.c.batch_id)
 )
-_NEW_BATCH = insert(_B).returning(_B.c.id)
+_NEW_BATCHES = insert(_B).returning(_B.c.id, sort_by_parameter_order=True)  # ids in the rows' order
 _DROP_BATCH = _B.delete().where(_B.c.id == bindparam("b"))
 _SET_SPEC = update(_B).where(_B.c.id == bindparam("b")).values(spec_json=bindparam("spec"))
 _NEW_ATTEMPT = insert(_A)
@@ -305,23 +305,40 @@ class BatchLedger:
             return []
         now = time.time()
         out: list[BatchRecord | None] = []
+        # A handful of statements for the whole round, not four per batch: a round places up to a few
+        # hundred batches, and their round trips were half its time on a busy database (tests.bench.scale)
         with self.db.tx("dispatch batches") as s:
             c = s.connection()
-            for it in items:
-                nm, slot = it.node_manager_id, it.slot_id  # a batch on several slots: "a,b" (rank order)
-                row = {"plan_id": it.plan_id, "state": BatchState.RUNNING, "attempt": 1, "spec_json": ""}
-                row |= {"node_manager_id": nm, "slot_id": slot, "created_at": now, "updated_at": now}
-                bid = int(c.execute(_NEW_BATCH, row).scalar_one())
-                if it.request_ids and c.execute(_CLAIM, {"ids": list(it.request_ids), "bid": bid}).rowcount == 0:
-                    c.execute(_DROP_BATCH, {"b": bid})  # taken meanwhile: not needed
+            rows = [
+                {"plan_id": it.plan_id, "state": BatchState.RUNNING, "attempt": 1, "spec_json": ""}
+                | {"node_manager_id": it.node_manager_id, "slot_id": it.slot_id, "created_at": now, "updated_at": now}
+                for it in items
+            ]  # a batch on several slots has slot_id "a,b" (rank order)
+            bids = [int(r[0]) for r in c.execute(_NEW_BATCHES, rows)]
+            owner = {rid: bid for it, bid in zip(items, bids, strict=True) for rid in it.request_ids}
+            claimed: set[int] = set()
+            if owner:
+                claim = _CLAIM_MANY.values(state=RequestState.SCHED, batch_id=case(owner, value=_R.c.id))
+                claimed = {int(b) for (b,) in c.execute(claim, {"ids": sorted(owner)})}
+            specs, attempts, dropped = [], [], []
+            for it, bid in zip(items, bids, strict=True):
+                if it.request_ids and bid not in claimed:  # all taken meanwhile: not needed
+                    dropped.append({"b": bid})
                     out.append(None)
                     continue
                 spec = it.spec_for(bid, 1)
-                c.execute(_SET_SPEC, {"b": bid, "spec": spec})
+                specs.append({"b": bid, "spec": spec})
                 # the attempt names rank 0's slot: its GPU type is the batch's (finished_attempts joins it)
-                attempt = {"batch_id": bid, "attempt": 1, "node_manager_id": nm, "slot_id": slot.split(",")[0]}
-                c.execute(_NEW_ATTEMPT, attempt | {"state": BatchState.RUNNING, "dispatched_at": now})
-                out.append(BatchRecord(bid, it.plan_id, BatchState.RUNNING, 1, spec, nm, slot))
+                attempts.append(
+                    {"batch_id": bid, "attempt": 1, "node_manager_id": it.node_manager_id}
+                    | {"slot_id": it.slot_id.split(",")[0], "state": BatchState.RUNNING, "dispatched_at": now}
+                )
+                out.append(BatchRecord(bid, it.plan_id, BatchState.RUNNING, 1, spec, it.node_manager_id, it.slot_id))
+            if dropped:
+                c.execute(_DROP_BATCH, dropped)
+            if specs:
+                c.execute(_SET_SPEC, specs)
+                c.execute(_NEW_ATTEMPT, attempts)
         return out
 
     # -- reads ----------------------------------------------------------------------------------------
