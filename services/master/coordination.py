@@ -39,6 +39,10 @@ class Subscription(Protocol):
 class Coordination(Protocol):
     def notify(self, channel: str) -> None: ...
 
+    def notify_many(self, channels: Iterable[str]) -> None:
+        """``notify`` each channel (in one round trip where the transport allows)."""
+        ...
+
     async def subscribe(self, channel: str) -> Subscription:
         """Start keeping notifies on ``channel``; ``close`` the subscription when done."""
         ...
@@ -75,6 +79,10 @@ class InProcessCoordination:
             subs = list(self._subs.get(channel, ()))
         for sub in subs:
             sub.wake()
+
+    def notify_many(self, channels: Iterable[str]) -> None:
+        for channel in channels:
+            self.notify(channel)
 
     async def subscribe(self, channel: str) -> Subscription:
         sub = _InProcessSubscription(self, channel, asyncio.get_running_loop())
@@ -192,6 +200,21 @@ class RedisCoordination:
             self._redis.publish(self._k("wake", channel), b"1")
         except redis.RedisError as e:  # a lost hint: every waiter also re-checks on a timer
             log.warning("wake-up not published: Redis unavailable (%s)", e, extra={"channel": channel})
+
+    def notify_many(self, channels: Iterable[str]) -> None:
+        """One pipelined round trip: a round wakes up to a few hundred node managers' streams."""
+        import redis
+
+        names = list(channels)
+        if not names:
+            return
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            for channel in names:
+                pipe.publish(self._k("wake", channel), b"1")
+            pipe.execute()
+        except redis.RedisError as e:
+            log.warning("wake-ups not published: Redis unavailable (%s)", e, extra={"channels": len(names)})
 
     async def wait(self, channel: str, timeout: float) -> bool:
         sub = await self.subscribe(channel)

@@ -56,12 +56,14 @@ class CostLearner:
 
     def refresh(self, ledger: BatchLedger) -> int:
         """Learn from the attempts that finished since the last refresh; how many were new."""
-        return self.observe(ledger.finished_attempts(self._since))
+        return self.observe(ledger.finished_attempts(self._since, skip=self._seen))
 
     def refresh_oom(self, ledger: BatchLedger) -> list[tuple[str, int]]:
         """Learn from the attempts that ran out of memory since the last look (every round: the retry of
         the work they carried must already take the doubled slots)."""
-        return self.observe_oom(ledger.finished_attempts(self._oom_since, state=BatchState.OUT_OF_MEMORY))
+        return self.observe_oom(
+            ledger.finished_attempts(self._oom_since, state=BatchState.OUT_OF_MEMORY, skip=self._oom_seen)
+        )
 
     def observe_oom(self, attempts: Sequence[FinishedAttempt]) -> list[tuple[str, int]]:
         """Attempts that ran out of memory: their plans' batches take twice their slots from now on.

@@ -117,6 +117,7 @@ class SchedulingLoop:
         self._bad_specs: set[int] = set()
         self._inflight: dict[tuple[int, int], InflightBatch] = {}  # (batch, attempt) -> its parsed spec
         self._bad_plans: set[int] = set()
+        self._fixed_parts: dict[int, tuple[str, FixedPart]] = {}  # plan -> (key, fixed part), see _fixed_part
         self._good_plans: set[int] = set()  # plans whose fixed part was checked (a plan's rows never change)
 
     # -- one round ------------------------------------------------------------------------------
@@ -172,7 +173,7 @@ class SchedulingLoop:
             try:
                 plans[plan_id] = self.plans.ensure(plan_id, {p.node for _, p in reqs})
                 if plan_id not in self._good_plans:  # its fixed part must load too: every dispatch renders it
-                    FixedPart.from_json(json.loads(self.store.plans.plan_fixed(plan_id)[1]))
+                    self._fixed_part(plan_id)
                     self._good_plans.add(plan_id)
             except (StagetreeError, ValueError, KeyError, TypeError):
                 # a plan whose rows no longer load (written by another version, edited by hand) must not
@@ -235,9 +236,8 @@ class SchedulingLoop:
         write lock deadlocks with the round (seen on SQLite). ``curves``: its curve sampling (None: the
         master's settings)."""
         plan_id = int(batch.plan)
-        key, fixed_json = self.store.plans.plan_fixed(plan_id)
+        key, fixed = self._fixed_part(plan_id)
         plan = self.plans.ensure(plan_id, {s.node for s in batch.stages})
-        fixed = FixedPart.from_json(json.loads(fixed_json))
         stages = tuple(StageSpec(s.node, s.start, s.end, plan.nodes[s.node].config) for s in batch.stages)
         source = Source(batch.source, uris.get(batch.source))
         every_steps, every_s = self.settings.peripheral_every_steps, self.settings.peripheral_every_s
@@ -265,6 +265,14 @@ class SchedulingLoop:
             return json.dumps(spec.to_json(), separators=(",", ":"))
 
         return render
+
+    def _fixed_part(self, plan_id: int) -> tuple[str, FixedPart]:
+        """A plan's key and parsed fixed part (a plan's row never changes: parsed once, not per batch)."""
+        got = self._fixed_parts.get(plan_id)
+        if got is None:
+            key, fixed_json = self.store.plans.plan_fixed(plan_id)
+            got = self._fixed_parts[plan_id] = (key, FixedPart.from_json(json.loads(fixed_json)))
+        return got
 
     def fail_unplaceable(self, why: Mapping[int, str], pending: Mapping[int, Sequence[tuple[int, Point]]]) -> None:
         """Fail the waiting requests of plans no node manager can run (``plan_slots``), saying why."""
@@ -448,8 +456,7 @@ class SchedulingLoop:
                 extra={"batch_id": rec.id, "node_manager_id": d.slot.node_manager, "slot_id": d.slot.id},
             )
             woken.add(d.slot.node_manager)
-        for nm in sorted(woken):
-            self.coord.notify(ch_node_manager(nm))
+        self.coord.notify_many(ch_node_manager(nm) for nm in sorted(woken))
         if dec.preempts or dec.kills:
             self.policy_step.carry_out(dec.preempts, dec.kills, self.coord.notify)
         if dec.unplaceable:

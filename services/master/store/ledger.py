@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
+from typing import Any
 
-from sqlalchemy import bindparam, case, insert, select, update
+from sqlalchemy import bindparam, case, insert, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from stagetree.core.errors import NotFound, StagetreeError
@@ -405,20 +406,34 @@ class BatchLedger:
             return sum(int(st["end"]) - int(st["start"]) for spec in s.scalars(q) for st in json.loads(spec)["stages"])
 
     def finished_attempts(
-        self, since: float, limit: int = 1000, state: BatchState = BatchState.DONE
+        self,
+        since: float,
+        limit: int = 1000,
+        state: BatchState = BatchState.DONE,
+        skip: Container[tuple[int, int]] = (),
     ) -> list[FinishedAttempt]:
         """Attempts that ran to their end (or ended in ``state``: OUT_OF_MEMORY) and finished at or after
-        ``since`` (by the clock of whoever recorded it), oldest first: the latest ``limit`` of them."""
+        ``since`` (by the clock of whoever recorded it), oldest first: the latest ``limit`` of them, less
+        the (batch, attempt) pairs in ``skip`` (the caller has them: their specs are not read again; the
+        cost learner reads every second, and a busy cluster finishes thousands of attempts a minute)."""
         a, b, sl = m.BatchAttempt, m.Batch, m.Slot
         with self.db.tx("finished attempts") as s:
-            rows = s.execute(
-                select(a.batch_id, a.attempt, b.spec_json, a.sent_at, a.dispatched_at, a.finished_at, sl.gpu_type)
-                .join(b, b.id == a.batch_id)
-                .outerjoin(sl, (sl.node_manager_id == a.node_manager_id) & (sl.slot_id == a.slot_id))
+            keys = s.execute(
+                select(a.batch_id, a.attempt)
                 .where(a.finished_at >= since, a.state == state)
                 .order_by(a.finished_at.desc())
                 .limit(limit)
             ).all()
+            wanted = sorted(k for k in {(int(bid), int(att)) for bid, att in keys} if k not in skip)
+            rows: list[Any] = []
+            for i in range(0, len(wanted), 500):
+                rows += s.execute(
+                    select(a.batch_id, a.attempt, b.spec_json, a.sent_at, a.dispatched_at, a.finished_at, sl.gpu_type)
+                    .join(b, b.id == a.batch_id)
+                    .outerjoin(sl, (sl.node_manager_id == a.node_manager_id) & (sl.slot_id == a.slot_id))
+                    .where(tuple_(a.batch_id, a.attempt).in_(wanted[i : i + 500]))
+                ).all()
+            rows.sort(key=lambda r: -float(r[5] or 0.0))
         return [
             FinishedAttempt(
                 int(bid), int(att), spec, float(end) - float(disp if sent is None else sent), float(end), gpu or ""

@@ -71,3 +71,15 @@ async def test_a_subscription_keeps_a_notify_that_comes_while_nobody_waits(coord
     finally:
         await sub.close()
     await asyncio.to_thread(coord.notify, "busy")  # closed: nothing left to wake, nothing raises
+
+
+async def test_notify_many_wakes_each_channel_named_and_no_other(coord: Coordination) -> None:
+    subs = {ch: await coord.subscribe(ch) for ch in ("nm-a", "nm-b", "nm-c")}
+    try:
+        await asyncio.to_thread(coord.notify_many, ["nm-a", "nm-c"])
+        await asyncio.to_thread(coord.notify_many, [])  # nothing to wake: no error
+        assert await subs["nm-a"].wait(5) and await subs["nm-c"].wait(5)
+        assert not await subs["nm-b"].wait(0.1)
+    finally:
+        for sub in subs.values():
+            await sub.close()

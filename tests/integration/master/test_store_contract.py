@@ -226,6 +226,9 @@ def test_finished_attempts_are_the_ones_that_ran_to_their_end_since_a_time(store
     assert [(f.batch_id, f.attempt, f.spec_json, f.gpu_type) for f in got] == [(ok.id, 1, f"ok-{ok.id}", "a100")]
     assert got[0].seconds >= 0 and got[0].finished_at > 0
     assert ok.id not in {f.batch_id for f in store.ledger.finished_attempts(got[0].finished_at + 1)}
+    # what the caller has already is left out (its spec is not read again)
+    assert ok.id not in {f.batch_id for f in store.ledger.finished_attempts(0.0, skip={(ok.id, 1)})}
+    assert ok.id in {f.batch_id for f in store.ledger.finished_attempts(0.0, skip={(ok.id, 2)})}
 
 
 def test_reports_of_several_batches_apply_in_one_call_each_with_its_own_outcome(store: Store) -> None:
