@@ -31,6 +31,10 @@ _SLOTS = select(
     _SL.c.gpu_index,
 ).order_by(_SL.c.slot_id)
 _NODE_MANAGERS = select(_NM.c.id, _NM.c.address, _NM.c.state, _NM.c.last_heartbeat).order_by(_NM.c.id)
+_NODE_MANAGER_KEYS = select(_NM.c.id, _NM.c.address, _NM.c.state, _NM.c.last_heartbeat, _NM.c.registered_at).order_by(
+    _NM.c.id
+)
+_SLOTS_OF = _SLOTS.where(_SL.c.node_manager_id.in_(bindparam("nms", expanding=True)))
 _CLAIM_ATTEMPTS = (
     update(_A)
     .where(_A.c.node_manager_id == bindparam("nm"), _A.c.state == BatchState.RUNNING, _A.c.sent_at.is_(None))
@@ -74,7 +78,8 @@ class NodeRegistry:
             if row is None:
                 s.add(m.NodeManager(id=nm_id, address=address, state=ALIVE, registered_at=now, last_heartbeat=now))
             else:
-                row.address, row.state, row.last_heartbeat = address, ALIVE, now
+                # registered_at is the latest registration: the slots below are its (rounds cache them by it)
+                row.address, row.state, row.last_heartbeat, row.registered_at = address, ALIVE, now, now
             s.flush()
             s.execute(_SL.delete().where(_SL.c.node_manager_id == nm_id))
             s.add_all(
@@ -114,6 +119,31 @@ class NodeRegistry:
         for nm_id, address, state, beat in c.execute(_NODE_MANAGERS):
             out.append(NodeManagerRecord(nm_id, address, NodeManagerState(state), beat, tuple(infos.get(nm_id, ()))))
         return out
+
+    def node_managers_cached_in(
+        self, s: Session, cache: dict[str, tuple[float, tuple[SlotInfo, ...]]]
+    ) -> list[NodeManagerRecord]:
+        """``node_managers_in``, reading the slots only of node managers registered since ``cache`` (node
+        manager -> (registered at, slots)) saw them, and updating it: slots change only when a node
+        manager registers, and a round of a 1,600-slot cluster read every slot row each time."""
+        c = s.connection()
+        rows = c.execute(_NODE_MANAGER_KEYS).all()
+        stale = [str(nm_id) for nm_id, _, _, _, at in rows if cache.get(nm_id, (None,))[0] != at]
+        if stale:
+            infos: dict[str, list[SlotInfo]] = {nm: [] for nm in stale}
+            for i in range(0, len(stale), 500):
+                for nm_id, sid, gpu, mem, cc, share, cores, index in c.execute(_SLOTS_OF, {"nms": stale[i : i + 500]}):
+                    infos[nm_id].append(SlotInfo(sid, gpu, mem, cc, share, cores, index))
+            at_of = {str(nm_id): float(at) for nm_id, _, _, _, at in rows}
+            for nm, slots in infos.items():
+                cache[nm] = (at_of[nm], tuple(slots))
+        live = {str(nm_id) for nm_id, *_ in rows}
+        for gone in [nm for nm in cache if nm not in live]:
+            del cache[gone]
+        return [
+            NodeManagerRecord(nm_id, address, NodeManagerState(state), beat, cache[nm_id][1])
+            for nm_id, address, state, beat, _ in rows
+        ]
 
     def take_assignments(self, nm_id: str) -> list[Assignment]:
         """Running attempts for this node manager not yet sent, then its queued control actions; each is

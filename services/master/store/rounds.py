@@ -12,7 +12,7 @@ from stagetree.master.store.checkpoints import CheckpointCatalog
 from stagetree.master.store.database import Database, table
 from stagetree.master.store.ledger import BatchLedger
 from stagetree.master.store.nodes import NodeRegistry
-from stagetree.master.store.records import BatchRecord, RoundReads
+from stagetree.master.store.records import BatchRecord, RoundReads, SlotInfo
 
 _R, _B, _S = table(m.Request), table(m.Batch), table(m.Study)
 _PENDING = select(_R.c.id, _R.c.plan_id, _R.c.node_id, _R.c.step).where(_R.c.state == RequestState.NOT_SCHED)
@@ -40,16 +40,20 @@ class RoundReader:
         # dispatched, so each round reads only the specs of attempts it has not seen (a few a round, not
         # every running batch's kilobytes)
         self._specs: dict[tuple[int, int], str] = {}
+        self._slots: dict[str, tuple[float, tuple[SlotInfo, ...]]] = {}  # see NodeRegistry.node_managers_cached_in
 
     def round_reads(self) -> RoundReads:
         """Everything a scheduling round reads, in one transaction, but the checkpoints: those are read
         for the paths of the pending work (``path_checkpoints``) once the plans say what the paths are."""
         with self.db.tx("round reads") as s:
-            nms = self.nodes.node_managers_in(s)
-            busy = self._busy_in(s)
+            nms = self.nodes.node_managers_cached_in(s, self._slots)
             policies = self._policy_studies_in(s)
             pending = self._pending_in(s)
             running = self._running_in(s)
+        # the slots the running batches hold (a batch on several slots holds them all: its slot_id is "a,b")
+        busy = {
+            (b.node_manager_id, slot) for b in running if b.node_manager_id for slot in (b.slot_id or "").split(",")
+        }
         return RoundReads(nms, busy, policies, pending, running)
 
     def path_checkpoints(self, nodes: list[int]) -> dict[int, dict[Point, str]]:

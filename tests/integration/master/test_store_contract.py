@@ -260,3 +260,22 @@ def test_reports_of_several_batches_apply_in_one_call_each_with_its_own_outcome(
         store.ledger.get_batch(ok.id).state == BatchState.DONE
         and store.ledger.get_batch(bad.id).state == BatchState.FAILED
     )
+
+
+def test_rounds_read_a_node_managers_slots_again_only_after_it_registers_again(store: Store) -> None:
+    nm = unique("nm")
+    store.nodes.register_node_manager(nm, "x:1", [("g0", "a100"), ("g1", "a100")])
+    cache: dict = {}  # type: ignore[type-arg]
+
+    def slots() -> list[str]:
+        with store.db.tx("test") as s:
+            (rec,) = [n for n in store.nodes.node_managers_cached_in(s, cache) if n.id == nm]
+        return [i.id for i in rec.slots]
+
+    assert slots() == ["g0", "g1"] and nm in cache
+    assert slots() == ["g0", "g1"]
+    store.nodes.register_node_manager(nm, "x:1", [("g0", "h100"), ("g1", "h100"), ("g2", "h100")])
+    assert slots() == ["g0", "g1", "g2"]  # a new registration: its new slots
+    with store.db.tx("test") as s:
+        every = store.nodes.node_managers_in(s)
+    assert [(n.id, n.slots) for n in every if n.id == nm] == [(nm, cache[nm][1])]  # the same as an uncached read
