@@ -53,6 +53,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from pydantic import SecretStr
@@ -507,6 +508,10 @@ def live(cfg: LiveConfig, root: Path) -> dict[str, object]:
         totals = cluster.query("SELECT count(*), count(*) FILTER (WHERE state = 'DONE') FROM requests")[0]
         ended = cluster.query("SELECT count(*) FROM batch_attempts WHERE finished_at IS NOT NULL")[0][0]
         points = cluster.query("SELECT count(*) FROM metrics")[0][0]
+        attempts = cluster.query(
+            "SELECT node_manager_id, slot_id, dispatched_at, sent_at, finished_at FROM batch_attempts"
+            " ORDER BY node_manager_id, slot_id, dispatched_at"
+        )
         agg_rss = [rss_mb(cluster.pid(n)) for n in cluster.aggregator_names() if cluster.pid(n)]
     out.update(
         requests=int(totals[0]),
@@ -519,6 +524,51 @@ def live(cfg: LiveConfig, root: Path) -> dict[str, object]:
         master_rss_mb=max((s.master_rss for s in samples), default=0.0),
     )
     out.update(occupancy_and_latency(intervals, samples, cfg.nms * cfg.gpus, t0, last_start or wall + t0))
+    stages = latency_stages(intervals, attempts, samples, last_start or wall + t0)
+    print(
+        "live: a freed slot's wait, by stage (ms, p50/p99): "
+        + " ".join(f"{k}={statistics.median(v):.0f}/{_p99(v):.0f}" for k, v in stages.items() if v),
+        flush=True,
+    )
+    return out
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def latency_stages(
+    intervals: list[tuple[object, ...]], attempts: list[Any], samples: list[Sample], t_end: float
+) -> dict[str, list[float]]:
+    """Where a freed slot's wait goes, for the waits ``occupancy_and_latency`` counts: ``report`` (the
+    worker ended -> the ledger recorded it: node manager, Kafka, aggregator), ``round`` (-> the next attempt
+    on that slot dispatched), ``stream`` (-> sent on the node manager's assignment stream), ``start`` (-> its
+    worker started). A slot's attempts (by dispatch time) are paired with its busy intervals (by start)."""
+    times = [x.t for x in samples]
+    runs: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for nm, slot, a, b in intervals:
+        runs.setdefault((str(nm), str(slot)), []).append((float(a), float(b)))  # type: ignore[arg-type]
+    tried: dict[tuple[str, str], list[tuple[float, float | None, float | None]]] = {}
+    for nm, slot, dispatched, sent, finished in attempts:
+        tried.setdefault((str(nm), str(slot)), []).append((float(dispatched), sent, finished))
+    out: dict[str, list[float]] = {"report": [], "round": [], "stream": [], "start": []}
+    for key, ran in runs.items():
+        ran.sort()
+        att = tried.get(key, [])
+        if len(att) != len(ran):
+            continue  # an attempt that never ran (lost, aborted): the pairing would be off
+        for (prev_run, next_run), (prev_att, next_att) in zip(
+            itertools.pairwise(ran), itertools.pairwise(att), strict=True
+        ):
+            end = prev_run[1]
+            i = bisect.bisect_right(times, end) - 1
+            if end > t_end or i < 0 or samples[i].pending == 0 or prev_att[2] is None or next_att[1] is None:
+                continue
+            out["report"].append((float(prev_att[2]) - end) * 1000)
+            out["round"].append((next_att[0] - float(prev_att[2])) * 1000)
+            out["stream"].append((float(next_att[1]) - next_att[0]) * 1000)
+            out["start"].append((next_run[0] - float(next_att[1])) * 1000)
     return out
 
 
@@ -533,10 +583,13 @@ def occupancy_and_latency(
         i = bisect.bisect_right(times, t) - 1
         return samples[i].pending if i >= 0 else 0
 
+    # busy slots at each whole second from t0: a sweep over the intervals' starts and ends
+    starts = sorted(float(a) for _nm, _s, a, _b in intervals)  # type: ignore[arg-type]
+    ends = sorted(float(b) for _nm, _s, _a, b in intervals)  # type: ignore[arg-type]
     busy_num = busy_den = 0.0
     t = t0
     while t < t_end:
-        busy = sum(1 for _nm, _s, a, b in intervals if float(a) <= t < float(b))  # type: ignore[arg-type]
+        busy = bisect.bisect_right(starts, t) - bisect.bisect_right(ends, t)  # started by t, not ended by t
         busy_num += busy
         busy_den += min(slots, busy + pending_at(t))
         t += 1.0
