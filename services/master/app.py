@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +50,9 @@ class MasterApp:
 
     @classmethod
     def build(cls, settings: MasterSettings, coordination: Coordination | None = None) -> MasterApp:
-        store = Store.open(make_engine(settings.database_url))  # raises FailedPrecondition on an old schema
+        store = Store.open(
+            make_engine(settings.database_url, pool_size=max(10, settings.api_threads // 2))
+        )  # raises FailedPrecondition on an old schema
         if coordination is None:
             coordination = RedisCoordination(settings.redis_url) if settings.redis_url else InProcessCoordination()
         plans = PlanCache(store.plans)
@@ -103,6 +106,9 @@ class MasterApp:
         from stagetree.master.api.rest import create_rest_app
 
         self.warn_if_exposed()
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(max_workers=self.settings.api_threads, thread_name_prefix="api")
+        )
         server, port = await self.start_grpc()
         http = uvicorn.Server(
             uvicorn.Config(

@@ -26,6 +26,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from stagetree.core.batch import BatchSpec, CurveSampling, Point, Source, StageSpec
@@ -117,6 +118,7 @@ class SchedulingLoop:
         self._bad_specs: set[int] = set()
         self._inflight: dict[tuple[int, int], InflightBatch] = {}  # (batch, attempt) -> its parsed spec
         self._bad_plans: set[int] = set()
+        self._round_thread: ThreadPoolExecutor | None = None  # run's own thread for the rounds
         self._fixed_parts: dict[int, tuple[str, FixedPart]] = {}  # plan -> (key, fixed part), see _fixed_part
         self._good_plans: set[int] = set()  # plans whose fixed part was checked (a plan's rows never change)
 
@@ -471,9 +473,11 @@ class SchedulingLoop:
     async def run(self, stop: asyncio.Event) -> None:
         """Rounds on every wake-up (and at least every ``round_interval_s``) while holding the lease."""
         wakeups = await self.coord.subscribe(CH_ROUND)  # keeps a wake-up that comes during a round
+        self._round_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rounds")
         try:
             await self._rounds(stop, wakeups)
         finally:
+            self._round_thread.shutdown(wait=False)
             await wakeups.close()
             with contextlib.suppress(Unavailable):  # it lapses by itself
                 await asyncio.to_thread(self.coord.release_lease, self.instance_id)
@@ -496,7 +500,8 @@ class SchedulingLoop:
                 await _sleep_or_stop(stop, s.lease_ttl_s / 3)
                 continue
             try:
-                report = await asyncio.to_thread(self.run_round)
+                # on a thread of its own: a round never waits for a thread behind the API's calls
+                report = await asyncio.get_running_loop().run_in_executor(self._round_thread, self.run_round)
                 if report.dispatched or report.lost_node_managers:
                     log.info("round", extra={"dispatched": len(report.dispatched), "pending": report.pending})
             except Exception:

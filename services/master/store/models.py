@@ -25,6 +25,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy import false as sa_false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -101,6 +102,16 @@ class Batch(Base):
 
 class BatchAttempt(Base):
     __tablename__ = "batch_attempts"
+    # what a node manager's stream has still to send: its few unsent attempts, not its whole history
+    # (every assignment stream's look scanned every attempt the node manager ever ran)
+    __table_args__ = (
+        Index(
+            "ix_batch_attempts_unsent",
+            "node_manager_id",
+            postgresql_where=text("sent_at IS NULL"),
+            sqlite_where=text("sent_at IS NULL"),
+        ),
+    )
 
     batch_id: Mapped[int] = mapped_column(ForeignKey("batches.id"), primary_key=True)
     attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
