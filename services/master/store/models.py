@@ -111,6 +111,13 @@ class BatchAttempt(Base):
             postgresql_where=text("sent_at IS NULL"),
             sqlite_where=text("sent_at IS NULL"),
         ),
+        # the attempts that ran out of memory, which every round looks for: a handful among all attempts
+        Index(
+            "ix_batch_attempts_oom",
+            "finished_at",
+            postgresql_where=text("state = 'OUT_OF_MEMORY'"),
+            sqlite_where=text("state = 'OUT_OF_MEMORY'"),
+        ),
     )
 
     batch_id: Mapped[int] = mapped_column(ForeignKey("batches.id"), primary_key=True)

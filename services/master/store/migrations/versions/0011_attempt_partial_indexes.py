@@ -1,6 +1,6 @@
-"""A partial index of the attempts not yet sent, per node manager: an assignment stream's look reads those
-few, where it scanned every attempt the node manager had ever run (a cost that grew with the cluster's
-history; tests.bench.scale).
+"""Two partial indexes of batch attempts, each of a few rows where their readers scanned the cluster's whole
+history (a cost that grew with it; tests.bench.scale): the attempts not yet sent, per node manager (an
+assignment stream's look), and the ones that ran out of memory, by finish time (every round's look).
 
 Revision ID: 0011
 Revises: 0010
@@ -27,7 +27,16 @@ def upgrade() -> None:
         postgresql_where=sa.text("sent_at IS NULL"),
         sqlite_where=sa.text("sent_at IS NULL"),
     )
+    op.create_index(
+        "ix_batch_attempts_oom",
+        "batch_attempts",
+        ["finished_at"],
+        unique=False,
+        postgresql_where=sa.text("state = 'OUT_OF_MEMORY'"),
+        sqlite_where=sa.text("state = 'OUT_OF_MEMORY'"),
+    )
 
 
 def downgrade() -> None:
+    op.drop_index("ix_batch_attempts_oom", table_name="batch_attempts")
     op.drop_index("ix_batch_attempts_unsent", table_name="batch_attempts")
