@@ -18,25 +18,25 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 
+# (name, column, the rows it holds)
+INDEXES = (
+    ("ix_batch_attempts_unsent", "node_manager_id", "sent_at IS NULL"),
+    ("ix_batch_attempts_oom", "finished_at", "state = 'OUT_OF_MEMORY'"),
+)
+
+
 def upgrade() -> None:
-    op.create_index(
-        "ix_batch_attempts_unsent",
-        "batch_attempts",
-        ["node_manager_id"],
-        unique=False,
-        postgresql_where=sa.text("sent_at IS NULL"),
-        sqlite_where=sa.text("sent_at IS NULL"),
-    )
-    op.create_index(
-        "ix_batch_attempts_oom",
-        "batch_attempts",
-        ["finished_at"],
-        unique=False,
-        postgresql_where=sa.text("state = 'OUT_OF_MEMORY'"),
-        sqlite_where=sa.text("state = 'OUT_OF_MEMORY'"),
-    )
+    for name, column, where in INDEXES:
+        op.create_index(
+            name,
+            "batch_attempts",
+            [column],
+            unique=False,
+            postgresql_where=sa.text(where),
+            sqlite_where=sa.text(where),
+        )
 
 
 def downgrade() -> None:
-    op.drop_index("ix_batch_attempts_oom", table_name="batch_attempts")
-    op.drop_index("ix_batch_attempts_unsent", table_name="batch_attempts")
+    for name, _, _ in reversed(INDEXES):
+        op.drop_index(name, table_name="batch_attempts")
