@@ -325,6 +325,7 @@ class LiveConfig:
     eta: int
     rungs: int
     max_concurrent: int
+    api_threads: int = 0  # the master's (0: its default)
 
 
 @dataclass
@@ -405,6 +406,7 @@ def live(cfg: LiveConfig, root: Path) -> dict[str, object]:
         round_interval_s=1.0,
         peripheral_every_s=0.0,
         topic_partitions=8,
+        extra_env={"STAGETREE_MASTER_API_THREADS": str(cfg.api_threads)} if cfg.api_threads else {},
     )
     out: dict[str, object] = {}
     with ProcessCluster(config) as cluster:
@@ -627,6 +629,7 @@ def main() -> None:
     p.add_argument("--eta", type=int, default=3)
     p.add_argument("--rungs", type=int, default=3)
     p.add_argument("--max-concurrent", type=int, default=0, help="per study (default: enough to fill the slots)")
+    p.add_argument("--api-threads", type=int, default=0, help="the live master's API threads (default: its own)")
     p.add_argument("--sizes", default="1000,10000,100000", help="pending requests at which rounds are timed")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--phase", choices=["all", "growth", "live", "memory"], default="all")
@@ -653,7 +656,17 @@ def main() -> None:
     if ns.phase in ("all", "live"):
         mc = ns.max_concurrent or max(1, math.ceil(1.5 * slots / ns.studies))
         cfg = LiveConfig(
-            ns.nms, ns.gpus, ns.fleets, ns.studies, ns.requests, ns.step_s, ns.min_step, ns.eta, ns.rungs, mc
+            ns.nms,
+            ns.gpus,
+            ns.fleets,
+            ns.studies,
+            ns.requests,
+            ns.step_s,
+            ns.min_step,
+            ns.eta,
+            ns.rungs,
+            mc,
+            ns.api_threads,
         )
         with tempfile.TemporaryDirectory(prefix="stagetree-scale-") as d:
             lv = live(cfg, Path(d))
