@@ -51,7 +51,7 @@ class MasterApp:
     @classmethod
     def build(cls, settings: MasterSettings, coordination: Coordination | None = None) -> MasterApp:
         store = Store.open(
-            make_engine(settings.database_url, pool_size=max(10, settings.api_threads // 2))
+            make_engine(settings.database_url, pool_size=max(10, (settings.api_threads or 0) // 2))
         )  # raises FailedPrecondition on an old schema
         if coordination is None:
             coordination = RedisCoordination(settings.redis_url) if settings.redis_url else InProcessCoordination()
@@ -106,9 +106,10 @@ class MasterApp:
         from stagetree.master.api.rest import create_rest_app
 
         self.warn_if_exposed()
-        asyncio.get_running_loop().set_default_executor(
-            ThreadPoolExecutor(max_workers=self.settings.api_threads, thread_name_prefix="api")
-        )
+        if self.settings.api_threads is not None:
+            asyncio.get_running_loop().set_default_executor(
+                ThreadPoolExecutor(max_workers=self.settings.api_threads, thread_name_prefix="api")
+            )
         server, port = await self.start_grpc()
         http = uvicorn.Server(
             uvicorn.Config(

@@ -72,10 +72,11 @@ class MasterSettings(FileVariablesSettings):
     http_host: str = "127.0.0.1"
     http_port: int = 8080
     instance_id: str = ""  # leader-lease holder name; defaults to host:pid
-    # threads that carry the API's database work (each RPC's store calls run on one): a busy master has
-    # hundreds of streams and calls waiting on Postgres at once, and Python's default (cores + 4) queued
-    # them behind each other (tests.bench.scale). The database pool is sized to match.
-    api_threads: int = Field(default=32, ge=1, le=256)
+    # threads that carry the API's database work (each RPC's store calls run on one); None: Python's
+    # default (cores + 4). More let more calls wait on Postgres at once, but on 2 cores 32 did worse than
+    # 6 (tests.bench.scale --api-threads: occupancy 0.839 against 0.889, 1,600 slots, 30k requests): the
+    # threads take the GIL from the rounds. The database pool is sized to match when it is set.
+    api_threads: int | None = Field(default=None, ge=1, le=256)
     # the S3-compatible server of s3:// checkpoints, which the checkpoint eviction deletes (empty: AWS);
     # credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_DEFAULT_REGION
     s3_endpoint_url: str = ""
