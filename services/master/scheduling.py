@@ -184,7 +184,9 @@ class SchedulingLoop:
                 self._bad_plans.add(plan_id)
                 log.exception("plan left out of scheduling: its rows do not load", extra={"plan_id": plan_id})
         paths = {plan_id: path_nodes(plan, pending[plan_id]) for plan_id, plan in plans.items()}
-        on_paths = self.store.rounds.path_checkpoints(sorted(n for nodes in paths.values() for n in nodes))
+        on_paths = self.store.rounds.path_checkpoints(
+            sorted(n for nodes in paths.values() for n in nodes), sorted(plans)
+        )
         forest = StageForest()
         uris: dict[int, dict[Point, str]] = {}
         count = 0

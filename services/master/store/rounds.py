@@ -24,6 +24,7 @@ _RUNNING_KEYS = select(_B.c.id, _B.c.plan_id, _B.c.attempt, _B.c.node_manager_id
 )
 _SPECS = select(_B.c.id, _B.c.attempt, _B.c.spec_json).where(_B.c.id.in_(bindparam("ids", expanding=True)))
 _SPECS_PER_READ = 500
+PATH_NODES_READ = 20_000  # see RoundReader.path_checkpoints
 _POLICY_STUDIES = select(_S.c.id, _S.c.fixed_json).where(
     _S.c.fixed_json.like('%"policies"%'),
     select(_R.c.id).where(_R.c.study_id == _S.c.id, _R.c.state.in_(LIVE_REQUEST_STATES)).exists(),
@@ -56,10 +57,18 @@ class RoundReader:
         }
         return RoundReads(nms, busy, policies, pending, running)
 
-    def path_checkpoints(self, nodes: list[int]) -> dict[int, dict[Point, str]]:
-        """Checkpoint uri per point, per node, on ``nodes`` (the pending work's paths)."""
+    def path_checkpoints(self, nodes: list[int], plans: list[int]) -> dict[int, dict[Point, str]]:
+        """Checkpoint uri per point, per node, on ``nodes`` (the pending work's paths in ``plans``). Past
+        ``PATH_NODES_READ`` nodes, every checkpoint of the plans is read instead: a list of 100k node ids
+        cost more than the plans' checkpoints when the pending work is most of the plans."""
         with self.db.tx("path checkpoints") as s:
-            return self.checkpoints.checkpoints_on(s, nodes)
+            if len(nodes) <= PATH_NODES_READ:
+                return self.checkpoints.checkpoints_on(s, nodes)
+            out: dict[int, dict[Point, str]] = {}
+            for per_plan in self.checkpoints.checkpoints_in(s, plans).values():
+                for p, uri in per_plan.items():
+                    out.setdefault(p.node, {})[p] = uri
+            return out
 
     def _running_in(self, s: Session) -> list[BatchRecord]:
         keys = [(int(i), int(p), int(a), nm, slot) for i, p, a, nm, slot in self.db.rows(s, _RUNNING_KEYS)]
