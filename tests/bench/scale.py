@@ -20,7 +20,9 @@ Three phases, each against a fresh Postgres database:
    samples while the tuners still had trials to start (pending = the NOT_SCHED requests: work the master
    had and could place). ``assign_ms_p99``: a slot's worker ending to the next worker starting on it,
    taken when requests were pending at that moment (the report on Kafka, the aggregator, the master's
-   round, the RUN on the stream). ``master_rss_mb``: the master process's peak RSS in the live run.
+   round, the RUN on the stream), and split by stage from the ledger's attempt times (``latency_stages``:
+   report, round, stream, start). ``master_rss_mb``: the master process's peak RSS in the live run. The
+   CPU seconds of every process of the run (Postgres included) are printed beside them.
 
 3. **Memory** (a master in this process): one plan grows to each of ``--plan-sizes`` nodes (a root, 1,000
    children, the rest grandchildren, each node's config its own), with ``--points-per-node`` metric points
