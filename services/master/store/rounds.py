@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
@@ -51,10 +53,7 @@ class RoundReader:
             policies = self._policy_studies_in(s)
             pending = self._pending_in(s)
             running = self._running_in(s)
-        # the slots the running batches hold (a batch on several slots holds them all: its slot_id is "a,b")
-        busy = {
-            (b.node_manager_id, slot) for b in running if b.node_manager_id for slot in (b.slot_id or "").split(",")
-        }
+        busy = held_slots((b.node_manager_id, b.slot_id) for b in running if b.node_manager_id)
         return RoundReads(nms, busy, policies, pending, running)
 
     def path_checkpoints(self, nodes: list[int], plans: list[int]) -> dict[int, dict[Point, str]]:
@@ -107,9 +106,14 @@ class RoundReader:
         return out
 
     def _busy_in(self, s: Session) -> set[tuple[str, str]]:
-        # a batch on several slots holds them all: its slot_id is "a,b"
-        return {(str(a), slot) for a, b in self.db.rows(s, _BUSY) for slot in str(b).split(",")}
+        return held_slots((str(a), str(b)) for a, b in self.db.rows(s, _BUSY))
 
     @staticmethod
     def _policy_studies_in(s: Session) -> list[tuple[str, str]]:
         return [(str(i), str(f)) for i, f in s.connection().execute(_POLICY_STUDIES)]
+
+
+def held_slots(batches: Iterable[tuple[str, str | None]]) -> set[tuple[str, str]]:
+    """(node manager, slot) of every slot these running batches hold: a batch on several slots holds
+    them all (its slot_id is "a,b")."""
+    return {(nm, slot) for nm, slot_ids in batches for slot in (slot_ids or "").split(",")}
