@@ -53,6 +53,10 @@ class Coordination(Protocol):
 
     def heartbeat(self, node_manager_id: str, ttl_s: float) -> None: ...
 
+    def heartbeat_many(self, node_manager_ids: Iterable[str], ttl_s: float) -> None:
+        """``heartbeat`` each (in one round trip where the transport allows)."""
+        ...
+
     def alive(self, node_manager_ids: Iterable[str]) -> set[str]: ...
 
     def acquire_lease(self, holder: str, ttl_s: float) -> bool:
@@ -106,8 +110,13 @@ class InProcessCoordination:
             await sub.close()
 
     def heartbeat(self, node_manager_id: str, ttl_s: float) -> None:
+        self.heartbeat_many([node_manager_id], ttl_s)
+
+    def heartbeat_many(self, node_manager_ids: Iterable[str], ttl_s: float) -> None:
+        until = self._clock() + ttl_s
         with self._lock:
-            self._beats[node_manager_id] = self._clock() + ttl_s
+            for n in node_manager_ids:
+                self._beats[n] = until
 
     def alive(self, node_manager_ids: Iterable[str]) -> set[str]:
         now = self._clock()
@@ -229,8 +238,17 @@ class RedisCoordination:
         return sub
 
     def heartbeat(self, node_manager_id: str, ttl_s: float) -> None:
+        self.heartbeat_many([node_manager_id], ttl_s)
+
+    def heartbeat_many(self, node_manager_ids: Iterable[str], ttl_s: float) -> None:
+        ids = list(node_manager_ids)
+        if not ids:
+            return
         with self._unavailable("heartbeat"):
-            self._redis.set(self._k("nm", node_manager_id), b"1", px=max(1, int(ttl_s * 1000)))
+            pipe = self._redis.pipeline(transaction=False)
+            for n in ids:
+                pipe.set(self._k("nm", n), b"1", px=max(1, int(ttl_s * 1000)))
+            pipe.execute()
 
     def alive(self, node_manager_ids: Iterable[str]) -> set[str]:
         ids = list(node_manager_ids)

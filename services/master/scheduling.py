@@ -53,6 +53,11 @@ from stagetree.master.store.store import Store
 
 log = logging.getLogger(__name__)
 
+# how often the loop's rounds look for lapsed heartbeats (200 node managers' liveness keys each round
+# were a twentieth of a round on a busy cluster; tests.bench.scale)
+LIVENESS_CHECK_S = 1.0
+SLOW_ROUND_S = 1.0  # a round this long is logged with where its time went
+
 
 @dataclass(frozen=True)
 class RoundReport:
@@ -428,13 +433,17 @@ class SchedulingLoop:
         gpu_type = slots[0].gpu_type if slots else "cpu"
         return self.costs.width_scale(lambda plan_id: self.store.plans.plan_fixed(plan_id)[0], gpu_type)
 
-    def run_round(self) -> RoundReport:
+    def run_round(self, check_lost: bool = True) -> RoundReport:
+        """One round. ``check_lost``: look for node managers whose heartbeat lapsed first (the loop does
+        it at most every ``LIVENESS_CHECK_S``: a lapse is seen a heartbeat TTL late anyway)."""
         t0 = time.monotonic()
         reads = self.store.rounds.round_reads()  # one read serves the liveness check, the free slots, the forest
-        lost = self.requeue_lost(reads.node_managers)
+        lost = self.requeue_lost(reads.node_managers) if check_lost else []
         if lost:
             reads = self.store.rounds.round_reads()
+        t_read = time.monotonic()
         dec = self.decide(reads)
+        t_write = time.monotonic()
         # write-ahead: the policies' state, with what this round preempts and kills, before any of it is done
         self.policy_step.save(force=bool(dec.preempts or dec.kills))
         result, uris = dec.result, dec.uris
@@ -467,7 +476,21 @@ class SchedulingLoop:
             self.fail_unplaceable(dec.unplaceable, reads.pending)
         if self.settings.checkpoint_budget_bytes is not None:
             self.enforce_checkpoint_budget(dec.forest)
-        metrics.observe_round(time.monotonic() - t0, dispatched)
+        took = time.monotonic() - t0
+        metrics.observe_round(took, dispatched)
+        if took >= SLOW_ROUND_S:
+            log.warning(
+                "slow scheduling round",
+                extra={
+                    "round_ms": round(took * 1000),
+                    "read_ms": round((t_read - t0) * 1000),
+                    "snapshot_ms": round(dec.snapshot_ms),
+                    "decide_ms": round(dec.decide_ms),
+                    "dispatch_ms": round((time.monotonic() - t_write) * 1000),
+                    "pending": dec.pending,
+                    "dispatched": len(dispatched),
+                },
+            )
         return RoundReport(dec.pending, dispatched, lost, result.queued, dec.snapshot_ms, dec.decide_ms)
 
     # -- the loop -------------------------------------------------------------------------------
@@ -486,6 +509,7 @@ class SchedulingLoop:
 
     async def _rounds(self, stop: asyncio.Event, wakeups: Subscription) -> None:
         s = self.settings
+        checked_lost_at = float("-inf")
         while not stop.is_set():
             try:
                 leader = await asyncio.to_thread(self.coord.acquire_lease, self.instance_id, s.lease_ttl_s)
@@ -502,8 +526,14 @@ class SchedulingLoop:
                 await _sleep_or_stop(stop, s.lease_ttl_s / 3)
                 continue
             try:
+                now = time.monotonic()
+                check_lost = now - checked_lost_at >= LIVENESS_CHECK_S
+                if check_lost:
+                    checked_lost_at = now
                 # on a thread of its own: a round never waits for a thread behind the API's calls
-                report = await asyncio.get_running_loop().run_in_executor(self._round_thread, self.run_round)
+                report = await asyncio.get_running_loop().run_in_executor(
+                    self._round_thread, self.run_round, check_lost
+                )
                 if report.dispatched or report.lost_node_managers:
                     log.info("round", extra={"dispatched": len(report.dispatched), "pending": report.pending})
             except Exception:

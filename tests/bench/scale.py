@@ -53,6 +53,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -519,7 +520,14 @@ def live(cfg: LiveConfig, root: Path) -> dict[str, object]:
             "SELECT node_manager_id, slot_id, dispatched_at, sent_at, finished_at FROM batch_attempts"
             " ORDER BY node_manager_id, slot_id, dispatched_at"
         )
+        # each request's wait for a slot: from its submission to its batch's first dispatch (none yet: still
+        # waiting); a request answered at submission (its metrics existed) never waited
+        waits = cluster.query(
+            "SELECT r.created_at, (SELECT min(a.dispatched_at) FROM batch_attempts a WHERE a.batch_id = r.batch_id)"
+            " FROM requests r WHERE r.batch_id IS NOT NULL OR r.state = 'NOT_SCHED'"
+        )
         agg_rss = [rss_mb(cluster.pid(n)) for n in cluster.aggregator_names() if cluster.pid(n)]
+        print("live: " + round_histogram(f"http://127.0.0.1:{cluster.http_port}/metrics"), flush=True)
     out.update(
         requests=int(totals[0]),
         done=int(totals[1]),
@@ -530,14 +538,100 @@ def live(cfg: LiveConfig, root: Path) -> dict[str, object]:
         aggregator_rss_mb=max(agg_rss, default=0.0),
         master_rss_mb=max((s.master_rss for s in samples), default=0.0),
     )
-    out.update(occupancy_and_latency(intervals, samples, cfg.nms * cfg.gpus, t0, last_start or wall + t0))
-    stages = latency_stages(intervals, attempts, samples, last_start or wall + t0)
-    print(
-        "live: a freed slot's wait, by stage (ms, p50/p99): "
-        + " ".join(f"{k}={statistics.median(v):.0f}/{_p99(v):.0f}" for k, v in stages.items() if v),
-        flush=True,
-    )
+    t_end = last_start or wall + t0
+    slots = cfg.nms * cfg.gpus
+    out.update(occupancy_and_latency(intervals, samples, slots, t0, t_end))
+    had_work = WorkForSlots(waits, intervals, attempts, slots, t0)
+    any_pending = pending_then(samples)
+    for name, counted in (("work_waiting", had_work), ("any_pending", any_pending)):
+        stages = latency_stages(intervals, attempts, counted, t_end)
+        lat = stages.pop("total")
+        out[f"assign_ms_p50_{name}"] = statistics.median(lat) if lat else float("nan")
+        out[f"assign_ms_p99_{name}"] = _p99(lat) if lat else float("nan")
+        out[f"assign_samples_{name}"] = float(len(lat))
+        print(
+            f"live: a freed slot's wait while {name.replace('_', ' ')}, by stage (ms, p50/p99): "
+            + " ".join(f"{k}={statistics.median(v):.0f}/{_p99(v):.0f}" for k, v in stages.items() if v),
+            flush=True,
+        )
+    out["assign_ms_p99"] = out["assign_ms_p99_work_waiting"]
     return out
+
+
+class WorkForSlots:
+    """Whether, when a slot's worker ended at ``t``, a request waited for every idle slot: at least as many
+    requests were submitted and not yet dispatched as slots were idle (their worker ended, their next
+    attempt not yet dispatched; a slot that never ran is idle from the start). A slot freed when fewer
+    requests waited than slots idled waits for a tuner to submit work, not for the scheduler: when a wave
+    of 1,600 batches ends together with 800 requests queued, 800 of the freed slots have nothing to run
+    until the tuners hear of the results and submit. Exact times: the requests' submission and dispatch
+    from the ledger, the slots' ends and dispatches from the workers' intervals and the attempts."""
+
+    def __init__(
+        self, waits: list[Any], intervals: list[tuple[object, ...]], attempts: list[Any], slots: int, t0: float
+    ) -> None:
+        self.submitted = sorted(float(c) for c, _ in waits)
+        self.dispatched = sorted(float(d) for _, d in waits if d is not None)
+        ends: dict[tuple[str, str], list[float]] = {}
+        for nm, slot, _a, b in intervals:
+            ends.setdefault((str(nm), str(slot)), []).append(float(b))  # type: ignore[arg-type]
+        sent: dict[tuple[str, str], list[float]] = {}
+        for nm, slot, dispatched, _sent, _finished in attempts:
+            sent.setdefault((str(nm), str(slot)), []).append(float(dispatched))
+        starts, stops = [t0] * max(0, slots - len(sent.keys() | ends.keys())), []  # never used: idle all along
+        for key in sent.keys() | ends.keys():
+            ds = sorted(sent.get(key, []))
+            starts.append(t0)  # idle from t0 until its first dispatch
+            if ds:
+                stops.append(ds[0])
+            for e in ends.get(key, []):  # then from each end until the next dispatch
+                i = bisect.bisect_right(ds, e)
+                starts.append(e)
+                if i < len(ds):
+                    stops.append(ds[i])
+        self.idle_from, self.idle_until = sorted(starts), sorted(stops)
+
+    def __call__(self, t: float) -> bool:
+        waiting = bisect.bisect_right(self.submitted, t) - bisect.bisect_right(self.dispatched, t)
+        idle = bisect.bisect_right(self.idle_from, t) - bisect.bisect_right(self.idle_until, t)
+        return waiting >= idle > 0
+
+
+def pending_then(samples: list[Sample]) -> Callable[[float], bool]:
+    """Whether the last 1-second sample before ``t`` saw any request NOT_SCHED (the looser criterion)."""
+    times = [x.t for x in samples]
+
+    def counted(t: float) -> bool:
+        i = bisect.bisect_right(times, t) - 1
+        return i >= 0 and samples[i].pending > 0
+
+    return counted
+
+
+def round_histogram(url: str) -> str:
+    """The master's rounds, from its Prometheus histogram: how many, their mean, and the share of them
+    longer than each of a few bounds (where a freed slot's ``round`` wait comes from)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            text = r.read().decode()
+    except OSError as e:
+        return f"rounds: the master's metrics could not be read ({e})"
+    buckets: dict[float, float] = {}
+    total = count = 0.0
+    for line in text.splitlines():
+        if line.startswith("stagetree_master_round_seconds_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets[math.inf if le == "+Inf" else float(le)] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("stagetree_master_round_seconds_sum "):
+            total = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("stagetree_master_round_seconds_count "):
+            count = float(line.rsplit(" ", 1)[1])
+    if not count:
+        return "rounds: none measured"
+    over = " ".join(f">{le:g}s={1 - buckets.get(le, count) / count:.3f}" for le in (0.1, 0.25, 0.5, 1.0, 2.5))
+    return f"rounds: {count:.0f}, mean {1000 * total / count:.0f} ms, share longer than: {over}"
 
 
 def _p99(values: list[float]) -> float:
@@ -546,20 +640,20 @@ def _p99(values: list[float]) -> float:
 
 
 def latency_stages(
-    intervals: list[tuple[object, ...]], attempts: list[Any], samples: list[Sample], t_end: float
+    intervals: list[tuple[object, ...]], attempts: list[Any], counted: Callable[[float], bool], t_end: float
 ) -> dict[str, list[float]]:
-    """Where a freed slot's wait goes, for the waits ``occupancy_and_latency`` counts: ``report`` (the
-    worker ended -> the ledger recorded it: node manager, Kafka, aggregator), ``round`` (-> the next attempt
-    on that slot dispatched), ``stream`` (-> sent on the node manager's assignment stream), ``start`` (-> its
-    worker started). A slot's attempts (by dispatch time) are paired with its busy intervals (by start)."""
-    times = [x.t for x in samples]
+    """A freed slot's wait (``total``: its worker ended -> the next worker started on it), for the ends
+    ``counted`` says to take, and where it went: ``report`` (the worker ended -> the ledger recorded it:
+    node manager, Kafka, aggregator), ``round`` (-> the next attempt on that slot dispatched), ``stream``
+    (-> sent on the node manager's assignment stream), ``start`` (-> its worker started). A slot's attempts
+    (by dispatch time) are paired with its busy intervals (by start)."""
     runs: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for nm, slot, a, b in intervals:
         runs.setdefault((str(nm), str(slot)), []).append((float(a), float(b)))  # type: ignore[arg-type]
     tried: dict[tuple[str, str], list[tuple[float, float | None, float | None]]] = {}
     for nm, slot, dispatched, sent, finished in attempts:
         tried.setdefault((str(nm), str(slot)), []).append((float(dispatched), sent, finished))
-    out: dict[str, list[float]] = {"report": [], "round": [], "stream": [], "start": []}
+    out: dict[str, list[float]] = {"total": [], "report": [], "round": [], "stream": [], "start": []}
     for key, ran in runs.items():
         ran.sort()
         att = tried.get(key, [])
@@ -569,9 +663,9 @@ def latency_stages(
             itertools.pairwise(ran), itertools.pairwise(att), strict=True
         ):
             end = prev_run[1]
-            i = bisect.bisect_right(times, end) - 1
-            if end > t_end or i < 0 or samples[i].pending == 0 or prev_att[2] is None or next_att[1] is None:
+            if end > t_end or not counted(end) or prev_att[2] is None or next_att[1] is None:
                 continue
+            out["total"].append((next_run[0] - end) * 1000)
             out["report"].append((float(prev_att[2]) - end) * 1000)
             out["round"].append((next_att[0] - float(prev_att[2])) * 1000)
             out["stream"].append((float(next_att[1]) - next_att[0]) * 1000)
@@ -582,8 +676,7 @@ def latency_stages(
 def occupancy_and_latency(
     intervals: list[tuple[object, ...]], samples: list[Sample], slots: int, t0: float, t_end: float
 ) -> dict[str, float]:
-    """Occupancy while work was pending, and the slot-freed-to-next-start latencies taken while
-    requests were pending (see the module docstring)."""
+    """Occupancy while work was pending (see the module docstring)."""
     times = [s.t for s in samples]
 
     def pending_at(t: float) -> int:
@@ -600,23 +693,7 @@ def occupancy_and_latency(
         busy_num += busy
         busy_den += min(slots, busy + pending_at(t))
         t += 1.0
-    per_slot: dict[tuple[object, object], list[tuple[float, float]]] = {}
-    for nm, slot, a, b in intervals:
-        per_slot.setdefault((nm, slot), []).append((float(a), float(b)))  # type: ignore[arg-type]
-    lat = []
-    for runs in per_slot.values():
-        runs.sort()
-        for (_, end), (start, _) in itertools.pairwise(runs):
-            if end <= t_end and pending_at(end) > 0:
-                lat.append((start - end) * 1000)
-    lat.sort()
-    p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else float("nan")
-    return {
-        "occupancy": busy_num / busy_den if busy_den else float("nan"),
-        "assign_ms_p50": statistics.median(lat) if lat else float("nan"),
-        "assign_ms_p99": p99,
-        "assign_samples": float(len(lat)),
-    }
+    return {"occupancy": busy_num / busy_den if busy_den else float("nan")}
 
 
 def main() -> None:

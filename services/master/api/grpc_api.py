@@ -15,9 +15,18 @@ from typing import Any, TypeVar
 import grpc
 
 from stagetree.core.errors import InvalidArgument, StagetreeError
-from stagetree.core.lifecycle import AttemptReport, CheckpointPoint, MetricPoint, Outcome, Rescaled
+from stagetree.core.lifecycle import (
+    FINISHED_REQUEST_STATES,
+    AttemptReport,
+    CheckpointPoint,
+    MetricPoint,
+    Outcome,
+    Rescaled,
+)
 from stagetree.core.sharing import SharingStats
+from stagetree.core.text import check_id
 from stagetree.master.api.admission import RETRY_AFTER_MD, Admission
+from stagetree.master.api.assignment_hub import STREAM_POLL_S, AssignmentHub
 from stagetree.master.api.grouping import Grouper
 from stagetree.master.api.results_hub import ResultsHub
 from stagetree.master.auth import Authenticator, Principal, bearer
@@ -37,10 +46,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 POLL_S = 1.0  # a stream re-checks at least this often even when a wake-up is missed
-# An assignment stream's fallback look. Every RUN and action is announced on the node manager's channel
-# (and a broken Redis connection reports a wake-up), so this only bounds a lost notice; at 1 s, 200 node
-# managers' idle looks were a tenth of a busy master's CPU (tests.bench.scale).
-ASSIGNMENT_POLL_S = 5.0
+HEARTBEAT_GROUP = 256  # heartbeats per transaction at most
+Beat = tuple[Principal, str, list[tuple[int, int]] | None]  # who, node manager, the attempts it lists
 
 
 def study_pb(s: StudyRecord) -> pb.Study:
@@ -133,7 +140,10 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
         self.admission = admission or Admission(1 << 30, 1.0)
         self.curves = CurveService(service)
         self.results = ResultsHub(coordination, service.store.requests.finished_among)
+        self.assignments = AssignmentHub(coordination, service.take_assignments_many, service.store.nodes.with_unsent)
         self._reports: Grouper[tuple[Principal, AttemptReport], list[int]] = Grouper(self._report_group)
+        # the heartbeats that arrive together share a transaction and a Redis round trip (HEARTBEAT_GROUP)
+        self._beats: Grouper[Beat, None] = Grouper(self._beat_group, max_items=HEARTBEAT_GROUP)
 
     def _who(self, context: grpc.aio.ServicerContext) -> Principal:
         md = dict(context.invocation_metadata() or ())
@@ -258,14 +268,17 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
             who = self._who(context)
             if not wanted:
                 raise InvalidArgument("request_ids: name at least one request")
-            # validates ownership and existence of every id up front
-            known = await asyncio.to_thread(self.svc.get_requests, who, request.study_id, sorted(wanted))
-            missing = wanted - {r.id for r in known}
-            if missing:
-                raise InvalidArgument(f"request_ids: {sorted(missing)[:10]} are not requests of this study")
+            for rid in wanted:  # in range before the hub reads them
+                check_id(rid, "request_ids")
             watch = await self.results.watch(sorted(wanted))  # the hub listens before the first look
             try:
-                recs = watch.take(await asyncio.to_thread(self.svc.finished, who, request.study_id, sorted(wanted)))
+                # one look checks the ownership and existence of every id (nothing is sent before it passed)
+                # and finds those that finished before the hub listened
+                known = await asyncio.to_thread(self.svc.get_requests, who, request.study_id, sorted(wanted))
+                missing = wanted - {r.id for r in known}
+                if missing:
+                    raise InvalidArgument(f"request_ids: {sorted(missing)[:10]} are not requests of this study")
+                recs = watch.take([r for r in known if r.state in FINISHED_REQUEST_STATES])
                 while True:
                     for r in recs:
                         yield result_pb(r)
@@ -329,13 +342,23 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
         return pb.RegisterNodeManagerResponse(heartbeat_interval_s=self.heartbeat_interval_s)
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
-        def beat(who: Principal) -> None:
+        try:
+            who = self._who(context)
             known = [(a.batch_id, a.attempt) for a in request.known_attempts] if request.lists_attempts else None
-            self.svc.heartbeat(who, request.node_manager_id, known)
-            self.coord.heartbeat(request.node_manager_id, self.heartbeat_interval_s * 3)
-
-        await self._call(context, beat, shed=False)
+            await self._beats.submit((who, request.node_manager_id, known))
+        except Exception as exc:
+            await self._abort(context, exc)
+            raise  # unreachable: abort raises
         return pb.HeartbeatResponse()
+
+    def _beat_group(self, beats: list[Beat]) -> list[Exception | None]:
+        """One group of heartbeats: the database's (``MasterService.heartbeats``), then Redis's liveness
+        keys of those that were registered."""
+        errors = self.svc.heartbeats(beats)
+        self.coord.heartbeat_many(
+            (nm for (_, nm, _), err in zip(beats, errors, strict=True) if err is None), self.heartbeat_interval_s * 3
+        )
+        return list(errors)
 
     async def StreamAssignments(
         self, request: pb.StreamAssignmentsRequest, context: Any
@@ -345,17 +368,22 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
             who = self._who(context)
             who.require_admin()
             wakeups = await self.coord.subscribe(ch_node_manager(nm))
+            self.assignments.opened(nm)
             try:
-                async for a in self._assignments(who, nm, wakeups):
+                async for a in self._assignments(nm, wakeups):
                     yield a
             finally:
+                self.assignments.closed(nm)
                 await wakeups.close()
         except Exception as exc:
             await self._abort(context, exc)
 
-    async def _assignments(self, who: Principal, nm: str, wakeups: Subscription) -> AsyncIterator[pb.Assignment]:
+    async def _assignments(self, nm: str, wakeups: Subscription) -> AsyncIterator[pb.Assignment]:
+        """Every RUN and action is announced on the node manager's channel (a broken Redis connection
+        reports a wake-up), and the hub's sweep wakes a stream whose wake-up was lost; the stream's own
+        look when nothing wakes it is a last resort (``STREAM_POLL_S``)."""
         while True:
-            for a in await asyncio.to_thread(self.svc.take_assignments, who, nm):
+            for a in await self.assignments.take(nm):
                 log.info(
                     "assignment sent",
                     extra={"batch_id": a.batch_id, "attempt": a.attempt, "kind": a.kind, "node_manager_id": nm},
@@ -368,7 +396,7 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
                     checkpoint_uris=a.checkpoint_uris,
                     slot_id=a.slot_id,
                 )
-            await wakeups.wait(ASSIGNMENT_POLL_S)
+            await wakeups.wait(STREAM_POLL_S)
 
     async def ReportBatch(self, request: pb.ReportBatchRequest, context: Any) -> pb.ReportBatchResponse:
         try:

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar, cast
 
 from sqlalchemy import JSON, Engine, String, Table, create_engine, event, func, select
-from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from stagetree.core.errors import Conflict, Unavailable
@@ -44,9 +44,39 @@ def make_engine(url: str, *, pool_size: int = 10) -> Engine:
 
         return engine
     # execute_batch for the remaining executemany calls (UPDATEs): pages of statements, not a round trip each
-    return create_engine(
-        url, pool_size=pool_size, max_overflow=2 * pool_size, pool_pre_ping=True, executemany_mode="values_plus_batch"
-    )
+    engine = create_engine(url, pool_size=pool_size, max_overflow=2 * pool_size, executemany_mode="values_plus_batch")
+    _ping_when_idle(engine)
+    return engine
+
+
+PING_IDLE_S = 1.0  # a pooled connection unused this long is pinged before it is handed out
+
+
+def _ping_when_idle(engine: Engine) -> None:
+    """Ping a pooled connection before use only when it sat idle ``PING_IDLE_S`` or more: one that failed
+    meanwhile (the server restarted, a proxy dropped it) is replaced, not handed to a transaction. SQLAlchemy's
+    ``pool_pre_ping`` pings on every checkout: a fifth of all statements a busy master sent was that
+    ``SELECT 1`` (tests.bench.scale). A connection in steady use is not pinged; if its server goes away
+    between two uses, that transaction fails as any in flight would (``Unavailable``), and the pool drops
+    every connection opened before the failure."""
+
+    @event.listens_for(engine, "connect")
+    @event.listens_for(engine, "checkin")
+    def _used(_dbapi_conn: Any, record: Any) -> None:
+        record.info["used_at"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _ping(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+        if time.monotonic() - record.info.get("used_at", float("-inf")) < PING_IDLE_S:
+            return
+        try:
+            cur = dbapi_conn.cursor()
+            try:
+                cur.execute("SELECT 1")
+            finally:
+                cur.close()
+        except Exception as e:  # any failure: the pool invalidates it and checks out another
+            raise DisconnectionError(f"pooled connection failed its ping: {e}") from e
 
 
 def table(model: Any) -> Table:

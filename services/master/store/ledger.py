@@ -274,20 +274,36 @@ class BatchLedger:
         still be on their way) but is not in ``known`` are LOST and their requests NOT_SCHED (a restarted
         process never runs them; an assignment lost in a broken stream never arrives). Unsent attempts
         stay: its stream sends them. Returns the batch ids."""
-        keep = {(int(b), int(a)) for b, a in known}
+        return self.requeue_unknown_many([(nm_id, known)], sent_before).get(nm_id, [])
+
+    def requeue_unknown_many(
+        self, listed: Sequence[tuple[str, Iterable[tuple[int, int]]]], sent_before: float | None = None
+    ) -> dict[str, list[int]]:
+        """``requeue_unknown`` for several node managers' lists in one transaction (the heartbeats that
+        arrived together); the batch ids requeued, per node manager that had any."""
+        keep = {nm: {(int(b), int(a)) for b, a in known} for nm, known in listed}
+        if not keep:
+            return {}
         sent = _A.c.sent_at.is_not(None) if sent_before is None else _A.c.sent_at < sent_before
         with self.db.tx("requeue unknown attempts") as s:
+            # driven by the running attempts (a partial index, per node manager), not the batches' history
             rows = s.execute(
-                select(_B.c.id, _B.c.attempt)
-                .join(_A, (_A.c.batch_id == _B.c.id) & (_A.c.attempt == _B.c.attempt))
+                select(_A.c.node_manager_id, _B.c.id, _B.c.attempt)
+                .join(_B, (_A.c.batch_id == _B.c.id) & (_A.c.attempt == _B.c.attempt))
                 .where(
-                    _B.c.node_manager_id == nm_id,
-                    _B.c.state == BatchState.RUNNING,
+                    _A.c.node_manager_id.in_(sorted(keep)),
                     _A.c.state == BatchState.RUNNING,
+                    _B.c.node_manager_id == _A.c.node_manager_id,
+                    _B.c.state == BatchState.RUNNING,
                     sent,
                 )
             ).all()
-            return self._end_running_in(s, [int(b) for b, a in rows if (int(b), int(a)) not in keep], Outcome.LOST)
+            lost: dict[str, list[int]] = {}
+            for nm, b, a in rows:
+                if (int(b), int(a)) not in keep[nm]:
+                    lost.setdefault(nm, []).append(int(b))
+            ended = set(self._end_running_in(s, sorted(b for ids in lost.values() for b in ids), Outcome.LOST))
+        return {nm: out for nm, ids in lost.items() if (out := sorted(b for b in ids if b in ended))}
 
     # -- dispatch -------------------------------------------------------------------------------------
 

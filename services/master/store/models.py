@@ -118,6 +118,13 @@ class BatchAttempt(Base):
             postgresql_where=text("state = 'OUT_OF_MEMORY'"),
             sqlite_where=text("state = 'OUT_OF_MEMORY'"),
         ),
+        # the running attempts of a node manager, which its every heartbeat checks (requeue_unknown)
+        Index(
+            "ix_batch_attempts_running",
+            "node_manager_id",
+            postgresql_where=text("state = 'RUNNING'"),
+            sqlite_where=text("state = 'RUNNING'"),
+        ),
     )
 
     batch_id: Mapped[int] = mapped_column(ForeignKey("batches.id"), primary_key=True)

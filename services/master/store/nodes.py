@@ -37,16 +37,26 @@ _NODE_MANAGER_KEYS = select(_NM.c.id, _NM.c.address, _NM.c.state, _NM.c.last_hea
 _SLOTS_OF = _SLOTS.where(_SL.c.node_manager_id.in_(bindparam("nms", expanding=True)))
 _CLAIM_ATTEMPTS = (
     update(_A)
-    .where(_A.c.node_manager_id == bindparam("nm"), _A.c.state == BatchState.RUNNING, _A.c.sent_at.is_(None))
+    .where(
+        _A.c.node_manager_id.in_(bindparam("nms", expanding=True)),
+        _A.c.state == BatchState.RUNNING,
+        _A.c.sent_at.is_(None),
+    )
     .values(sent_at=bindparam("t"))
-    .returning(_A.c.batch_id, _A.c.attempt, _A.c.slot_id)
+    .returning(_A.c.node_manager_id, _A.c.batch_id, _A.c.attempt, _A.c.slot_id)
 )
 _SPECS = select(_B.c.id, _B.c.spec_json).where(_B.c.id.in_(bindparam("ids", expanding=True)))
 _CLAIM_ACTIONS = (
     update(_NA)
-    .where(_NA.c.node_manager_id == bindparam("nm"), _NA.c.sent_at.is_(None))
+    .where(_NA.c.node_manager_id.in_(bindparam("nms", expanding=True)), _NA.c.sent_at.is_(None))
     .values(sent_at=bindparam("t"))
-    .returning(_NA.c.id, _NA.c.kind, _NA.c.batch_id, _NA.c.attempt, _NA.c.payload)
+    .returning(_NA.c.node_manager_id, _NA.c.id, _NA.c.kind, _NA.c.batch_id, _NA.c.attempt, _NA.c.payload)
+)
+# the node managers with something not yet sent (both looks are on a few rows: partial index, small table)
+_UNSENT = (
+    select(_A.c.node_manager_id)
+    .where(_A.c.sent_at.is_(None), _A.c.state == BatchState.RUNNING)
+    .union(select(_NA.c.node_manager_id).where(_NA.c.sent_at.is_(None)))
 )
 
 
@@ -97,12 +107,22 @@ class NodeRegistry:
             )
 
     def heartbeat(self, nm_id: str) -> None:
+        if nm_id not in self.heartbeat_many([nm_id]):
+            raise NotFound(f"node manager {nm_id!r} is not registered; register it first")
+
+    def heartbeat_many(self, nm_ids: Sequence[str]) -> set[str]:
+        """Mark these node managers alive now, in one statement (the heartbeats that arrived together);
+        returns those that are registered."""
+        if not nm_ids:
+            return set()
         with self.db.tx("heartbeat") as s:
             res = s.execute(
-                update(m.NodeManager).where(m.NodeManager.id == nm_id).values(last_heartbeat=time.time(), state=ALIVE)
+                update(_NM)
+                .where(_NM.c.id.in_(sorted(set(nm_ids))))
+                .values(last_heartbeat=time.time(), state=ALIVE)
+                .returning(_NM.c.id)
             )
-            if res.rowcount == 0:  # type: ignore[attr-defined]
-                raise NotFound(f"node manager {nm_id!r} is not registered; register it first")
+            return {str(i) for (i,) in res}
 
     def node_managers(self) -> list[NodeManagerRecord]:
         with self.db.tx("list node managers") as s:
@@ -148,15 +168,29 @@ class NodeRegistry:
     def take_assignments(self, nm_id: str) -> list[Assignment]:
         """Running attempts for this node manager not yet sent, then its queued control actions; each is
         marked sent exactly once even when two streams (or two masters) race for it."""
+        return self.take_assignments_many([nm_id])[nm_id]
+
+    def take_assignments_many(self, nm_ids: Sequence[str]) -> dict[str, list[Assignment]]:
+        """``take_assignments`` of several node managers in one transaction (the streams a round woke)."""
+        nms = sorted(set(nm_ids))
+        out: dict[str, list[Assignment]] = {nm: [] for nm in nms}
+        if not nms:
+            return out
         now = time.time()
         with self.db.tx("take assignments") as s:
             c = s.connection()
             # each row is claimed by one UPDATE only (sent_at IS NULL is checked again under its lock)
-            claimed = sorted(c.execute(_CLAIM_ATTEMPTS, {"nm": nm_id, "t": now}).all())
-            specs = dict(c.execute(_SPECS, {"ids": [bid for bid, _, _ in claimed]}).all()) if claimed else {}
-            actions = sorted(c.execute(_CLAIM_ACTIONS, {"nm": nm_id, "t": now}).all())
-        out = [Assignment(int(bid), int(att), specs[bid], slot_id=slot or "") for bid, att, slot in claimed]
-        for _id, kind, bid, att, payload in actions:
+            claimed = sorted(c.execute(_CLAIM_ATTEMPTS, {"nms": nms, "t": now}).all(), key=lambda r: (r[1], r[2]))
+            specs = dict(c.execute(_SPECS, {"ids": [r[1] for r in claimed]}).all()) if claimed else {}
+            actions = sorted(c.execute(_CLAIM_ACTIONS, {"nms": nms, "t": now}).all(), key=lambda r: r[1])
+        for nm, bid, att, slot in claimed:
+            out[nm].append(Assignment(int(bid), int(att), specs[bid], slot_id=slot or ""))
+        for nm, _id, kind, bid, att, payload in actions:
             uris = tuple(str(u) for u in (payload or {}).get("uris", ()))
-            out.append(Assignment(int(bid), int(att), "", AssignmentKind(kind), uris))
+            out[nm].append(Assignment(int(bid), int(att), "", AssignmentKind(kind), uris))
         return out
+
+    def with_unsent(self) -> set[str]:
+        """The node managers that have attempts or control actions not yet sent."""
+        with self.db.tx("unsent assignments") as s:
+            return {str(nm) for (nm,) in s.connection().execute(_UNSENT)}

@@ -85,14 +85,10 @@ class RequestStore:
                 for it in sorted(items, key=lambda it: it.client_request_id)
             ]
             self.db.insert_ignore(s, _R, rows, ["study_id", "client_request_id"])
+            cids = [it.client_request_id for it in items]
             by_client = {
-                r.client_request_id: _request_record(r)
-                for r in s.scalars(
-                    select(m.Request).where(
-                        m.Request.study_id == study_id,
-                        m.Request.client_request_id.in_([it.client_request_id for it in items]),
-                    )
-                )
+                r.client_request_id: r
+                for r in (_request_row(*row) for row in self.db.rows(s, _BY_CLIENT, {"study": study_id, "cids": cids}))
             }
             later = {(r.node, r.step) for r in by_client.values() if r.state is RequestState.DONE} - known.keys()
             known.update(self.metrics_in(s, later))  # a retried request finished since its first submission
