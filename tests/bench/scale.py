@@ -19,10 +19,16 @@ Three phases, each against a fresh Postgres database:
    ``occupancy``: busy slot-seconds over ``min(slots, busy + pending)`` slot-seconds, summed over 1-second
    samples while the tuners still had trials to start (pending = the NOT_SCHED requests: work the master
    had and could place). ``assign_ms_p99``: a slot's worker ending to the next worker starting on it,
-   taken when requests were pending at that moment (the report on Kafka, the aggregator, the master's
-   round, the RUN on the stream), and split by stage from the ledger's attempt times (``latency_stages``:
-   report, round, stream, start). ``master_rss_mb``: the master process's peak RSS in the live run. The
-   CPU seconds of every process of the run (Postgres included) are printed beside them.
+   counted when a request waited for every idle slot at that moment (``WorkForSlots``: requests submitted
+   and not yet dispatched >= slots whose worker ended and whose next attempt was not yet dispatched, from
+   the ledger's exact times). A slot freed with nothing left to run waits for a tuner to submit, not for
+   the scheduler: batches started together end together, and a wave of 1,600 ends with the ~800 requests
+   the tuners keep queued. The looser figure (any request NOT_SCHED at the last 1-second sample) is printed
+   beside it as ``assign_ms_p99_any_pending``. Both are split by stage from the ledger's attempt times
+   (``latency_stages``: report, round, stream, start). The master's rounds are summed up from its
+   Prometheus histogram (count, mean, share over 0.1 to 2.5 s). ``master_rss_mb``: the master process's
+   peak RSS in the live run. The CPU seconds of every process of the run (Postgres included) are printed
+   beside them.
 
 3. **Memory** (a master in this process): one plan grows to each of ``--plan-sizes`` nodes (a root, 1,000
    children, the rest grandchildren, each node's config its own), with ``--points-per-node`` metric points

@@ -7,8 +7,11 @@ import asyncio
 import json
 import time
 
+import pytest
+
 from stagetree.core.batch import BatchSpec, Point
 from stagetree.core.config import Config
+from stagetree.core.errors import NotFound, PermissionDenied
 from stagetree.master.app import MasterApp
 from stagetree.master.auth import Principal
 from stagetree.master.coordination import RedisCoordination
@@ -137,6 +140,21 @@ def test_a_plan_whose_fixed_part_does_not_load_is_left_out_and_the_others_still_
     assert [r.state for r in app.store.requests.get_requests(good_study, good)] == ["SCHED"]
     assert [r.state for r in app.store.requests.get_requests(bad_study.id)] == ["NOT_SCHED"]
     assert app.scheduler.run_round().dispatched == []  # and later rounds keep running
+
+
+def test_heartbeats_that_arrive_together_fail_only_the_bad_ones(app: MasterApp) -> None:
+    nm = _node_manager(app, 1)
+    other = _node_manager(app, 1)
+    errors = app.service.heartbeats([(ADMIN, nm, None), (ADMIN, "never-registered", []), (ALICE, other, None)])
+    assert errors[0] is None
+    assert isinstance(errors[1], NotFound) and "register it first" in errors[1].message
+    assert isinstance(errors[2], PermissionDenied)
+    assert {n.id: n.state for n in app.store.nodes.node_managers() if n.id in (nm, other)} == {
+        nm: "ALIVE",
+        other: "ALIVE",
+    }
+    with pytest.raises(NotFound):
+        app.service.heartbeat(ADMIN, "never-registered")
 
 
 def test_a_heartbeat_requeues_work_sent_long_ago_that_its_node_manager_never_got(app: MasterApp) -> None:

@@ -119,6 +119,43 @@ def test_dispatch_marks_sched_and_assignments_are_sent_once(store: Store) -> Non
     assert store.nodes.take_assignments(nm) == []
 
 
+def test_grouped_heartbeats_takes_and_requeue_checks_match_one_at_a_time(store: Store) -> None:
+    """What the master does for the heartbeats and stream wake-ups that arrive together, in one
+    transaction each, gives what it did one node manager at a time."""
+    pid, node = _plan_with_node(store)
+    study = store.studies.create_study(unique("o"), "s", None)
+    reqs = store.requests.add_requests(study.id, pid, [NewRequest(c, node, 3 + i) for i, c in enumerate("abcd")])
+    nms = [unique("nm") for _ in range(3)]
+    for nm in nms:
+        store.nodes.register_node_manager(nm, "x:1", [("gpu0", "a100"), ("gpu1", "a100")])
+    assert store.nodes.heartbeat_many([*nms, "never-registered"]) == set(nms)
+    batches = store.ledger.dispatch_many(
+        [
+            DispatchItem(pid, lambda bid, att: f"s{bid}", [reqs[0].id], nms[0], "gpu0"),
+            DispatchItem(pid, lambda bid, att: f"s{bid}", [reqs[1].id], nms[0], "gpu1"),
+            DispatchItem(pid, lambda bid, att: f"s{bid}", [reqs[2].id], nms[1], "gpu0"),
+            DispatchItem(pid, lambda bid, att: f"s{bid}", [reqs[3].id], nms[1], "gpu1"),
+        ]
+    )
+    b = [x.id for x in batches if x is not None]
+    assert len(b) == 4
+    sent = store.nodes.take_assignments_many([nms[1], nms[0], nms[2], nms[0]])
+    assert {nm: [(a.batch_id, a.spec_json) for a in got] for nm, got in sent.items()} == {
+        nms[0]: [(b[0], f"s{b[0]}"), (b[1], f"s{b[1]}")],
+        nms[1]: [(b[2], f"s{b[2]}"), (b[3], f"s{b[3]}")],
+        nms[2]: [],
+    }
+    assert store.nodes.take_assignments_many(nms) == {nm: [] for nm in nms}  # sent once
+    assert store.nodes.with_unsent() & set(nms) == set()
+    # nm0 knows both of its attempts, nm1 only one, nm2 has none: only nm1's unknown one is requeued
+    lost = store.ledger.requeue_unknown_many([(nms[0], [(b[0], 1), (b[1], 1)]), (nms[1], [(b[2], 1)]), (nms[2], [])])
+    assert lost == {nms[1]: [b[3]]}
+    assert {rid for rid, _ in store.rounds.pending().get(pid, [])} == {reqs[3].id}
+    assert store.ledger.requeue_unknown(nms[1], [(b[2], 1)]) == []  # already requeued: nothing more
+    # an attempt sent after the cut-off may still be on its way: kept
+    assert store.ledger.requeue_unknown_many([(nms[0], [])], sent_before=0.0) == {}
+
+
 def test_dispatch_many_commits_a_rounds_batches_together_and_skips_taken_ones(store: Store) -> None:
     pid, node = _plan_with_node(store)
     study = store.studies.create_study(unique("o"), "s", None)
