@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Container, Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import bindparam, case, insert, select, tuple_, update
+from sqlalchemy import bindparam, case, insert, select, text, tuple_, update
 from sqlalchemy.orm import Session
 
 from stagetree.core.errors import NotFound, StagetreeError
@@ -90,6 +90,8 @@ _CLAIM_MANY = (
     .returning(_R.c.batch_id)
 )
 _NEW_BATCHES = insert(_B).returning(_B.c.id, sort_by_parameter_order=True)  # ids in the rows' order
+_NEW_BATCHES_WITH_IDS = insert(_B)
+_NEXT_BATCH_IDS = text("SELECT nextval(pg_get_serial_sequence('batches', 'id')) FROM generate_series(1, :n)")
 _DROP_BATCH = _B.delete().where(_B.c.id == bindparam("b"))
 _SET_SPEC = update(_B).where(_B.c.id == bindparam("b")).values(spec_json=bindparam("spec"))
 _NEW_ATTEMPT = insert(_A)
@@ -331,7 +333,17 @@ class BatchLedger:
                 | {"node_manager_id": it.node_manager_id, "slot_id": it.slot_id, "created_at": now, "updated_at": now}
                 for it in items
             ]  # a batch on several slots has slot_id "a,b" (rank order)
-            bids = [int(r[0]) for r in c.execute(_NEW_BATCHES, rows)]
+            written: dict[int, str] = {}  # batch id -> the spec its row was inserted with
+            if self.db.is_postgres:
+                # the ids first, so each row goes in with its spec (which names its batch id): an UPDATE per
+                # batch afterwards left a dead row version per dispatch
+                bids = sorted(int(i) for (i,) in c.execute(_NEXT_BATCH_IDS, {"n": len(items)}))
+                for row, it, bid in zip(rows, items, bids, strict=True):
+                    row["id"] = bid
+                    row["spec_json"] = written[bid] = it.spec_for(bid, 1)
+                c.execute(_NEW_BATCHES_WITH_IDS, rows)
+            else:
+                bids = [int(r[0]) for r in c.execute(_NEW_BATCHES, rows)]
             owner = {rid: bid for it, bid in zip(items, bids, strict=True) for rid in it.request_ids}
             claimed: set[int] = set()
             if owner:
@@ -343,8 +355,10 @@ class BatchLedger:
                     dropped.append({"b": bid})
                     out.append(None)
                     continue
-                spec = it.spec_for(bid, 1)
-                specs.append({"b": bid, "spec": spec})
+                spec = written.get(bid)
+                if spec is None:
+                    spec = it.spec_for(bid, 1)
+                    specs.append({"b": bid, "spec": spec})
                 # the attempt names rank 0's slot: its GPU type is the batch's (finished_attempts joins it)
                 attempts.append(
                     {"batch_id": bid, "attempt": 1, "node_manager_id": it.node_manager_id}
@@ -355,6 +369,7 @@ class BatchLedger:
                 c.execute(_DROP_BATCH, dropped)
             if specs:
                 c.execute(_SET_SPEC, specs)
+            if attempts:
                 c.execute(_NEW_ATTEMPT, attempts)
         return out
 
