@@ -5,6 +5,8 @@ replaces the rest."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from sqlalchemy import create_engine, text
@@ -30,30 +32,32 @@ def _terminate(pid: int) -> None:
     time.sleep(0.1)
 
 
+@contextmanager
+def _one_connection_pool(pg_url: str, monkeypatch: pytest.MonkeyPatch, ping_idle_s: float) -> Iterator[Database]:
+    monkeypatch.setattr(database, "PING_IDLE_S", ping_idle_s)
+    db = Database(make_engine(pg_url, pool_size=1), check=False)
+    try:
+        yield db
+    finally:
+        db.dispose()
+
+
 def test_an_idle_connection_whose_backend_died_is_replaced_before_use(
     pg_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(database, "PING_IDLE_S", 0.2)
-    db = Database(make_engine(pg_url, pool_size=1), check=False)
-    try:
+    with _one_connection_pool(pg_url, monkeypatch, 0.2) as db:
         pid = _backend_pid(db)
         _terminate(pid)
         time.sleep(0.3)  # idle past PING_IDLE_S: the checkout pings, finds it dead, connects again
         assert _backend_pid(db) != pid
-    finally:
-        db.dispose()
 
 
 def test_a_connection_in_steady_use_is_not_pinged_and_its_loss_fails_one_transaction(
     pg_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(database, "PING_IDLE_S", 60.0)
-    db = Database(make_engine(pg_url, pool_size=1), check=False)
-    try:
+    with _one_connection_pool(pg_url, monkeypatch, 60.0) as db:
         pid = _backend_pid(db)
         _terminate(pid)
         with pytest.raises(Unavailable):  # no ping: the transaction meets the dead connection
             _backend_pid(db)
         assert _backend_pid(db) != pid  # the pool dropped it: the next one connects again
-    finally:
-        db.dispose()
