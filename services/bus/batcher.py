@@ -59,13 +59,17 @@ class LocalBatcher:
         # Held while publishing so two flushes never interleave (that would reorder a key's messages).
         self._publish_lock = threading.Lock()
         self._closed = False
+        self._urgent = False  # a message added with urgent=True waits for no timer
         self.published = 0
         self._thread = threading.Thread(target=self._run, name="bus-batcher", daemon=True)
         self._thread.start()
 
-    def add(self, message: Message) -> None:
-        """Queue one message; publishes at once when this fills a batch. Bus errors do not reach the
-        caller (the message stays queued); a full buffer raises ResourceExhausted."""
+    def add(self, message: Message, *, urgent: bool = False) -> None:
+        """Queue one message; publishes at once when this fills a batch. ``urgent``: the batcher's thread
+        publishes it (and what is queued before it) now rather than when the oldest is ``max_age_s`` old;
+        those added while it publishes go together next, so a burst of urgent messages costs a few
+        publishes, not one each, and the caller waits for none. Bus errors do not reach the caller (the
+        message stays queued); a full buffer raises ResourceExhausted."""
         with self._cond:
             if self._closed:
                 raise FailedPrecondition("add on a closed batcher")
@@ -76,7 +80,10 @@ class LocalBatcher:
                 )
             self._buffer.append((time.monotonic(), message))
             full = len(self._buffer) >= self._max_messages
-            if len(self._buffer) == 1:
+            if urgent:
+                self._urgent = True
+                self._cond.notify()  # publish now
+            elif len(self._buffer) == 1:
                 self._cond.notify()  # start the age timer
         if full:
             try:
@@ -94,6 +101,7 @@ class LocalBatcher:
             with self._cond:
                 batch = list(self._buffer)
                 self._buffer.clear()
+                self._urgent = False
             if not batch:
                 return 0
             # One bundle per (topic, key): a key's messages keep their order inside it, and a batch of
@@ -120,7 +128,7 @@ class LocalBatcher:
                     self._cond.wait()
                 if self._closed:
                     return
-                wait = self._buffer[0][0] + self._max_age_s - time.monotonic()
+                wait = 0.0 if self._urgent else self._buffer[0][0] + self._max_age_s - time.monotonic()
                 if wait > 0:
                     self._cond.wait(wait)
                     continue

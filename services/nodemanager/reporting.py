@@ -214,28 +214,24 @@ class BusReporter(BatchReporter):
             **fields,
         )
 
-    def _add_blocking(self, message: Message) -> None:
+    def _add_blocking(self, message: Message, urgent: bool = False) -> None:
         while True:
             try:
-                self.batcher.add(message)
+                self.batcher.add(message, urgent=urgent)
                 return
             except ResourceExhausted as e:  # back-pressure: wait for the bus instead of dropping
                 log.warning("bus buffer full; holding the worker's events", extra={"error": e.message})
                 time.sleep(self._retry_s)
 
-    def _add_now(self, message: Message) -> None:
-        self._add_blocking(message)
-        try:
-            self.batcher.flush()
-        except StagetreeError as e:  # the bus is down: the batcher keeps it and its thread retries
-            log.warning("bus unavailable; the batch's end goes out when it is back", extra={"error": e.message})
-
     async def _publish(self, message: Message, *, now: bool = False) -> None:
-        """Buffer ``message`` for the next batch; with ``now``, publish it (and what is buffered before
-        it) at once: a batch's end is what the scheduler waits for to start the work that depends on
-        it, so it does not wait out the batcher's ``max_age_s``."""
+        """Buffer ``message`` for the next batch; with ``now``, the batcher's thread publishes it (and what
+        is buffered before it) at once: a batch's end is what the scheduler waits for to start the work
+        that depends on it, so it does not wait out the batcher's ``max_age_s``. The caller does not wait
+        for the broker: when slots end together, their ends go out in one publish instead of queueing for
+        a synchronous flush each (a wave of ends on 100 simulated node managers in one process waited
+        seconds for the thread pool; tests.bench.scale). A bus that is down keeps them queued, retried."""
         # add() may flush to the broker when it fills a batch: keep that off the event loop.
-        await asyncio.to_thread(self._add_now if now else self._add_blocking, message)
+        await asyncio.to_thread(self._add_blocking, message, now)
 
     async def _event(self, info: AttemptInfo, kind: str, payload: dict[str, Any]) -> None:
         if kind not in _BUS_TYPES:
