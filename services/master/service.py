@@ -486,20 +486,16 @@ class MasterService:
                 out.append(None)
             except StagetreeError as e:
                 out.append(e)
-        ok = [(nm, known) for (_, nm, known), err in zip(beats, out, strict=True) if err is None]
-        found = self.store.nodes.heartbeat_many([nm for nm, _ in ok])
-        for i, (_, nm, _) in enumerate(beats):
-            if out[i] is None and nm not in found:
-                out[i] = NotFound(f"node manager {nm!r} is not registered; register it first")
-        # judged lately: a lost assignment is found at most a third of the grace later
-        now = time.monotonic()
+        found = self.store.nodes.heartbeat_many([nm for (_, nm, _), err in zip(beats, out, strict=True) if not err])
+        now, grace = time.monotonic(), self.assignment_grace_s / 3
         due: dict[str, Sequence[tuple[int, int]]] = {}
-        for nm, known in ok:
-            if (
-                nm in found
-                and known is not None
-                and now - self._unknown_checked.get(nm, float("-inf")) >= (self.assignment_grace_s / 3)
-            ):
+        for i, (_, nm, known) in enumerate(beats):
+            if out[i] is not None:
+                continue
+            if nm not in found:
+                out[i] = NotFound(f"node manager {nm!r} is not registered; register it first")
+            # judged lately: a lost assignment is found at most a third of the grace later
+            elif known is not None and now - self._unknown_checked.get(nm, float("-inf")) >= grace:
                 self._unknown_checked[nm] = now
                 due[nm] = known
         if due:

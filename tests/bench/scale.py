@@ -546,7 +546,7 @@ def live(cfg: LiveConfig, root: Path) -> dict[str, object]:
     )
     t_end = last_start or wall + t0
     slots = cfg.nms * cfg.gpus
-    out.update(occupancy_and_latency(intervals, samples, slots, t0, t_end))
+    out.update(occupancy_while_pending(intervals, samples, slots, t0, t_end))
     had_work = WorkForSlots(waits, intervals, attempts, slots, t0)
     any_pending = pending_then(samples)
     for name, counted in (("work_waiting", had_work), ("any_pending", any_pending)):
@@ -679,7 +679,7 @@ def latency_stages(
     return out
 
 
-def occupancy_and_latency(
+def occupancy_while_pending(
     intervals: list[tuple[object, ...]], samples: list[Sample], slots: int, t0: float, t_end: float
 ) -> dict[str, float]:
     """Occupancy while work was pending (see the module docstring)."""

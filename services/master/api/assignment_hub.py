@@ -44,7 +44,6 @@ class AssignmentHub:
         self._takes: Grouper[str, list[Assignment]] = Grouper(self._take_group, max_items=TAKE_GROUP)
         self._open: dict[str, int] = {}  # node manager -> its streams open here (a reconnect may overlap)
         self._sweeper: asyncio.Task[None] | None = None
-        self.sweeps = 0  # sweeps made (tests read it)
 
     @property
     def transactions(self) -> int:
@@ -87,7 +86,6 @@ class AssignmentHub:
 
     async def sweep_once(self) -> list[str]:
         """Wake the streams here of the node managers that have work unsent; returns those."""
-        self.sweeps += 1
         unsent = await asyncio.to_thread(self.with_unsent)
         mine = sorted(unsent.intersection(self._open))
         if mine:

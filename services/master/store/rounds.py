@@ -71,7 +71,7 @@ class RoundReader:
 
     def _running_in(self, s: Session) -> list[BatchRecord]:
         """Every running batch, its record built once per attempt (a round reads 1,600 of them at 1,600
-        slots; building each again every round was a tenth of the round's time)."""
+        slots; building each again every round was 8% of the round's samples under py-spy)."""
         kept = self._records
         now: dict[tuple[int, int], BatchRecord] = {}
         new: list[tuple[int, int, int, str | None, str | None]] = []
