@@ -25,10 +25,12 @@ Three phases, each against a fresh Postgres database:
    the scheduler: batches started together end together, and a wave of 1,600 ends with the ~800 requests
    the tuners keep queued. The looser figure (any request NOT_SCHED at the last 1-second sample) is printed
    beside it as ``assign_ms_p99_any_pending``. Both are split by stage from the ledger's attempt times
-   (``latency_stages``: report, round, stream, start). The master's rounds are summed up from its
-   Prometheus histogram (count, mean, share over 0.1 to 2.5 s). ``master_rss_mb``: the master process's
-   peak RSS in the live run. The CPU seconds of every process of the run (Postgres included) are printed
-   beside them.
+   (``latency_stages``: report, round, stream, start), and the first split again by when the slot was
+   freed: in the start wave (the first ``START_WAVE_BATCHES`` first-rung batch lengths, when the ends of
+   batches that all started together arrive together) or after it (``wave_split``). The master's rounds
+   are summed up from its Prometheus histogram (count, mean, share over 0.1 to 2.5 s). ``--dump`` writes
+   the raw times. ``master_rss_mb``: the master process's peak RSS in the live run. The CPU seconds of
+   every process of the run (Postgres included) are printed beside them.
 
 3. **Memory** (a master in this process): one plan grows to each of ``--plan-sizes`` nodes (a root, 1,000
    children, the rest grandchildren, each node's config its own), with ``--points-per-node`` metric points
@@ -47,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import dataclasses
 import gc
 import itertools
 import json
@@ -335,6 +338,8 @@ class LiveConfig:
     rungs: int
     max_concurrent: int
     api_threads: int = 0  # the master's (0: its default)
+    partitions: int = 8  # of each bus topic
+    dump: str = ""  # a file to write the run's raw times to
 
 
 @dataclass
@@ -414,7 +419,7 @@ def live(cfg: LiveConfig, root: Path) -> dict[str, object]:
         heartbeat_ttl_s=15.0,
         round_interval_s=1.0,
         peripheral_every_s=0.0,
-        topic_partitions=8,
+        topic_partitions=cfg.partitions,
         extra_env={"STAGETREE_MASTER_API_THREADS": str(cfg.api_threads)} if cfg.api_threads else {},
     )
     out: dict[str, object] = {}
@@ -546,12 +551,16 @@ def live(cfg: LiveConfig, root: Path) -> dict[str, object]:
     )
     t_end = last_start or wall + t0
     slots = cfg.nms * cfg.gpus
+    if cfg.dump:  # the raw times, for looking at where the waits fall
+        with open(cfg.dump, "w") as f:
+            rows = {"intervals": intervals, "attempts": attempts, "waits": waits, "samples": samples}
+            json.dump({"t0": t0, "t_end": t_end} | {k: [list(_fields(r)) for r in v] for k, v in rows.items()}, f)
     out.update(occupancy_while_pending(intervals, samples, slots, t0, t_end))
     had_work = WorkForSlots(waits, intervals, attempts, slots, t0)
     any_pending = pending_then(samples)
     for name, counted in (("work_waiting", had_work), ("any_pending", any_pending)):
         stages = latency_stages(intervals, attempts, counted, t_end)
-        lat = stages.pop("total")
+        ended, lat = stages.pop("ended"), stages.pop("total")
         out[f"assign_ms_p50_{name}"] = statistics.median(lat) if lat else float("nan")
         out[f"assign_ms_p99_{name}"] = _p99(lat) if lat else float("nan")
         out[f"assign_samples_{name}"] = float(len(lat))
@@ -560,8 +569,30 @@ def live(cfg: LiveConfig, root: Path) -> dict[str, object]:
             + " ".join(f"{k}={statistics.median(v):.0f}/{_p99(v):.0f}" for k, v in stages.items() if v),
             flush=True,
         )
+        if name == "work_waiting":
+            print("live: " + wave_split(ended, lat, t0 + START_WAVE_BATCHES * cfg.min_step * cfg.step_s), flush=True)
     out["assign_ms_p99"] = out["assign_ms_p99_work_waiting"]
     return out
+
+
+START_WAVE_BATCHES = 3  # first-rung batch lengths from the start that wave_split reports on their own
+
+
+def wave_split(ended: list[float], waits_ms: list[float], until: float) -> str:
+    """The freed slots' waits before ``until`` (the start wave: every slot's first batch starts in the
+    same rounds, so their ends come together, 1,600 within about two seconds) and after it, p50/p99 each:
+    where the run's p99 comes from. Printed beside ``assign_ms_p99``, which counts both."""
+    parts = []
+    for label, keep in (("start wave", lambda t: t < until), ("after", lambda t: t >= until)):
+        xs = [w for t, w in zip(ended, waits_ms, strict=True) if keep(t)]
+        parts.append(
+            f"{label} n={len(xs)} p50={statistics.median(xs):.0f} p99={_p99(xs):.0f}" if xs else f"{label} n=0"
+        )
+    return "a freed slot's wait while work waiting, ms: " + ", ".join(parts)
+
+
+def _fields(row: object) -> tuple[object, ...]:
+    return dataclasses.astuple(row) if dataclasses.is_dataclass(row) else tuple(row)  # type: ignore[arg-type]
 
 
 class WorkForSlots:
@@ -648,18 +679,18 @@ def _p99(values: list[float]) -> float:
 def latency_stages(
     intervals: list[tuple[object, ...]], attempts: list[Any], counted: Callable[[float], bool], t_end: float
 ) -> dict[str, list[float]]:
-    """A freed slot's wait (``total``: its worker ended -> the next worker started on it), for the ends
-    ``counted`` says to take, and where it went: ``report`` (the worker ended -> the ledger recorded it:
-    node manager, Kafka, aggregator), ``round`` (-> the next attempt on that slot dispatched), ``stream``
-    (-> sent on the node manager's assignment stream), ``start`` (-> its worker started). A slot's attempts
-    (by dispatch time) are paired with its busy intervals (by start)."""
+    """A freed slot's wait (``total``: its worker ended -> the next worker started on it), for the ends ``counted``
+    says to take (``ended``: when, epoch seconds), and where it went: ``report`` (the worker ended -> the ledger
+    recorded it: node manager, Kafka, aggregator), ``round`` (-> the next attempt on that slot dispatched),
+    ``stream`` (-> sent on the node manager's assignment stream), ``start`` (-> its worker started). A slot's
+    attempts (by dispatch time) are paired with its busy intervals (by start)."""
     runs: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for nm, slot, a, b in intervals:
         runs.setdefault((str(nm), str(slot)), []).append((float(a), float(b)))  # type: ignore[arg-type]
     tried: dict[tuple[str, str], list[tuple[float, float | None, float | None]]] = {}
     for nm, slot, dispatched, sent, finished in attempts:
         tried.setdefault((str(nm), str(slot)), []).append((float(dispatched), sent, finished))
-    out: dict[str, list[float]] = {"total": [], "report": [], "round": [], "stream": [], "start": []}
+    out: dict[str, list[float]] = {"ended": [], "total": [], "report": [], "round": [], "stream": [], "start": []}
     for key, ran in runs.items():
         ran.sort()
         att = tried.get(key, [])
@@ -671,6 +702,7 @@ def latency_stages(
             end = prev_run[1]
             if end > t_end or not counted(end) or prev_att[2] is None or next_att[1] is None:
                 continue
+            out["ended"].append(end)
             out["total"].append((next_run[0] - end) * 1000)
             out["report"].append((float(prev_att[2]) - end) * 1000)
             out["round"].append((next_att[0] - float(prev_att[2])) * 1000)
@@ -715,6 +747,8 @@ def main() -> None:
     p.add_argument("--rungs", type=int, default=3)
     p.add_argument("--max-concurrent", type=int, default=0, help="per study (default: enough to fill the slots)")
     p.add_argument("--api-threads", type=int, default=0, help="the live master's API threads (default: its own)")
+    p.add_argument("--dump", default="", help="write the live run's raw times (JSON) to this file")
+    p.add_argument("--partitions", type=int, default=8, help="partitions of each bus topic in the live run")
     p.add_argument("--sizes", default="1000,10000,100000", help="pending requests at which rounds are timed")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--phase", choices=["all", "growth", "live", "memory"], default="all")
@@ -752,6 +786,8 @@ def main() -> None:
             ns.rungs,
             mc,
             ns.api_threads,
+            ns.partitions,
+            ns.dump,
         )
         with tempfile.TemporaryDirectory(prefix="stagetree-scale-") as d:
             lv = live(cfg, Path(d))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.bench.scale import Sample, WorkForSlots, latency_stages, pending_then
+from tests.bench.scale import Sample, WorkForSlots, latency_stages, pending_then, wave_split
 
 T0 = 1000.0
 
@@ -59,3 +59,15 @@ def test_a_slot_that_never_ran_is_idle_from_the_start() -> None:
     # 3 slots, 2 never used: at t0+5 three are idle for one queued request
     assert not WorkForSlots(waits, intervals, attempts, slots=3, t0=T0)(T0 + 5.0)
     assert WorkForSlots(waits, intervals, attempts, slots=1, t0=T0)(T0 + 5.0)
+
+
+def test_waits_are_split_at_the_end_of_the_start_wave() -> None:
+    intervals, attempts, waits = _wave()
+    waits.append((T0 + 6, T0 + 13.1))
+    had_work = WorkForSlots(waits, intervals, attempts, slots=2, t0=T0)
+    stages = latency_stages(intervals, attempts, had_work, t_end=T0 + 30)
+    assert stages["ended"] == [T0 + 10.0, T0 + 10.0]  # one end time per counted wait
+    line = wave_split(stages["ended"], stages["total"], until=T0 + 10.0)
+    assert "start wave n=0" in line and "after n=2 p50=1750 p99=3200" in line
+    line = wave_split(stages["ended"], stages["total"], until=T0 + 10.5)
+    assert "start wave n=2" in line and "after n=0" in line
