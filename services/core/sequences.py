@@ -672,9 +672,14 @@ def segments_from_json(obj: Any) -> Segments:
         _steps("segments", f + ".start", start, minimum=0)
         if end is not None:
             _steps("segments", f + ".end", end, minimum=1)
-        if kind not in KINDS:
+        if not isinstance(kind, str) or kind not in KINDS:
             raise SequenceError("segments", f + ".kind", f"unknown kind {kind!r}; known: {sorted(KINDS)}")
-        if not isinstance(params, list | tuple) or not params or params[0] not in DTYPES:
+        if (
+            not isinstance(params, list | tuple)
+            or not params
+            or not isinstance(params[0], str)
+            or params[0] not in DTYPES
+        ):
             raise SequenceError("segments", f + ".params", f"must start with a type in {sorted(DTYPES)}")
         arity = {"const": 2, "linear": 3, "exp": 3, "step": 4, "cosine": 5, "cyclic": 5}[kind]
         if len(params) != arity:

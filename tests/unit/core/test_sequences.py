@@ -170,3 +170,15 @@ def test_config_of_accepts_the_canonical_segment_form_it_gives() -> None:
     cfg = Config.of({"lr": {"kind": "multistep", "init": 0.1, "milestones": [10], "gamma": 0.5}, "bs": 32})
     assert Config.of(cfg.to_json()) == cfg
     assert Config.of({**cfg.to_json(), "bs": 32}) == cfg
+
+
+@pytest.mark.parametrize(
+    ("segment", "field"),
+    [
+        ([0, None, "const", [["float"], 1.0]], "segments[0].params"),  # found by the REST fuzzer: was a 500
+        ([0, None, ["const"], ["float", 1.0]], "segments[0].kind"),
+    ],
+)
+def test_a_segment_with_a_list_where_a_name_belongs_is_a_sequence_error(segment: list[object], field: str) -> None:
+    with pytest.raises(SequenceError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        segments_from_json([segment])
