@@ -43,6 +43,7 @@ class EmbeddedSettings:
     home: Path = field(default_factory=lambda: Path(".stagetree"))  # database, checkpoints, worker logs
     workers: int = 2  # CPU worker slots when there is no GPU
     slots_per_gpu: int = 1
+    mps: bool = False  # share each GPU's slots through an MPS daemon (HyperSack's packing; needs slots_per_gpu > 1)
     threads_per_worker: int = 1
     grpc_port: int = 0  # 0: a free port
     http_port: int | None = None  # None: no REST server
@@ -68,6 +69,7 @@ class EmbeddedSettings:
             home=home,
             workers=self.workers,
             slots_per_gpu=self.slots_per_gpu,
+            mps=self.mps,
             threads_per_worker=self.threads_per_worker,
             grpc_port=self.grpc_port,
             http_port=self.http_port,
@@ -191,6 +193,7 @@ class Embedded:
             checkpoint_root=str(s.home / "checkpoints"),
             work_dir=str(s.home / "work"),
             slots_per_gpu=s.slots_per_gpu,
+            mps=s.mps,
             cpu_slots=s.workers,
             threads_per_worker=s.threads_per_worker,
             prestart_workers=s.prestart_workers,
@@ -279,7 +282,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0: a free one)")
     p.add_argument("--http-port", type=int, default=8080, help="REST port (-1: no REST server)")
     p.add_argument("--workers", type=int, default=2, help="CPU worker slots when there is no GPU")
-    p.add_argument("--slots-per-gpu", type=int, default=1)
+    p.add_argument("--slots-per-gpu", type=int, default=1, help="slots each GPU is shared by (packing)")
+    p.add_argument("--mps", action="store_true", help="packed slots run under an MPS daemon (concurrent kernels)")
     p.add_argument("--token", default="", help="the owner token clients use (default: a random one)")
     p.add_argument("--admin-token", default="", help="the admin token, for `stagetree nodes` (default: a random one)")
     p.add_argument("--status-every", type=float, default=5.0, help="seconds between status lines (0: none)")
@@ -297,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         home=ns.home,
         workers=ns.workers,
         slots_per_gpu=ns.slots_per_gpu,
+        mps=ns.mps,
         grpc_port=ns.port,
         http_port=None if ns.http_port < 0 else ns.http_port,
         token=ns.token,

@@ -69,6 +69,7 @@ def build_node_manager(
         preload=[m.strip() for m in settings.worker_preload.split(",")],
         mps_env=mps.client_env() if mps is not None else None,
         extra_env={USER_PATH_ENV: settings.user_path} if settings.user_path else None,
+        warm_cuda=settings.worker_warm_cuda,
     )
     if link is None:
         link = GrpcMasterLink(

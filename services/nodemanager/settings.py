@@ -56,6 +56,9 @@ class NodeManagerSettings(FileVariablesSettings):
     # from a server that imported torch once; "auto" forks only when no slot has a GPU.
     worker_start: Literal["auto", "exec", "forkserver"] = "auto"
     prestart_workers: bool = True  # keep one worker per slot started (imports done), waiting for a batch
+    # a GPU slot's waiting worker creates its CUDA context ahead (about half a GB of the GPU's memory,
+    # held beside the batch running on the slot), so a batch starts training without paying for it
+    worker_warm_cuda: bool = True
     worker_preload: str = "torch._dynamo"  # modules imported ahead of the spec (comma-separated; trainers too)
     # directories the workers import the user's trainer from, before PYTHONPATH (``os.pathsep``-separated;
     # the embedded mode passes the user's script directory and working directory)

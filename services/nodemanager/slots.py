@@ -4,6 +4,7 @@ A GPU gives ``slots_per_gpu`` slots, each with ``share = 1 / slots_per_gpu`` of 
 the whole GPU, as the master reads it); a machine without a GPU gives ``cpu_slots`` CPU-only slots.
 A worker sees only its slot's GPU (``CUDA_VISIBLE_DEVICES``) and, under MPS, runs with
 ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` set from the share, so packed trials cannot starve each other.
+GPU workers also get ``CUBLAS_WORKSPACE_CONFIG`` (unless it is set), which deterministic training needs.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def build_slots(
     return out
 
 
+# cuBLAS with a fixed workspace per stream, as PyTorch asks before a trainer may turn on deterministic
+# algorithms (``torch.use_deterministic_algorithms``): set for GPU workers unless the environment says otherwise
+CUBLAS_WORKSPACE = ":4096:8"
 USER_PATH_ENV = "STAGETREE_USER_PATH"  # directories a worker imports the user's trainer from (runtime.trainer)
 
 
@@ -70,6 +74,8 @@ def worker_env(
     env["STAGETREE_WORKER_THREADS"] = str(threads)
     env["OMP_NUM_THREADS"] = str(threads)  # numpy/BLAS in user code: no more threads than the slot has
     env.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)
+    if slot.is_gpu:
+        env.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     if slot.is_gpu and mps_env:
         env.update(mps_env)
         pct = slot.mps_thread_percentage()

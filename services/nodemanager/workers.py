@@ -157,6 +157,7 @@ class WorkerLauncher(ABC):
         prestart: bool = True,
         prepare: bool = True,
         checkpoint_args: Sequence[str] = (),
+        warm_cuda: bool = False,
     ) -> None:
         self.checkpoint_root = checkpoint_root
         self.checkpoint_args = list(checkpoint_args)  # the store's other options (endpoint, cache)
@@ -168,6 +169,7 @@ class WorkerLauncher(ABC):
         self.extra_env = dict(extra_env or {})
         self.prestart = prestart
         self.prepare = prepare
+        self.warm_cuda = warm_cuda  # a GPU slot's worker creates its CUDA context while it waits
         self._seq = itertools.count()
         self._warm: dict[str, WorkerProcess] = {}
         self._starting: dict[str, asyncio.Task[None]] = {}
@@ -175,8 +177,10 @@ class WorkerLauncher(ABC):
         self._next: dict[str, BatchSpec] = {}  # CPU slot -> the batch whose exit starts its next worker
         self._closed = False
 
-    def worker_args(self) -> list[str]:
-        """The worker's arguments (after ``python -m runtime.worker``), without ``--spec``."""
+    def worker_args(self, slot: SlotInfo | None = None) -> list[str]:
+        """The worker's arguments (after ``python -m runtime.worker``) for a worker on ``slot``, without
+        ``--spec``."""
+        warm = ["--warm-cuda"] if self.warm_cuda and slot is not None and slot.is_gpu else []
         return [
             "--checkpoint-root",
             self.checkpoint_root,
@@ -185,6 +189,7 @@ class WorkerLauncher(ABC):
             str(self.threads),
             "--progress-interval",
             str(self.progress_interval_s),
+            *warm,
         ]
 
     def env(self, slot: SlotInfo, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -361,15 +366,15 @@ class ExecLauncher(WorkerLauncher):
         super().__init__(checkpoint_root, work_dir, **kw)
         self.python = python
 
-    def command(self) -> list[str]:
+    def command(self, slot: SlotInfo | None = None) -> list[str]:
         preload = ["--preload", ",".join(self.preload)] if self.preload else []
-        return [self.python, "-m", WORKER_MODULE, "--spec", "-", *self.worker_args(), *preload]
+        return [self.python, "-m", WORKER_MODULE, "--spec", "-", *self.worker_args(slot), *preload]
 
     async def _start(self, slot: SlotInfo) -> _ExecWorker:
         path = self.log_path(f"worker-{slot.id}-{os.getpid()}-{next(self._seq)}.log")
         with open(path, "ab") as err:
             proc = await asyncio.create_subprocess_exec(
-                *self.command(),
+                *self.command(slot),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=err,
@@ -456,7 +461,7 @@ class ForkserverLauncher(WorkerLauncher):
         env = self.env(slot)
         changes = {k: v for k, v in env.items() if os.environ.get(k) != v}
         removed = [k for k in os.environ if k not in env]
-        argv = ["--spec", "-", *self.worker_args()]
+        argv = ["--spec", "-", *self.worker_args(slot)]
         proc = _WorkerForkProcess(
             target=run_forked,
             args=(argv, changes, removed, events_write, str(log_path), spec_read),

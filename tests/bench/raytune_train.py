@@ -37,12 +37,14 @@ def train_straight(
     fixed: Mapping[str, Any],
     seed: int,
     report: Report | None = None,
+    device: str = "cpu",
 ) -> dict[int, dict[str, float]]:
-    """Train from scratch to the last of ``evals``; the metrics at each of them."""
+    """Train from scratch to the last of ``evals`` on ``device`` (``cuda`` as a GPU worker trains); the
+    metrics at each of them."""
     config = Config.from_json(config_json)
     at = sorted(set(int(s) for s in evals))
     trainer = DigitsMLP()
-    trainer.bind(TrainerContext(fixed=dict(fixed), seed=seed, device=torch.device("cpu")))
+    trainer.bind(TrainerContext(fixed=dict(fixed), seed=seed, device=torch.device(device)))
     seed_everything(seed)
     trainer.init()
     applied: dict[str, Value] = {}
@@ -70,12 +72,14 @@ def train_straight(
 
 def ray_trainable(param: dict[str, Any]) -> None:
     """The Ray Tune function trainable: ``param["work"]`` is ``{"trial", "config", "evals", "fixed",
-    "seed"}``. Reports the metrics at each eval step with the actor's pid and its CPU time
-    (``time.process_time``) when the trial started and now, so the driver can add up the actors' CPU."""
+    "seed"}`` and optionally ``"device"`` (``cuda``: the GPU share Ray gave the trial). Reports the metrics
+    at each eval step with the actor's pid, its CPU time (``time.process_time``) and the wall clock when
+    the trial started and now, so the driver can add up the actors' CPU and the trials' GPU time."""
     from ray import tune
 
     torch.set_num_threads(1)
     cpu_start = time.process_time()
+    wall_start = time.time()
     work = param["work"]
     pid = os.getpid()
 
@@ -88,7 +92,16 @@ def ray_trainable(param: dict[str, Any]) -> None:
                 "pid": pid,
                 "cpu_start": cpu_start,
                 "cpu_now": time.process_time(),
+                "wall_start": wall_start,
+                "wall_now": time.time(),
             }
         )
 
-    train_straight(work["config"], work["evals"], fixed=work["fixed"], seed=int(work["seed"]), report=report)
+    train_straight(
+        work["config"],
+        work["evals"],
+        fixed=work["fixed"],
+        seed=int(work["seed"]),
+        report=report,
+        device=str(work.get("device", "cpu")),
+    )

@@ -173,6 +173,9 @@ class RunFigures:
     metrics: dict[int, dict[str, float]]  # trial id -> final metrics
     executed: int | None = None  # stagetree: steps its batches trained
     notes: dict[str, Any] = field(default_factory=dict)
+    # seconds slots were held for the work: stagetree's batch attempts from sent to finished, Ray's trials
+    # from the trainable's start to its last report (times a slot's GPU share: GPU-seconds)
+    slot_s: float = 0.0
 
     def line(self) -> str:
         extra = "" if self.executed is None else f"  executed steps {self.executed}"
@@ -187,12 +190,14 @@ class RunFigures:
 
 
 class StagetreeSide:
-    """One embedded cluster (2 CPU workers) reused by every run; each run gets a plan of its own (the
-    fixed value ``bench_run`` differs), so nothing is answered from an earlier run's results."""
+    """One embedded cluster (2 CPU workers, or ``slots_per_gpu`` slots of each GPU on a GPU machine)
+    reused by every run; each run gets a plan of its own (the fixed value ``bench_run`` differs), so
+    nothing is answered from an earlier run's results."""
 
-    def __init__(self, home: Path, fixed: dict[str, Any]) -> None:
+    def __init__(self, home: Path, fixed: dict[str, Any], *, slots_per_gpu: int = 1) -> None:
         self.home = home
         self.fixed = fixed
+        self.slots_per_gpu = slots_per_gpu
         self.cluster: Any = None
         self.client: Any = None
         self.runs = 0
@@ -201,7 +206,11 @@ class StagetreeSide:
         from stagetree.client.sdk import connect
         from stagetree.embedded import Embedded, EmbeddedSettings
 
-        self._embedded = Embedded(EmbeddedSettings(home=self.home, workers=STAGETREE_WORKERS, threads_per_worker=1))
+        self._embedded = Embedded(
+            EmbeddedSettings(
+                home=self.home, workers=STAGETREE_WORKERS, threads_per_worker=1, slots_per_gpu=self.slots_per_gpu
+            )
+        )
         self.cluster = await self._embedded.__aenter__()
         self._connect = connect(self.cluster.target, token=self.cluster.token)
         self.client = await self._connect.__aenter__()
@@ -251,6 +260,7 @@ class StagetreeSide:
         store = self.cluster.app.store
         executed0 = await asyncio.to_thread(store.ledger.executed_steps)
         workers0, self0 = self._cpu()
+        since = time.time()
         t0 = time.perf_counter()
         study = await self._study(workload)
 
@@ -264,6 +274,7 @@ class StagetreeSide:
         await self._idle()
         workers1, self1 = self._cpu()
         executed = await asyncio.to_thread(store.ledger.executed_steps) - executed0
+        slot_s = await asyncio.to_thread(attempt_slot_seconds, store, since)
         cpu = workers1 - workers0
         return RunFigures(
             "stagetree",
@@ -273,6 +284,7 @@ class StagetreeSide:
             cpu + (self1 - self0),
             {w.trial_id: m for w, m in zip(work, finals, strict=True)},
             executed=executed,
+            slot_s=slot_s,
         )
 
     async def asha_live(self) -> tuple[list[TrialWork], float, int]:
@@ -299,11 +311,13 @@ class StagetreeSide:
 
 class RaySide:
     """``ray.init(num_cpus=2)`` once; each run is one ``Tuner.fit`` of the function trainable with one
-    CPU per trial and ``reuse_actors=True``."""
+    CPU per trial and ``reuse_actors=True``. With ``gpu_per_trial`` (a GPU machine), Ray also gets the
+    machine's GPU and each trial that share of it, and trains on CUDA."""
 
-    def __init__(self, home: Path, fixed: dict[str, Any]) -> None:
+    def __init__(self, home: Path, fixed: dict[str, Any], *, gpu_per_trial: float = 0.0) -> None:
         self.home = home
         self.fixed = fixed
+        self.gpu_per_trial = gpu_per_trial
         self.runs = 0
 
     def start(self) -> None:
@@ -314,6 +328,8 @@ class RaySide:
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # the legacy reporter: silent at verbose=0
         ray.init(
             num_cpus=2,
+            num_gpus=1 if self.gpu_per_trial else 0,
+            _node_ip_address="127.0.0.1",  # one machine; a host without a route out (the GPU machine) has no other
             include_dashboard=False,
             log_to_driver=False,
             logging_level=logging.ERROR,
@@ -345,12 +361,23 @@ class RaySide:
         from tests.bench.raytune_train import ray_trainable
 
         self.runs += 1
+        device = "cuda" if self.gpu_per_trial else "cpu"
         params = [
-            {"trial": w.trial_id, "config": w.config_json(), "evals": list(w.evals), "fixed": self.fixed, "seed": SEED}
+            {
+                "trial": w.trial_id,
+                "config": w.config_json(),
+                "evals": list(w.evals),
+                "fixed": self.fixed,
+                "seed": SEED,
+                "device": device,
+            }
             for w in work
         ]
+        resources: dict[str, float] = {"cpu": 1}
+        if self.gpu_per_trial:
+            resources["gpu"] = self.gpu_per_trial
         tuner = tune.Tuner(
-            tune.with_resources(ray_trainable, {"cpu": 1}),
+            tune.with_resources(ray_trainable, resources),
             param_space={"work": tune.grid_search(params)},
             tune_config=tune.TuneConfig(reuse_actors=True, max_concurrent_trials=2),
             run_config=tune.RunConfig(
@@ -365,6 +392,7 @@ class RaySide:
         ctrl1, self1, children1 = _tree_cpu(ray_pids), _self_cpu(), _children_cpu()
         finals: dict[int, dict[str, float]] = {}
         spans: dict[int, tuple[float, float]] = {}
+        slot_s = 0.0
         errors = []
         for r in (grid[i] for i in range(len(grid))):
             if r.error is not None:
@@ -376,6 +404,7 @@ class RaySide:
             pid, start, now = int(m["pid"]), float(m["cpu_start"]), float(m["cpu_now"])
             lo, hi = spans.get(pid, (start, now))
             spans[pid] = (min(lo, start), max(hi, now))
+            slot_s += float(m["wall_now"]) - float(m["wall_start"])
         if errors:
             raise RuntimeError(f"{len(errors)} Ray trials failed; first: {errors[0]}")
         actors = sum(hi - lo for lo, hi in spans.values())
@@ -390,6 +419,7 @@ class RaySide:
             max(ctrl_all, cpu + (self1 - self0)),
             finals,
             notes={"actors": len(spans)},
+            slot_s=slot_s,
         )
 
 
@@ -397,7 +427,20 @@ class RaySide:
 # Straight runs (the reference of the exactness check)
 
 
-def straight_finals(work: list[TrialWork], fixed: dict[str, Any]) -> dict[int, dict[str, float]]:
+def attempt_slot_seconds(store: Any, since: float) -> float:
+    """Seconds slots were held by the batch attempts dispatched at or after ``since`` (unix time): each
+    from being sent to its node manager to its end, as the ledger recorded them."""
+    from sqlalchemy import select
+
+    from stagetree.master.store import models as m
+
+    a = m.BatchAttempt
+    with store.ledger.db.tx("bench slot seconds") as s:
+        rows = s.execute(select(a.sent_at, a.dispatched_at, a.finished_at).where(a.dispatched_at >= since)).all()
+    return sum(float(end) - float(disp if sent is None else sent) for sent, disp, end in rows if end is not None)
+
+
+def straight_finals(work: list[TrialWork], fixed: dict[str, Any], device: str = "cpu") -> dict[int, dict[str, float]]:
     import torch
 
     from tests.bench.raytune_train import train_straight
@@ -407,7 +450,7 @@ def straight_finals(work: list[TrialWork], fixed: dict[str, Any]) -> dict[int, d
     try:
         out = {}
         for w in work:
-            out[w.trial_id] = train_straight(w.config_json(), w.evals, fixed=fixed, seed=SEED)[w.stop]
+            out[w.trial_id] = train_straight(w.config_json(), w.evals, fixed=fixed, seed=SEED, device=device)[w.stop]
         return out
     finally:
         torch.set_num_threads(threads)

@@ -159,6 +159,7 @@ def digits_batch(
     seed: int = 0,
     fixed_values: Mapping[str, Any] | None = None,
     trainer: str = ENTRY_POINT,
+    dataset: str = "sklearn-digits",
     source: Source | None = None,
     saves: Iterable[tuple[int, int]] = (),
     evals: Iterable[tuple[int, int]] = (),
@@ -166,9 +167,10 @@ def digits_batch(
     peripheral_every_s: float = 0.0,
 ) -> BatchSpec:
     """A batch over ``stages`` given as ``(node, start, end, {hp: sequence})``; it starts from a fresh
-    model at the first stage's start unless ``source`` says otherwise."""
+    model at the first stage's start unless ``source`` says otherwise. Another trainer (``trainer``,
+    ``dataset``) may be named: the spec is the same for any."""
     stage_specs = tuple(StageSpec(node, start, end, Config.of(hps)) for node, start, end, hps in stages)
-    fixed = FixedPart(trainer=trainer, dataset="sklearn-digits", seed=seed, values=dict(fixed_values or {}))
+    fixed = FixedPart(trainer=trainer, dataset=dataset, seed=seed, values=dict(fixed_values or {}))
     first = stage_specs[0]
     return BatchSpec(
         batch_id=batch_id,

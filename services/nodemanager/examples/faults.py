@@ -132,7 +132,7 @@ class FaultyTorchDigits(DigitsTorch):
         self._noise = bool(self.fixed.get("rank_noise", False))
         super().init()
 
-    def train(self) -> dict[str, float]:
+    def train(self) -> dict[str, torch.Tensor]:
         self._injected.at(self.step)
         if self._noise:
             torch.rand(self.rank + 1)

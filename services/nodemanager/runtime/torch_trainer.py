@@ -115,6 +115,8 @@ class TorchTrainer(Trainer):
         train_t = tuple(t.to(self.device) for t in _tensors(name, train))
         self.eval_data = tuple(t.to(self.device) for t in _tensors(name, evaluation))
         self.steps_per_call = int(self.fixed.get("minibatches", self.minibatches))
+        if self.steps_per_call < 1:
+            raise InvalidArgument(f"{name}: minibatches must be at least 1, got {self.steps_per_call}")
         bs = int(self.fixed.get("batch_size", self.batch_size))
         self.loader = ResumableLoader(*train_t, batch_size=bs, seed=self.seed)
         self.hp = {}
@@ -131,11 +133,14 @@ class TorchTrainer(Trainer):
             else:
                 self.apply_hp(name, value)
 
-    def train(self) -> dict[str, float]:  # type: ignore[override]  # the runtime ignores what train() returns
+    def train(self) -> dict[str, torch.Tensor]:
+        """The step's minibatches; its mean loss stays a tensor on the device: converting it is a host-device
+        sync, which the runtime makes only for the curve points it keeps (on a GPU a sync per minibatch
+        stops the host from queueing the next one while the last runs)."""
         model = self.train_model
         model.train()
         world, rank = self.world_size, self.rank
-        total = 0.0
+        total: torch.Tensor | None = None
         for _ in range(self.steps_per_call):
             *inputs, target = next(self.loader)
             self.optimizer.zero_grad(set_to_none=True)
@@ -149,8 +154,9 @@ class TorchTrainer(Trainer):
                 loss = self.loss(model(*inputs), target)
             loss.backward()  # type: ignore[no-untyped-call]
             self.optimizer.step()
-            total += float(loss.detach())
-        return {"loss": total / max(1, self.steps_per_call)}
+            total = loss.detach() if total is None else total + loss.detach()
+        assert total is not None  # steps_per_call >= 1
+        return {"loss": total / self.steps_per_call}
 
     def evaluate(self) -> dict[str, float]:
         *inputs, target = self.eval_data

@@ -10,7 +10,9 @@
   worker then builds that trainer while it waits (``prepare``; only for a trainer class with
   ``prepare_ahead``), and the batch starts from it when its fixed part is the same.
   ``--preload a,b`` imports those modules before the spec is read (``torch._dynamo``, which the first
-  optimizer a trainer builds imports, costs about as much as torch itself).
+  optimizer a trainer builds imports, costs about as much as torch itself). ``--warm-cuda`` (a GPU
+  slot's worker) creates the process's CUDA context and loads cuBLAS while it waits (``warm_cuda``), so
+  a batch does not pay them after it has its GPU.
 * The trainer is ``spec.fixed.trainer``, an entry point ``"package.module:ClassName"``.
 * Events are JSON lines (``events.encode_event``) on stdout, or on ``--events-fd``. With stdout, the
   process's fd 1 is pointed at stderr first, so a ``print`` in user code cannot corrupt the stream.
@@ -131,7 +133,28 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--progress-interval", type=float, default=0.0, help="seconds between progress events (0: every step)"
     )
     p.add_argument("--preload", default="", help="comma-separated modules to import before reading the spec")
+    p.add_argument(
+        "--warm-cuda", action="store_true", help="create the CUDA context before reading the spec (GPU slots)"
+    )
     return p.parse_args(argv)
+
+
+def warm_cuda() -> float:
+    """Create this process's CUDA context and load cuBLAS (a small product), so that a batch arriving
+    later starts training at once; the seconds it took (0.0 without a usable GPU, logged). It holds the
+    context's memory from now on, beside whatever batch runs on the slot meanwhile."""
+    t0 = time.monotonic()
+    try:
+        if not torch.cuda.is_available():
+            return 0.0
+        a = torch.ones(16, 16, device="cuda")
+        float((a @ a).sum())
+    except Exception as e:  # a broken driver is the batch's to report, with its own traceback
+        log.warning("could not create the CUDA context ahead: %s: %s", type(e).__name__, e)
+        return 0.0
+    took = time.monotonic() - t0
+    log.debug("CUDA context created ahead in %.2f s", took)
+    return took
 
 
 def main(argv: list[str] | None = None, spec_input: TextIO | None = None) -> int:
@@ -145,6 +168,8 @@ def main(argv: list[str] | None = None, spec_input: TextIO | None = None) -> int
             importlib.import_module(name)
         except ImportError as e:
             log.warning("preload of %s failed: %s", name, e)
+    if args.warm_cuda:
+        warm_cuda()
 
     prepared: Prepared | None = None
     try:

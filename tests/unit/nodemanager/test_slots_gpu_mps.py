@@ -84,6 +84,13 @@ def test_worker_env_pins_the_device_threads_and_mps_share() -> None:
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in without_mps and "CUDA_MPS_PIPE_DIRECTORY" not in without_mps
 
 
+def test_gpu_workers_get_a_fixed_cublas_workspace_unless_one_is_set() -> None:
+    gpu = build_slots([H100])[0]
+    assert worker_env(gpu, threads=1, base={})["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert worker_env(gpu, threads=1, base={"CUBLAS_WORKSPACE_CONFIG": ":16:8"})["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    assert "CUBLAS_WORKSPACE_CONFIG" not in worker_env(SlotInfo("cpu0"), threads=1, base={})
+
+
 def test_nvml_probe_without_a_gpu_says_so_once_and_never_raises(caplog: pytest.LogCaptureFixture) -> None:
     if _has_gpu():
         pytest.skip("this machine has a GPU")
@@ -170,6 +177,17 @@ def test_launcher_choice(tmp_path: Path) -> None:
     assert cmd[-2:] == ["--preload", "torch._dynamo"] and "3" in cmd
     with pytest.raises(InvalidArgument, match="known"):
         make_launcher("thread", [cpu], "/c", tmp_path)  # type: ignore[arg-type]
+
+
+def test_only_gpu_slots_workers_make_their_cuda_context_ahead(tmp_path: Path) -> None:
+    cpu, gpu_slot = SlotInfo("cpu0"), build_slots([H100])[0]
+    warm = make_launcher("exec", [cpu, gpu_slot], "/c", tmp_path, warm_cuda=True)
+    assert isinstance(warm, ExecLauncher)
+    assert "--warm-cuda" in warm.command(gpu_slot) and "--warm-cuda" not in warm.command(cpu)
+    assert "--warm-cuda" not in warm.command()
+    cold = make_launcher("exec", [gpu_slot], "/c", tmp_path, warm_cuda=False)
+    assert "--warm-cuda" not in cold.command(gpu_slot)
+    assert NodeManagerSettings().worker_warm_cuda is True  # the node manager's default
 
 
 # -- on a GPU machine -----------------------------------------------------------------------------------

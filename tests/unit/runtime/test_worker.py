@@ -128,6 +128,7 @@ def test_unknown_trainer_fails_the_batch_and_bad_spec_is_a_usage_error(tmp_path:
 def test_spec_on_stdin_after_preload_and_empty_stdin_means_nothing_to_run(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "stagetree.nodemanager.runtime.worker", "--spec", "-"]
     cmd += ["--checkpoint-root", str(tmp_path / "ckpt"), "--preload", "json,no_such_module_xyz"]
+    cmd += ["--warm-cuda"]  # without a GPU (or with CUDA hidden, a CPU slot's case) it does nothing
     env = {**os.environ, "STAGETREE_WORKER_THREADS": "1"}
     spec = digits_batch([(1, 0, 3, HP)], evals=[(1, 3)])
     out = subprocess.run(cmd, input=json.dumps(spec.to_json()), capture_output=True, text=True, env=env, check=False)
@@ -201,3 +202,20 @@ def test_event_writer_holds_fast_progress_and_writes_everything_else_at_once() -
     assert lines()[-1] == ("progress", 6)
     write.flush()
     assert lines()[-1] == ("progress", 7) and Stream.flushes == 4
+
+
+def test_warm_cuda_never_fails_the_worker(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import torch
+
+    from stagetree.nodemanager.runtime import worker
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert worker.warm_cuda() == 0.0
+
+    def broken(*a: Any, **k: Any) -> Any:
+        raise RuntimeError("CUDA driver initialization failed")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch, "ones", broken)
+    assert worker.warm_cuda() == 0.0
+    assert "could not create the CUDA context ahead" in caplog.text

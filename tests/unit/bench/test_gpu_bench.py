@@ -1,0 +1,45 @@
+"""The GPU bench's own logic on a machine without a GPU: it says it needs one (exit 2), and its last line
+reads what the phases gave (nan / false for a phase that failed or did not run)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from tests.bench import gpu
+
+LAST_LINE = re.compile(
+    r"^device=\S+ resume_exact=(true|false) mps_packing_vs_one=\S+ preempt_s=\S+ "
+    r"preempt_frees_memory=(true|false) gpu_s_ratio_vs_raytune=\S+$"
+)
+
+
+def test_without_a_gpu_it_says_so_and_exits_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(gpu, "has_gpu", lambda: False)
+    assert gpu.main([]) == 2
+    assert "needs an NVIDIA GPU" in capsys.readouterr().err
+    assert gpu.main(["--phases", "resume,warp"]) == 2  # a phase it does not know
+
+
+def test_figures_from_the_phases() -> None:
+    f = gpu.figures({})
+    assert f["device"] == "unknown" and f["resume_exact"] is False and math.isnan(f["preempt_s"])
+    assert LAST_LINE.match(gpu.last_line(f))
+    results = {
+        "probe": {"device": "NVIDIA H100 80GB HBM3"},
+        "resume": {"resume_exact": True},
+        "preempt": {"resume_exact": True, "preempt_s": 0.8123, "preempt_frees_memory": True},
+        "packing": {"mps_vs_one": 2.5},
+        "raytune": {"gpu_s_ratio_vs_raytune": 3.01},
+    }
+    line = gpu.last_line(gpu.figures(results))
+    assert line == (
+        "device=NVIDIA-H100-80GB-HBM3 resume_exact=true mps_packing_vs_one=2.50 preempt_s=0.81 "
+        "preempt_frees_memory=true gpu_s_ratio_vs_raytune=3.01"
+    )
+    results["preempt"]["resume_exact"] = False  # both resumes must be exact
+    assert gpu.figures(results)["resume_exact"] is False
