@@ -28,6 +28,7 @@ from stagetree.core.slots import SlotInfo
 from stagetree.nodemanager.gpu import GpuSample, NvmlGpuProbe
 from stagetree.nodemanager.runtime.checkpoints import open_checkpoint_store
 from stagetree.nodemanager.runtime.events import decode_event
+from stagetree.nodemanager.settings import NodeManagerSettings
 from stagetree.nodemanager.slots import build_slots, worker_env
 
 Event = tuple[float, str, dict[str, Any]]  # (monotonic time it arrived, kind, payload)
@@ -69,6 +70,7 @@ class SlotWorker:
         env = worker_env(slot, threads=1, mps_env=mps_env)
         cmd = [sys.executable, "-m", "stagetree.nodemanager.runtime.worker", "--spec", "-"]
         cmd += ["--checkpoint-root", str(checkpoint_root), "--progress-interval", "0"]
+        cmd += ["--preload", NodeManagerSettings().worker_preload]  # as the node manager starts them
         if warm_cuda:
             cmd.append("--warm-cuda")
         self.started_at = time.monotonic()

@@ -438,6 +438,9 @@ class ForkserverLauncher(WorkerLauncher):
         from multiprocessing import forkserver
 
         def ensure() -> None:
+            # The server must never initialize CUDA (a process forked after that cannot use it): should
+            # anything it imports ask PyTorch whether CUDA is available, the answer comes from NVML.
+            os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
             # Only our modules: the default would import the node manager's __main__ in the server.
             self._ctx.set_forkserver_preload([WORKER_MODULE, *self.preload])
             forkserver.ensure_running()
@@ -560,9 +563,9 @@ def make_launcher(
     prestart: bool = True,
     **kw: Any,
 ) -> WorkerLauncher:
-    """The launcher for ``method``; ``auto`` forks from a fork server when no slot has a GPU."""
+    """The launcher for ``method``; ``auto`` forks from a fork server."""
     if method == "auto":
-        method = "exec" if any(s.is_gpu for s in slots) else "forkserver"
+        method = "forkserver"
     if method == "exec":
         return ExecLauncher(checkpoint_root, work_dir, prestart=prestart, **kw)
     if method == "forkserver":

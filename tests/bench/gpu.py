@@ -323,6 +323,7 @@ def phase_preempt(ctx: Context) -> dict[str, Any]:
     first_step = resumer.wait_step(at + 1)
     assert resumer.sent_at is not None
     resume_s = first_step - resumer.sent_at
+    started = resumer.wait_for(lambda k, _p: k == "batch_started")[0] - resumer.sent_at
     if resumer.finish(300) != 0:
         raise RuntimeError(f"resumed worker failed: {resumer.of('batch_failed')}\n{resumer.log_tail()}")
     diffs = differences(straight, checkpoint_state(root, resumer.checkpoint_at(steps)))
@@ -337,6 +338,8 @@ def phase_preempt(ctx: Context) -> dict[str, Any]:
         "resume_s": resume_s,
         "exit_after_signal_s": t_exit - t0,
         "cold_resume_s": cold_s,
+        "resume_until_batch_started_s": started,
+        "resume_ready_log": _ready_line(resumer),
         "preempted_at_step": at,
         "signal_after_step": stop_after,
         "memory_held_mb": held / 2**20,
@@ -351,6 +354,12 @@ def phase_preempt(ctx: Context) -> dict[str, Any]:
         f"{held / 2**20:.0f} MB, freed={frees}; resumed exact={not diffs}"
     )
     return out
+
+
+def _ready_line(w: SlotWorker) -> str:
+    """The worker's own account of its batch's start (``batch ready to train: init ..., restore ...``)."""
+    lines = [line for line in w.log_tail(200).splitlines() if "batch ready to train" in line]
+    return lines[-1][:300] if lines else ""
 
 
 # -- Ray Tune ----------------------------------------------------------------------------------------

@@ -392,9 +392,12 @@ class BatchRun:
         spec = self.spec
         trainer, self._prepared = self._prepared, None
         info = self._group.info
+        t0 = time.monotonic()
+        built_ahead = trainer is not None
         if trainer is None:
             trainer = new_trainer(self._factory, spec.fixed, self._device, info.rank, info.world_size)
         self._trainer = trainer
+        t_init = time.monotonic()
         if spec.source.uri is not None:
             at, ranks = restore_checkpoint(trainer, self._store, spec.source.uri, info.rank, info.world_size)
             if ranks != info.world_size:  # the trainer is rescalable (restore refuses otherwise): say so
@@ -422,6 +425,14 @@ class BatchRun:
                 spec.source.point.step,
                 extra={"batch_id": spec.batch_id},
             )
+        now = time.monotonic()
+        log.info(
+            "batch ready to train: init %.3f s%s, restore %.3f s",
+            t_init - t0,
+            " (built ahead)" if built_ahead else "",
+            now - t_init,
+            extra={**self._ids, "init_s": round(t_init - t0, 4), "restore_s": round(now - t_init, 4)},
+        )
         return trainer
 
     @staticmethod

@@ -149,6 +149,11 @@ def warm_cuda() -> float:
             return 0.0
         a = torch.ones(16, 16, device="cuda")
         float((a @ a).sum())
+        # and cuDNN: a first convolution loads its libraries (seconds from a cold disk)
+        x = torch.ones(1, 2, 8, 8, device="cuda", requires_grad=True)
+        w = torch.ones(2, 2, 3, 3, device="cuda", requires_grad=True)
+        torch.nn.functional.conv2d(x, w, padding=1).sum().backward()  # type: ignore[no-untyped-call]
+        torch.cuda.synchronize()
     except Exception as e:  # a broken driver is the batch's to report, with its own traceback
         log.warning("could not create the CUDA context ahead: %s: %s", type(e).__name__, e)
         return 0.0

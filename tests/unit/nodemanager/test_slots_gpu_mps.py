@@ -169,7 +169,7 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_launcher_choice(tmp_path: Path) -> None:
     cpu, gpu_slot = SlotInfo("cpu0"), build_slots([H100])[0]
     assert isinstance(make_launcher("auto", [cpu], "/c", tmp_path), ForkserverLauncher)
-    assert isinstance(make_launcher("auto", [gpu_slot], "/c", tmp_path), ExecLauncher)
+    assert isinstance(make_launcher("auto", [gpu_slot], "/c", tmp_path), ForkserverLauncher)
     exec_launcher = make_launcher("exec", [cpu], "/c", tmp_path, preload=["torch._dynamo"], threads=3)
     assert isinstance(exec_launcher, ExecLauncher)
     cmd = exec_launcher.command()
