@@ -82,7 +82,7 @@ from stagetree.nodemanager.slots import CUBLAS_WORKSPACE, build_slots
 from tests.gpu_workers import Nvml, SlotWorker, checkpoint_state, differences, gpu_slots, has_gpu
 
 PHASES = ("probe", "resume", "oom", "preempt", "raytune", "packing")
-PACKING_TIMEOUT_S = 300.0
+PACKING_TIMEOUT_S = 150.0
 NEEDS_GPU = "tests.bench.gpu needs an NVIDIA GPU: CUDA and NVML see none on this machine (see docs/gpu.md)"
 
 
