@@ -53,11 +53,12 @@ class NodeManagerSettings(FileVariablesSettings):
     telemetry_interval_s: float = Field(default=10.0, gt=0)
     progress_interval_s: float = Field(default=1.0, ge=0)  # workers' progress events, at most this often
     # How workers start (see nodemanager.workers): "exec" a fresh interpreter per batch, "forkserver" fork
-    # from a server that imported torch once; "auto" forks only when no slot has a GPU.
+    # from a server that imported torch once (and never touches CUDA); "auto" is "forkserver".
     worker_start: Literal["auto", "exec", "forkserver"] = "auto"
     prestart_workers: bool = True  # keep one worker per slot started (imports done), waiting for a batch
-    # a GPU slot's waiting worker creates its CUDA context ahead (about half a GB of the GPU's memory,
-    # held beside the batch running on the slot), so a batch starts training without paying for it
+    # a GPU slot's waiting worker creates its CUDA context and loads cuBLAS and cuDNN ahead (about 1 GB of
+    # the GPU's memory on an H100, held beside the batch running on the slot), so a batch starts training
+    # without paying for them (docs/gpu.md)
     worker_warm_cuda: bool = True
     worker_preload: str = "torch._dynamo"  # modules imported ahead of the spec (comma-separated; trainers too)
     # directories the workers import the user's trainer from, before PYTHONPATH (``os.pathsep``-separated;

@@ -704,8 +704,19 @@ def _write(path: Path, results: dict[str, dict[str, Any]]) -> None:
         "phases": results,
     }
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    tmp.write_text(json.dumps(_no_nan(doc), indent=1, default=str, allow_nan=False) + "\n")
     os.replace(tmp, path)
+
+
+def _no_nan(obj: Any) -> Any:
+    """``obj`` with NaN as None (JSON has no NaN: a figure not measured is null)."""
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _no_nan(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_no_nan(v) for v in obj]
+    return obj
 
 
 if __name__ == "__main__":

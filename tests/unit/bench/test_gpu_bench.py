@@ -3,8 +3,10 @@ reads what the phases gave (nan / false for a phase that failed or did not run).
 
 from __future__ import annotations
 
+import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 
@@ -43,3 +45,16 @@ def test_figures_from_the_phases() -> None:
     )
     results["preempt"]["resume_exact"] = False  # both resumes must be exact
     assert gpu.figures(results)["resume_exact"] is False
+
+
+def test_the_json_holds_null_for_a_figure_not_measured(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    gpu._write(out, {"probe": {"device": "NVIDIA H100 80GB HBM3", "driver": "580.159.04"}})
+    doc = json.loads(out.read_text())
+    assert doc["figures"]["gpu_s_ratio_vs_raytune"] is None and doc["driver"] == "580.159.04"
+
+
+def test_the_committed_h100_record_has_the_last_lines_keys() -> None:
+    doc = json.loads((Path(__file__).resolve().parents[2] / "bench" / "results" / "gpu-h100.json").read_text())
+    assert set(doc["figures"]) == set(gpu.figures({}))
+    assert isinstance(doc["figures"]["resume_exact"], bool) and doc["driver"] and doc["cuda_driver"]
