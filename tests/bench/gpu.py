@@ -72,7 +72,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stagetree.core.batch import BatchSpec, Point, Source
+from stagetree.core.batch import BatchSpec
 from stagetree.core.sequences import Constant, Cosine, Warmup
 from stagetree.core.slots import SlotInfo
 from stagetree.nodemanager.examples import cifar
@@ -103,31 +103,6 @@ class Context:
 
     def scaled(self, gpu: int, cpu: int) -> int:
         return cpu if self.cpu else gpu
-
-
-def cifar_spec(
-    ctx: Context,
-    fixed: dict[str, Any],
-    hps: dict[str, Any],
-    start: int,
-    end: int,
-    *,
-    source: Source | None = None,
-    save: bool = True,
-    evaluate: bool = True,
-) -> BatchSpec:
-    """A batch of ``CifarResNet`` on node 1 from ``start`` to ``end`` (a checkpoint and an eval at the end)."""
-    return digits_batch(
-        [(1, start, end, hps)],
-        batch_id=ctx.batch_id(),
-        seed=7,
-        trainer=cifar.ENTRY_POINT,
-        dataset=cifar.DATASET,
-        fixed_values=fixed,
-        source=source,
-        saves=[(1, end)] if save else [],
-        evals=[(1, end)] if evaluate else [],
-    )
 
 
 def worker(ctx: Context, root: Path, name: str, *, warm_cuda: bool = True) -> SlotWorker:
@@ -202,13 +177,14 @@ def _resume_pair(ctx: Context, deterministic: bool) -> dict[str, Any]:
     tag = "det" if deterministic else "nondet"
     straight_w = worker(ctx, root, f"resume-{tag}-straight")
     first_w = worker(ctx, root, f"resume-{tag}-first")
-    straight_w.send(cifar_spec(ctx, fixed, hps, 0, steps))
-    first_w.send(cifar_spec(ctx, fixed, hps, 0, at, evaluate=False))
+    straight_w.send(cifar.cifar_batch(ctx.batch_id(), 0, steps, hps, fixed, seed=7))
+    first_w.send(cifar.cifar_batch(ctx.batch_id(), 0, at, hps, fixed, evaluate=False, seed=7))
     for w in (straight_w, first_w):
         if w.finish(300) != 0:
             raise RuntimeError(f"worker exited {w.proc.returncode}: {w.of('batch_failed')}\n{w.log_tail()}")
-    source = Source(Point(1, at), first_w.checkpoint_at(at))
-    second_w = run_batch(ctx, root, f"resume-{tag}-second", cifar_spec(ctx, fixed, hps, at, steps, source=source))
+    uri = first_w.checkpoint_at(at)
+    second = cifar.cifar_batch(ctx.batch_id(), at, steps, hps, fixed, source_uri=uri, seed=7)
+    second_w = run_batch(ctx, root, f"resume-{tag}-second", second)
     straight = checkpoint_state(root, straight_w.checkpoint_at(steps))
     resumed = checkpoint_state(root, second_w.checkpoint_at(steps))
     diffs = differences(straight, resumed)
@@ -222,7 +198,9 @@ def _resume_pair(ctx: Context, deterministic: bool) -> dict[str, Any]:
         "differences": diffs[:20],
     }
     if diffs:  # is it the resume, or does the training itself differ from run to run?
-        again_w = run_batch(ctx, root, f"resume-{tag}-straight-again", cifar_spec(ctx, fixed, hps, 0, steps))
+        again_w = run_batch(
+            ctx, root, f"resume-{tag}-straight-again", cifar.cifar_batch(ctx.batch_id(), 0, steps, hps, fixed, seed=7)
+        )
         out["straight_runs_equal"] = not differences(straight, checkpoint_state(root, again_w.checkpoint_at(steps)))
     return out
 
@@ -253,7 +231,7 @@ def phase_oom(ctx: Context) -> dict[str, Any]:
         "batch_size": rows,
         "deterministic": False,
     }
-    spec = cifar_spec(ctx, fixed, {"lr": Constant(0.1)}, 0, 2)
+    spec = cifar.cifar_batch(ctx.batch_id(), 0, 2, {"lr": Constant(0.1)}, fixed)
     if ctx.cpu:  # no GPU to exhaust: the dry run raises what CUDA raises, to check the plumbing below
         faulty = {"fault": "cuda_oom", "fault_step": 0}
         spec = digits_batch([(1, 0, 2, {"lr": 0.1})], batch_id=ctx.batch_id(), trainer=FAULTY, fixed_values=faulty)
@@ -290,7 +268,9 @@ def phase_preempt(ctx: Context) -> dict[str, Any]:
     }
     hps = {"lr": Warmup(0.01, 5, Constant(0.1)), "momentum": Constant(0.9)}
     root = ctx.work / "preempt"
-    straight_w = run_batch(ctx, root, "preempt-straight", cifar_spec(ctx, fixed, hps, 0, steps))
+    straight_w = run_batch(
+        ctx, root, "preempt-straight", cifar.cifar_batch(ctx.batch_id(), 0, steps, hps, fixed, seed=7)
+    )
     straight = checkpoint_state(root, straight_w.checkpoint_at(steps))
 
     # The victim and the slot's next worker, both started ahead with their CUDA contexts (as a node
@@ -301,7 +281,7 @@ def phase_preempt(ctx: Context) -> dict[str, Any]:
         for w in (victim, resumer):
             if nvml.wait_process(w.pid, present=True, timeout=120) is None:
                 raise RuntimeError(f"worker {w.pid} never showed a CUDA context in NVML\n{w.log_tail()}")
-    victim.send(cifar_spec(ctx, fixed, hps, 0, steps))
+    victim.send(cifar.cifar_batch(ctx.batch_id(), 0, steps, hps, fixed, seed=7))
     victim.wait_step(stop_after)
     held = used_before = 0
     if nvml is not None:
@@ -318,8 +298,8 @@ def phase_preempt(ctx: Context) -> dict[str, Any]:
     suspend_s = (t_gone if t_gone is not None else t_exit) - t0
     frees = nvml is None or (held > 0 and t_gone is not None and rc == 0 and used_before - used_after >= 0.9 * held)
 
-    source = Source(Point(1, at), str(stop["uri"]))
-    resumer.send(cifar_spec(ctx, fixed, hps, at, steps, source=source))
+    uri = str(stop["uri"])
+    resumer.send(cifar.cifar_batch(ctx.batch_id(), at, steps, hps, fixed, source_uri=uri, seed=7))
     first_step = resumer.wait_step(at + 1)
     assert resumer.sent_at is not None
     resume_s = first_step - resumer.sent_at
@@ -329,7 +309,7 @@ def phase_preempt(ctx: Context) -> dict[str, Any]:
     diffs = differences(straight, checkpoint_state(root, resumer.checkpoint_at(steps)))
 
     cold = worker(ctx, root, "preempt-cold-resumer", warm_cuda=False)
-    cold.send(cifar_spec(ctx, fixed, hps, at, steps, source=source))
+    cold.send(cifar.cifar_batch(ctx.batch_id(), at, steps, hps, fixed, source_uri=uri, seed=7))
     cold_s = cold.wait_step(at + 1) - cold.started_at
     cold.finish(300)
     out = {

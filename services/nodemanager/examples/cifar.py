@@ -26,13 +26,15 @@ bit for bit what the uninterrupted run trains (``tests.bench.gpu`` checks the sa
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stagetree.core.batch import BatchSpec, Point, Source
+from stagetree.nodemanager.examples.digits import digits_batch
 from stagetree.nodemanager.runtime.torch_trainer import TorchTrainer
 from stagetree.nodemanager.slots import CUBLAS_WORKSPACE
 
@@ -122,3 +124,31 @@ class CifarResNet(TorchTrainer):
         # cross-entropy through a one-hot product: its backward has no scatter (deterministic on CUDA)
         one_hot = F.one_hot(target, output.shape[1]).to(output.dtype)
         return -(F.log_softmax(output, dim=1) * one_hot).sum(dim=1).mean()
+
+
+def cifar_batch(
+    batch_id: int,
+    start: int,
+    end: int,
+    hps: Mapping[str, Any],
+    fixed: Mapping[str, Any],
+    *,
+    source_uri: str | None = None,
+    save: bool = True,
+    evaluate: bool = True,
+    seed: int = 0,
+) -> BatchSpec:
+    """A batch of ``CifarResNet`` training node 1 from ``start`` to ``end`` with ``hps`` (from a fresh model
+    at step 0, else from the checkpoint ``source_uri`` at ``start``); a checkpoint and an evaluation at
+    ``end`` unless told otherwise. Tests and the GPU bench build theirs with it."""
+    return digits_batch(
+        [(1, start, end, hps)],
+        batch_id=batch_id,
+        seed=seed,
+        trainer=ENTRY_POINT,
+        dataset=DATASET,
+        fixed_values=fixed,
+        source=Source(Point(1, start), source_uri) if source_uri is not None else None,
+        saves=[(1, end)] if save else [],
+        evals=[(1, end)] if evaluate else [],
+    )

@@ -11,9 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stagetree.core.batch import Point, Source
 from stagetree.nodemanager.examples import cifar
-from stagetree.nodemanager.examples.digits import digits_batch
 from stagetree.nodemanager.runtime.checkpoints import LocalCheckpointStore
 from stagetree.nodemanager.runtime.executor import run_batch
 from stagetree.nodemanager.runtime.trainer import TrainerContext
@@ -73,26 +71,16 @@ def test_deterministic_is_the_default_and_can_be_turned_off() -> None:
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
 
 
-def _spec(batch_id: int, start: int, end: int, source: Source | None = None) -> Any:
-    hps = {"lr": 0.05, "momentum": 0.9}
-    return digits_batch(
-        [(1, start, end, hps)],
-        batch_id=batch_id,
-        trainer=cifar.ENTRY_POINT,
-        dataset=cifar.DATASET,
-        fixed_values=FIXED,
-        source=source,
-        saves=[(1, end)],
-        evals=[(1, end)],
-    )
+def _spec(batch_id: int, start: int, end: int, source_uri: str | None = None) -> Any:
+    return cifar.cifar_batch(batch_id, start, end, {"lr": 0.05, "momentum": 0.9}, FIXED, source_uri=source_uri)
 
 
 def test_resumed_run_equals_the_straight_one(store: LocalCheckpointStore, make_events: Any) -> None:
     straight, first, second = make_events(), make_events(), make_events()
     assert run_batch(_spec(1, 0, 5), cifar.CifarResNet, store, straight, background_saves=False).status == "finished"
     assert run_batch(_spec(2, 0, 2), cifar.CifarResNet, store, first, background_saves=False).status == "finished"
-    source = Source(Point(1, 2), first.checkpoint_at(2)["uri"])
-    assert run_batch(_spec(3, 2, 5, source), cifar.CifarResNet, store, second).status == "finished"
+    resume = _spec(3, 2, 5, first.checkpoint_at(2)["uri"])
+    assert run_batch(resume, cifar.CifarResNet, store, second).status == "finished"
     a = checkpoint_state(store.root, straight.checkpoint_at(5)["uri"])
     b = checkpoint_state(store.root, second.checkpoint_at(5)["uri"])
     assert differences(a, b) == []

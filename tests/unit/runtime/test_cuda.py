@@ -10,10 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from stagetree.core.batch import BatchSpec, Point, Source
+from stagetree.core.batch import BatchSpec
 from stagetree.core.sequences import Constant, Cosine, Warmup
 from stagetree.nodemanager.examples import cifar
-from stagetree.nodemanager.examples.digits import digits_batch
 from tests.gpu_workers import Nvml, SlotWorker, checkpoint_state, differences, gpu_slots, has_gpu
 
 pytestmark = [
@@ -25,17 +24,8 @@ SMALL = {"width": 16, "train_rows": 1024, "eval_rows": 256, "minibatches": 2, "b
 HPS = {"lr": Warmup(0.01, 3, Cosine(0.1, 0.001, 5)), "momentum": Constant(0.9)}
 
 
-def _spec(batch_id: int, start: int, end: int, fixed: dict[str, Any], source: Source | None = None) -> BatchSpec:
-    return digits_batch(
-        [(1, start, end, HPS)],
-        batch_id=batch_id,
-        trainer=cifar.ENTRY_POINT,
-        dataset=cifar.DATASET,
-        fixed_values=fixed,
-        source=source,
-        saves=[(1, end)],
-        evals=[(1, end)],
-    )
+def _spec(batch_id: int, start: int, end: int, fixed: dict[str, Any], source_uri: str | None = None) -> BatchSpec:
+    return cifar.cifar_batch(batch_id, start, end, HPS, fixed, source_uri=source_uri)
 
 
 def _run(tmp_path: Path, name: str, spec: BatchSpec, **kw: Any) -> SlotWorker:
@@ -49,7 +39,7 @@ def test_resume_on_cuda_is_bitwise_exact(tmp_path: Path) -> None:
     fixed = {**SMALL, "deterministic": True}
     straight = _run(tmp_path, "straight", _spec(1, 0, 8, fixed))
     first = _run(tmp_path, "first", _spec(2, 0, 3, fixed))
-    resumed = _run(tmp_path, "second", _spec(3, 3, 8, fixed, Source(Point(1, 3), first.checkpoint_at(3))))
+    resumed = _run(tmp_path, "second", _spec(3, 3, 8, fixed, first.checkpoint_at(3)))
     a = checkpoint_state(tmp_path / "ckpt", straight.checkpoint_at(8))
     b = checkpoint_state(tmp_path / "ckpt", resumed.checkpoint_at(8))
     assert "cuda" in a["runtime"]["rng"]  # the CUDA generator's state travels with the checkpoint
@@ -111,3 +101,25 @@ def test_torch_trainer_keeps_the_step_loss_on_the_gpu() -> None:
     t.setup({"lr": 0.05, "momentum": 0.9})
     loss = t.train()["loss"]
     assert isinstance(loss, torch.Tensor) and loss.device.type == "cuda" and float(loss) > 0
+
+
+def test_a_worker_forked_from_the_fork_server_trains_on_cuda(tmp_path: Path) -> None:
+    """The node manager's default launcher on a GPU slot: the fork server never initialized CUDA, so its
+    child makes its own context (ahead, while it waits) and trains."""
+    import asyncio
+
+    from stagetree.nodemanager.workers import ForkserverLauncher
+
+    async def run() -> tuple[int, list[str]]:
+        slot = gpu_slots()[0]
+        launcher = ForkserverLauncher(str(tmp_path / "ckpt"), tmp_path, warm_cuda=True, preload=["torch._dynamo"])
+        await launcher.start([slot])
+        try:
+            w = await launcher.spawn(_spec(1, 0, 3, SMALL), slot)
+            kinds = [kind async for kind, _ in w.events()]
+            return await w.wait(), kinds
+        finally:
+            await launcher.close()
+
+    rc, kinds = asyncio.run(run())
+    assert rc == 0 and kinds[0] == "batch_started" and kinds[-1] == "batch_finished", kinds
