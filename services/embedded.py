@@ -43,7 +43,7 @@ class EmbeddedSettings:
     home: Path = field(default_factory=lambda: Path(".stagetree"))  # database, checkpoints, worker logs
     workers: int = 2  # CPU worker slots when there is no GPU
     slots_per_gpu: int = 1
-    mps: bool = False  # share each GPU's slots through an MPS daemon (HyperSack's packing; needs slots_per_gpu > 1)
+    mps: bool = False  # run each GPU's slots under an MPS daemon (HyperSack's packing, with slots_per_gpu > 1)
     threads_per_worker: int = 1
     grpc_port: int = 0  # 0: a free port
     http_port: int | None = None  # None: no REST server

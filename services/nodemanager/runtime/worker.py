@@ -11,8 +11,8 @@
   ``prepare_ahead``), and the batch starts from it when its fixed part is the same.
   ``--preload a,b`` imports those modules before the spec is read (``torch._dynamo``, which the first
   optimizer a trainer builds imports, costs about as much as torch itself). ``--warm-cuda`` (a GPU
-  slot's worker) creates the process's CUDA context and loads cuBLAS while it waits (``warm_cuda``), so
-  a batch does not pay them after it has its GPU.
+  slot's worker) creates the process's CUDA context and loads cuBLAS and cuDNN while it waits
+  (``warm_cuda``), so a batch does not pay for them after it has its GPU.
 * The trainer is ``spec.fixed.trainer``, an entry point ``"package.module:ClassName"``.
 * Events are JSON lines (``events.encode_event``) on stdout, or on ``--events-fd``. With stdout, the
   process's fd 1 is pointed at stderr first, so a ``print`` in user code cannot corrupt the stream.
@@ -140,9 +140,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def warm_cuda() -> float:
-    """Create this process's CUDA context and load cuBLAS (a small product), so that a batch arriving
-    later starts training at once; the seconds it took (0.0 without a usable GPU, logged). It holds the
-    context's memory from now on, beside whatever batch runs on the slot meanwhile."""
+    """Create this process's CUDA context and load cuBLAS and cuDNN (a small product, a small convolution
+    and its backward), so that a batch arriving later starts training at once; the seconds it took (0.0
+    without a usable GPU, logged). It holds the context's memory from now on, beside whatever batch runs
+    on the slot meanwhile."""
     t0 = time.monotonic()
     try:
         if not torch.cuda.is_available():
