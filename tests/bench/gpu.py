@@ -37,8 +37,8 @@ reported with its error and the others still run; ``--json`` is rewritten after 
   stagetree's (target: 0.8 x the merge rate); the finals must agree to 1e-6 (both trained the same) and
   stagetree must train exactly the unique steps. Each system warms up first (4 short trials); unless
   ``--no-cold``, stagetree runs S1 a second time with its workers' CUDA contexts not created ahead. On
-  an H100, Ray Tune's S1 run had not ended 80 s in, when the time lent ran out: give this phase a call
-  of its own.
+  an H100, Ray Tune's S1 run had not ended when the time lent ran out (twice, after the other phases):
+  give this phase a call of its own.
 * packing (HyperSack): 8 independent trials of a small ``CifarResNet`` (width 16, 128 images x 8 a step,
   150 steps; no shared prefix) on embedded clusters with 1 slot on the GPU (one trial at a time), 4
   slots (packed, time-sliced) and 4 slots under the node manager's MPS daemon (25% of the SMs each).
