@@ -564,7 +564,8 @@ def make_launcher(
     prestart: bool = True,
     **kw: Any,
 ) -> WorkerLauncher:
-    """The launcher for ``method``; ``auto`` forks from a fork server."""
+    """The launcher for ``method``; ``auto`` forks from a fork server, whatever the ``slots`` (GPU slots
+    included: see the module doc)."""
     if method == "auto":
         method = "forkserver"
     if method == "exec":

@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -98,10 +99,10 @@ class Context:
     minibatches: int = 50
     cold: bool = True
     log: Callable[[str], None] = print
-    ids: Any = field(default_factory=lambda: iter(range(1, 1_000_000)))
+    ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
     def batch_id(self) -> int:
-        return int(next(self.ids))
+        return next(self.ids)
 
     def scaled(self, gpu: int, cpu: int) -> int:
         return cpu if self.cpu else gpu
