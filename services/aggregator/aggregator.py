@@ -82,7 +82,8 @@ class AggregatorStats:
     malformed: int = 0  # records that did not decode (bad bytes, unknown type or version): skipped
     applied: int = 0  # messages whose effects were written
     duplicates: int = 0  # messages applied before (redelivered): skipped
-    ignored: int = 0  # messages with no database effect (progress, batch_started, telemetry)
+    ignored: int = 0  # messages with no database effect (progress, telemetry)
+    started: int = 0  # batch_started messages (their attempts' start times)
     rejected: int = 0  # messages that can never apply (unknown batch/node): logged, skipped
     poison: int = 0  # messages the database refused: logged, skipped
     points: int = 0  # metric points written
@@ -332,6 +333,7 @@ class Aggregator:
         s.applied += result.applied
         s.duplicates += result.duplicates
         s.ignored += result.ignored
+        s.started += result.started
         s.rejected += result.rejected
         s.points += result.points
         s.completed += len(result.completed)

@@ -12,6 +12,15 @@ anything it decided, and a master that takes the lease loads it again.
 Requests that the stage tree attaches to an in-flight batch stay NOT_SCHED: amending a running batch
 is not implemented yet, so they are served by a later round from the checkpoint that batch leaves.
 
+**Lookahead** (``SchedulingSettings.lookahead_s``): after the free slots, a round also fills busy slots
+whose one batch should end within ``lookahead_s`` (``soon_free``), soonest first. The node manager holds
+such a batch until its slot frees and starts it at once, so the end's trip to the database, the next
+round and the stream no longer leave the slot idle (``tests.bench.scale``'s assignment latency). A slot
+holds at most one batch ahead; a batch's end is estimated from the learnt step costs, from when the
+round first saw the batch alone on its slot. The loop wakes when the next busy slot comes within
+``lookahead_s`` of its end. Off in rounds where a study chose policies (they reason about the slots
+that are free now) or a plan's batches take several slots.
+
 A plan's batches take several slots (``plan_slots``) when a study of it asks for them (its policies'
 ``slots``) or when the plan ran out of memory before (the cost model doubles them); a plan that needs
 more slots than the largest node manager has cannot run, and its waiting requests fail saying why.
@@ -38,7 +47,7 @@ from stagetree.core.policies.state import Kill
 from stagetree.core.scheduler import PlannedBatch, RoundResult, StageCost, schedule_round
 from stagetree.core.searchplan import Checkpoint, CheckpointKind, Node, SearchPlan
 from stagetree.core.slots import Slot
-from stagetree.core.stagetree import InflightBatch, InflightStage, StageForest, build_stage_tree
+from stagetree.core.stagetree import InflightBatch, InflightStage, Stage, StageForest, build_stage_tree
 from stagetree.master import metrics
 from stagetree.master.checkpoint_files import CheckpointFiles, NodeManagersDeleteFiles
 from stagetree.master.coordination import Coordination, Subscription
@@ -48,7 +57,7 @@ from stagetree.master.policies import PolicyStep
 from stagetree.master.service import CH_RESULTS, CH_ROUND, ch_node_manager
 from stagetree.master.settings import SchedulingSettings
 from stagetree.master.store.nodes import ALIVE
-from stagetree.master.store.records import DispatchItem, NodeManagerRecord, RoundReads
+from stagetree.master.store.records import BatchRecord, DispatchItem, NodeManagerRecord, RoundReads
 from stagetree.master.store.store import Store
 
 log = logging.getLogger(__name__)
@@ -67,6 +76,7 @@ class RoundReport:
     queued: int
     snapshot_ms: float
     decide_ms: float
+    wake_at: float | None = None  # when a busy slot comes within lookahead of its end (time.time())
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,8 @@ class Decision:
     preempts: tuple[int, ...] = ()  # running batches the studies' policies preempt (master.policies)
     kills: tuple[Kill, ...] = ()  # trials the studies' search policies kill
     unplaceable: Mapping[int, str] = field(default_factory=dict)  # plan id -> why no node manager can run it
+    ahead: int = 0  # of the slots offered, how many were busy ones about to free (lookahead)
+    wake_at: float | None = None  # when the next busy slot comes within lookahead of its end
 
 
 def source_of(spec_json: str) -> Point | None:
@@ -126,6 +138,8 @@ class SchedulingLoop:
         self._round_thread: ThreadPoolExecutor | None = None  # run's own thread for the rounds
         self._fixed_parts: dict[int, tuple[str, FixedPart]] = {}  # plan -> (key, fixed part), see _fixed_part
         self._good_plans: set[int] = set()  # plans whose fixed part was checked (a plan's rows never change)
+        # (batch, attempt) -> (its stages, when a round first saw it alone on its slot or None): see soon_free
+        self._alone: dict[tuple[int, int], tuple[tuple[InflightStage, ...], float | None]] = {}
 
     # -- one round ------------------------------------------------------------------------------
 
@@ -149,6 +163,46 @@ class SchedulingLoop:
         nms = [n for n in (self.store.nodes.node_managers() if nms is None else nms) if n.state == ALIVE]
         busy = self.store.rounds.busy_slots() if busy is None else busy
         return [s for n in nms for s in n.placed_slots() if (n.id, s.id) not in busy]
+
+    def soon_free(
+        self, nms: Sequence[NodeManagerRecord], running: Sequence[BatchRecord], cost: StageCost, now: float
+    ) -> tuple[list[Slot], float | None]:
+        """The busy slots of live node managers whose one batch should end by ``now + lookahead_s``,
+        soonest first, and when the next other busy slot comes that close to its end (None: none will
+        without a new batch). A slot already holding its next batch, or held by a batch on several slots,
+        is not offered. A batch's end is when a round first saw it alone on its slot (its dispatch, or
+        the end of the one before it) plus its stages' estimated cost: a little late by the report's
+        delay, so the next batch arrives no earlier than needed."""
+        per_slot: dict[tuple[str, str], list[BatchRecord]] = {}
+        for b in running:
+            for slot in (b.slot_id or "").split(","):  # a batch on several slots holds each of them
+                if b.node_manager_id and slot:
+                    per_slot.setdefault((b.node_manager_id, slot), []).append(b)
+        seen: dict[tuple[int, int], tuple[tuple[InflightStage, ...], float | None]] = {}
+        ends: dict[tuple[str, str], float] = {}
+        for key, recs in per_slot.items():
+            alone = len(recs) == 1 and "," not in (recs[0].slot_id or "")
+            for b in recs:
+                k = (b.id, b.attempt)
+                stages, since = self._alone.get(k) or ((), None)
+                if not stages:
+                    try:
+                        stages = inflight_of(b.spec_json).stages
+                    except (ValueError, KeyError, TypeError):
+                        continue  # snapshot says so once
+                if since is None and alone:
+                    since = now
+                seen[k] = (stages, since)
+                if alone and since is not None:
+                    plan = str(b.plan_id)
+                    ends[key] = since + sum(cost(Stage(0, plan, st.node, st.start, st.end)) for st in stages)
+        self._alone = seen
+        horizon = now + self.settings.lookahead_s
+        wake_at = min((end - self.settings.lookahead_s for end in ends.values() if end > horizon), default=None)
+        soon = {key: end for key, end in ends.items() if end <= horizon}
+        slots = [s for n in nms if n.state == ALIVE for s in n.placed_slots() if (n.id, s.id) in soon]
+        slots.sort(key=lambda s: soon[(s.node_manager, s.id)])
+        return slots, wake_at
 
     def snapshot(self, reads: RoundReads | None = None) -> tuple[StageForest, dict[int, dict[Point, str]], int]:
         """The stage forest of every plan with NOT_SCHED requests (stage ``plan`` = plan id), from the
@@ -348,13 +402,25 @@ class SchedulingLoop:
             slots = self.free_slots(reads.node_managers, reads.busy)
             chosen = self.policy_step.active(reads.policy_studies)  # studies that chose policies (usually none)
             policies = {sid: p for sid, p in chosen.items() if p.schedules}  # not only slots per batch
-            if not slots and not any(p.time_share or p.search for p in policies.values()):
-                return Decision(RoundResult([], [], [], {}, 0), {}, 0, (time.perf_counter() - t0) * 1000, 0.0, None)
+            soon: list[Slot] = []
+            wake_at = None
+            if self.settings.lookahead_s > 0 and not chosen:  # followed with no work pending too: see soon_free
+                ahead_cost = self.stage_cost(slots or [s for n in reads.node_managers for s in n.placed_slots()])
+                soon, wake_at = self.soon_free(reads.node_managers, reads.running, ahead_cost, time.time())
+                if not reads.pending:  # nothing to send ahead, nor a reason to wake early
+                    soon, wake_at = [], None
+            if not slots and not soon and not any(p.time_share or p.search for p in policies.values()):
+                return Decision(
+                    RoundResult([], [], [], {}, 0), {}, 0, (time.perf_counter() - t0) * 1000, 0.0, None, wake_at=wake_at
+                )
             forest, uris, count = self.snapshot(reads)
             t1 = time.perf_counter()
             unplaceable: dict[int, str] = {}
             self.costs.refresh_oom(self.store.ledger)
             slots_of = self.plan_slots(chosen, reads.node_managers, forest, unplaceable)
+            if slots_of is not None:  # a batch on several slots must not wait on a busy one
+                soon, wake_at = [], None
+            slots = slots + soon  # first fit: the free ones first, then those about to free
             cost = self.stage_cost(slots, slots_of)
             preempts: list[int] = []
             kills: list[Kill] = []
@@ -375,6 +441,8 @@ class SchedulingLoop:
             tuple(preempts),
             tuple(kills),
             unplaceable,
+            len(soon),
+            wake_at,
         )
 
     def plan_slots(
@@ -491,7 +559,7 @@ class SchedulingLoop:
                     "dispatched": len(dispatched),
                 },
             )
-        return RoundReport(dec.pending, dispatched, lost, result.queued, dec.snapshot_ms, dec.decide_ms)
+        return RoundReport(dec.pending, dispatched, lost, result.queued, dec.snapshot_ms, dec.decide_ms, dec.wake_at)
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -538,7 +606,11 @@ class SchedulingLoop:
                     log.info("round", extra={"dispatched": len(report.dispatched), "pending": report.pending})
             except Exception:
                 log.exception("scheduling round failed; retrying on the next wake-up")
-            await wakeups.wait(min(s.round_interval_s, s.lease_ttl_s / 3))
+                report = None
+            wait = min(s.round_interval_s, s.lease_ttl_s / 3)
+            if report is not None and report.wake_at is not None:  # a busy slot comes within lookahead then
+                wait = min(wait, max(0.05, report.wake_at - time.time()))
+            await wakeups.wait(wait)
 
 
 def path_nodes(plan: SearchPlan, reqs: Sequence[tuple[int, Point]]) -> set[int]:

@@ -3,8 +3,10 @@
 It owns the processes on its machine and nothing else: it registers its slots with the master,
 heartbeats, and carries out its assignment stream:
 
-* ``RUN``: start one worker process for the batch attempt on a free slot (queued while none is free:
-  the master's view of busy slots can run ahead of a worker that is still exiting), or, for a batch on
+* ``RUN``: start one worker process for the batch attempt on the slot the master named, as soon as it
+  is free: it may still be running the batch before (the master sends a slot's next batch shortly
+  before its end, ``SchedulingSettings.lookahead_s``, or its view runs ahead of a worker that is still
+  exiting). A RUN naming no slot of this node manager takes any free one. For a batch on
   ``spec.slots = n > 1`` slots, ``n`` of them as one ``torch.distributed`` group on ``n`` free slots
   (``group.WorkerGroup``: a rendezvous on a free loopback port, rank ``r`` on the ``r``-th slot; the
   first rank to die ends the others, and the attempt ends once, as that rank's end), read its events,
@@ -177,6 +179,7 @@ class NodeManager:
         self._done = RecentKeys()  # attempts that ended here: a RUN for one of them is a duplicate
         self._queue: deque[_Attempt] = deque()
         self._free: dict[str, SlotInfo] = {s.id: s for s in self.slots}
+        self._slot_ids = frozenset(self._free)
         self._background: set[asyncio.Task[Any]] = set()
         self._launcher_ready: asyncio.Task[None] | None = None  # started at the first registration
         self._stopping = False
@@ -359,26 +362,33 @@ class NodeManager:
         self._dispatch()
 
     def _dispatch(self) -> None:
-        """Start queued attempts, in order, on free slots (the master's slots when it named them and
-        they are free); an attempt on ``n`` slots waits, and those behind it, until ``n`` are free."""
+        """Start queued attempts, in order, on free slots. An attempt on one slot that names a slot of
+        this node manager waits for that slot (its batch before may still run there: the master sent this
+        one ahead) and lets those behind it pass; one naming no slot here takes any free one. An attempt
+        on ``n`` slots takes the named ones that are free and others, and waits, with those behind it,
+        until ``n`` are free."""
+        waiting: list[_Attempt] = []
         while self._queue and self._free and not self._stopping:
-            att = self._queue[0]
+            att = self._queue.popleft()
             n = att.spec.slots
             if n > len(self.slots):
-                self._queue.popleft()
                 self._refuse(att, f"the batch asks for {n} slots and node manager {self.id} has {len(self.slots)}")
                 continue
+            if n == 1 and att.info.slot_id in self._slot_ids and att.info.slot_id not in self._free:
+                waiting.append(att)  # its slot is still busy
+                continue
             if len(self._free) < n:
+                self._queue.appendleft(att)
                 break
-            self._queue.popleft()
             hints = [att.info.slot_id, *(str(h) for h in att.spec.extra.get("slot_ids", ()))]
             chosen = [self._free.pop(h) for h in dict.fromkeys(hints) if h in self._free][:n]
             while len(chosen) < n:
                 chosen.append(self._free.pop(next(iter(self._free))))
             att.slot, att.slots = chosen[0], chosen
             att.task = self._spawn(self._supervise(att))
+        self._queue.extendleft(reversed(waiting))  # in their order, ahead of those not looked at
         if self._queue:
-            log.info("attempts waiting for a free slot", extra={"queued": len(self._queue)})
+            log.debug("attempts waiting for a slot", extra={"queued": len(self._queue)})
 
     def _refuse(self, att: _Attempt, why: str) -> None:
         """End a queued attempt that cannot run here, as failed (without starting anything)."""

@@ -88,10 +88,10 @@ class SimulationModel:
 
 @dataclass
 class SlotActivity:
-    """When each slot was busy, for occupancy figures: (node manager, slot id, start, end), in
-    ``time.time()`` seconds."""
+    """When each slot was busy, for occupancy figures: (node manager, slot id, start, end, batch id,
+    attempt), the times in ``time.time()`` seconds."""
 
-    intervals: list[tuple[str, str, float, float]] = field(default_factory=list)
+    intervals: list[tuple[str, str, float, float, int, int]] = field(default_factory=list)
 
 
 class SimulatedCheckpointStore(CheckpointStore):
@@ -236,7 +236,9 @@ class SimulatedWorker(WorkerProcess):
         finally:
             self._rc = rc
             if self._activity is not None:
-                self._activity.intervals.append((self._store.node_manager_id, self.slot.id, started, time.time()))
+                self._activity.intervals.append(
+                    (self._store.node_manager_id, self.slot.id, started, time.time(), spec.batch_id, spec.attempt)
+                )
             self._reader.feed_eof()
             self._exited.set()
 
@@ -365,7 +367,7 @@ async def run_fleet(
     activity: SlotActivity | None = None,
 ) -> None:
     """Run every node manager of ``fleet`` until ``stop``; then write the slots' busy intervals (JSON
-    lines ``[node_manager, slot, start, end]``) to ``activity_out`` when given."""
+    lines ``[node_manager, slot, start, end, batch_id, attempt]``) to ``activity_out`` when given."""
     tasks = [asyncio.create_task(nm.run(stop), name=f"nm-{nm.id}") for nm in fleet]
     try:
         results = await asyncio.gather(*tasks, return_exceptions=True)

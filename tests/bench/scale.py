@@ -15,22 +15,23 @@ Three phases, each against a fresh Postgres database:
    managers (``stagetree nodemanager simulate``: the real node-manager code, registration, heartbeats,
    assignment streams, events on Kafka; workers that only take time) and ``--studies`` ASHA studies driven
    through the SDK. Batches run in **real time**: ``--step-s`` seconds a step, ``--min-step`` steps to the
-   first rung (so a first-rung batch takes min_step x step_s seconds; the defaults give 10 s).
-   ``occupancy``: busy slot-seconds over ``min(slots, busy + pending)`` slot-seconds, summed over 1-second
-   samples while the tuners still had trials to start (pending = the NOT_SCHED requests: work the master
-   had and could place). ``assign_ms_p99``: a slot's worker ending to the next worker starting on it,
-   counted when a request waited for every idle slot at that moment (``WorkForSlots``: requests submitted
-   and not yet dispatched >= slots whose worker ended and whose next attempt was not yet dispatched, from
-   the ledger's exact times). A slot freed with nothing left to run waits for a tuner to submit, not for
-   the scheduler: batches started together end together, and a wave of 1,600 ends with the ~800 requests
-   the tuners keep queued. The looser figure (any request NOT_SCHED at the last 1-second sample) is printed
-   beside it as ``assign_ms_p99_any_pending``. Both are split by stage from the ledger's attempt times
-   (``latency_stages``: report, round, stream, start), and the first split again by when the slot was
-   freed: in the start wave (the first ``START_WAVE_BATCHES`` first-rung batch lengths, when the ends of
-   batches that all started together arrive together) or after it (``wave_split``). The master's rounds
-   are summed up from its Prometheus histogram (count, mean, share over 0.1 to 2.5 s). ``--dump`` writes
-   the raw times. ``master_rss_mb``: the master process's peak RSS in the live run. The CPU seconds of
-   every process of the run (Postgres included) are printed beside them.
+   first rung (so a first-rung batch takes min_step x step_s seconds; the defaults give 10 s). ``occupancy``:
+   busy slot-seconds over ``min(slots, busy + waiting)`` slot-seconds, at each second while the tuners still
+   had trials to start (waiting = requests submitted whose batch no worker had started yet: queued in the
+   master, or sent ahead to a busy slot, see ``SchedulingSettings.lookahead_s``). ``assign_ms_p99``: a slot's
+   worker ending to the next worker starting on it, counted when a request waited for every idle slot at that
+   moment (``WorkForSlots``: requests waiting as above >= slots whose worker ended and whose next worker had
+   not started, from the ledger's and the workers' exact times; each run of a slot names its batch and
+   attempt). A slot freed with nothing left to run waits for a tuner to submit, not for the scheduler: batches
+   started together end together, and a wave of 1,600 ends with the ~800 requests the tuners keep queued. The
+   looser figure (any request NOT_SCHED at the last 1-second sample) is printed beside it as
+   ``assign_ms_p99_any_pending``. Both are split by stage from the ledger's attempt times (``latency_stages``:
+   report, round, stream, start), and the first split again by when the slot was freed: in the start wave (the
+   first ``START_WAVE_BATCHES`` first-rung batch lengths, when the ends of batches that all started together
+   arrive together) or after it (``wave_split``). The master's rounds are summed up from its Prometheus
+   histogram (count, mean, share over 0.1 to 2.5 s). ``--dump`` writes the raw times. ``master_rss_mb``: the
+   master process's peak RSS in the live run. The CPU seconds of every process of the run (Postgres included)
+   are printed beside them.
 
 3. **Memory** (a master in this process): one plan grows to each of ``--plan-sizes`` nodes (a root, 1,000
    children, the rest grandchildren, each node's config its own), with ``--points-per-node`` metric points
@@ -420,7 +421,10 @@ def live(cfg: LiveConfig, root: Path) -> dict[str, object]:
         round_interval_s=1.0,
         peripheral_every_s=0.0,
         topic_partitions=cfg.partitions,
-        extra_env={"STAGETREE_MASTER_API_THREADS": str(cfg.api_threads)} if cfg.api_threads else {},
+        # the simulated trainers' step time is known, and the master is told, as a user who knows their
+        # model's step time would be (without it the first batches' ends are unknown until one has ended)
+        extra_env={"STAGETREE_MASTER_SCHEDULING__DEFAULT_STEP_SECONDS": str(cfg.step_s)}
+        | ({"STAGETREE_MASTER_API_THREADS": str(cfg.api_threads)} if cfg.api_threads else {}),
     )
     out: dict[str, object] = {}
     with ProcessCluster(config) as cluster:
@@ -527,15 +531,14 @@ def live(cfg: LiveConfig, root: Path) -> dict[str, object]:
         totals = cluster.query("SELECT count(*), count(*) FILTER (WHERE state = 'DONE') FROM requests")[0]
         ended = cluster.query("SELECT count(*) FROM batch_attempts WHERE finished_at IS NOT NULL")[0][0]
         points = cluster.query("SELECT count(*) FROM metrics")[0][0]
-        attempts = cluster.query(
-            "SELECT node_manager_id, slot_id, dispatched_at, sent_at, finished_at FROM batch_attempts"
-            " ORDER BY node_manager_id, slot_id, dispatched_at"
-        )
-        # each request's wait for a slot: from its submission to its batch's first dispatch (none yet: still
+        attempts = cluster.query("SELECT batch_id, attempt, dispatched_at, sent_at, finished_at FROM batch_attempts")
+        # each request's wait for a slot: from its submission to a worker starting its batch (none yet: still
         # waiting); a request answered at submission (its metrics existed) never waited
-        waits = cluster.query(
-            "SELECT r.created_at, (SELECT min(a.dispatched_at) FROM batch_attempts a WHERE a.batch_id = r.batch_id)"
-            " FROM requests r WHERE r.batch_id IS NOT NULL OR r.state = 'NOT_SCHED'"
+        waits = request_waits(
+            cluster.query(
+                "SELECT created_at, batch_id FROM requests WHERE batch_id IS NOT NULL OR state = 'NOT_SCHED'"
+            ),
+            intervals,
         )
         agg_rss = [rss_mb(cluster.pid(n)) for n in cluster.aggregator_names() if cluster.pid(n)]
         print("live: " + round_histogram(f"http://127.0.0.1:{cluster.http_port}/metrics"), flush=True)
@@ -557,8 +560,8 @@ def live(cfg: LiveConfig, root: Path) -> dict[str, object]:
             json.dump(
                 {"t0": t0, "t_end": t_end} | {k: [list(_fields(r)) for r in v] for k, v in rows.items()}, dump_file
             )
-    out.update(occupancy_while_pending(intervals, samples, slots, t0, t_end))
-    had_work = WorkForSlots(waits, intervals, attempts, slots, t0)
+    had_work = WorkForSlots(waits, intervals, slots, t0)
+    out.update(occupancy_while_pending(intervals, had_work.waiting, slots, t0, t_end))
     any_pending = pending_then(samples)
     for name, counted in (("work_waiting", had_work), ("any_pending", any_pending)):
         stages = latency_stages(intervals, attempts, counted, t_end)
@@ -599,41 +602,52 @@ def _fields(row: object) -> tuple[object, ...]:
 
 class WorkForSlots:
     """Whether, when a slot's worker ended at ``t``, a request waited for every idle slot: at least as many
-    requests were submitted and not yet dispatched as slots were idle (their worker ended, their next
-    attempt not yet dispatched; a slot that never ran is idle from the start). A slot freed when fewer
-    requests waited than slots idled waits for a tuner to submit work, not for the scheduler: when a wave
-    of 1,600 batches ends together with 800 requests queued, 800 of the freed slots have nothing to run
-    until the tuners hear of the results and submit. Exact times: the requests' submission and dispatch
-    from the ledger, the slots' ends and dispatches from the workers' intervals and the attempts."""
+    requests were submitted and not yet started (no worker ran their batch yet: queued in the master, or
+    sent ahead to a busy slot) as slots were idle (their worker ended and the next one had not started; a
+    slot that never ran is idle from the start). A slot freed when fewer requests waited than slots idled
+    waits for a tuner to submit work, not for the scheduler: when a wave of 1,600 batches ends together
+    with 800 requests queued, 800 of the freed slots have nothing to run until the tuners hear of the
+    results and submit. Exact times: the requests' submission from the ledger, their batches' starts and
+    the slots' ends from the workers' intervals. ``waits``: (submitted, started or None) per request."""
 
     def __init__(
-        self, waits: list[Any], intervals: list[tuple[object, ...]], attempts: list[Any], slots: int, t0: float
+        self, waits: list[tuple[float, float | None]], intervals: list[tuple[object, ...]], slots: int, t0: float
     ) -> None:
         self.submitted = sorted(float(c) for c, _ in waits)
-        self.dispatched = sorted(float(d) for _, d in waits if d is not None)
-        ends: dict[tuple[str, str], list[float]] = {}
-        for nm, slot, _a, b in intervals:
-            ends.setdefault((str(nm), str(slot)), []).append(float(b))  # type: ignore[arg-type]
-        sent: dict[tuple[str, str], list[float]] = {}
-        for nm, slot, dispatched, _sent, _finished in attempts:
-            sent.setdefault((str(nm), str(slot)), []).append(float(dispatched))
-        starts, stops = [t0] * max(0, slots - len(sent.keys() | ends.keys())), []  # never used: idle all along
-        for key in sent.keys() | ends.keys():
-            ds = sorted(sent.get(key, []))
-            starts.append(t0)  # idle from t0 until its first dispatch
-            if ds:
-                stops.append(ds[0])
-            for e in ends.get(key, []):  # then from each end until the next dispatch
-                i = bisect.bisect_right(ds, e)
+        self.started = sorted(float(d) for _, d in waits if d is not None)
+        runs: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        for nm, slot, a, b, *_ in intervals:
+            runs.setdefault((str(nm), str(slot)), []).append((float(a), float(b)))  # type: ignore[arg-type]
+        starts, stops = [t0] * max(0, slots - len(runs)), []  # never used: idle all along
+        for ran in runs.values():
+            begun = sorted(a for a, _ in ran)
+            starts.append(t0)  # idle from t0 until its first worker started
+            stops.append(begun[0])
+            for _, e in ran:  # then from each end until the next worker started
+                i = bisect.bisect_left(begun, e)
                 starts.append(e)
-                if i < len(ds):
-                    stops.append(ds[i])
+                if i < len(begun):
+                    stops.append(begun[i])
         self.idle_from, self.idle_until = sorted(starts), sorted(stops)
 
+    def waiting(self, t: float) -> int:
+        """Requests submitted by ``t`` whose batch had not started by ``t``."""
+        return bisect.bisect_right(self.submitted, t) - bisect.bisect_right(self.started, t)
+
     def __call__(self, t: float) -> bool:
-        waiting = bisect.bisect_right(self.submitted, t) - bisect.bisect_right(self.dispatched, t)
         idle = bisect.bisect_right(self.idle_from, t) - bisect.bisect_right(self.idle_until, t)
-        return waiting >= idle > 0
+        return self.waiting(t) >= idle > 0
+
+
+def request_waits(rows: list[Any], intervals: list[tuple[object, ...]]) -> list[tuple[float, float | None]]:
+    """(submitted, started) per request from the ledger's (created_at, batch id) rows: started is when a
+    worker first ran its batch (any attempt; None: not yet)."""
+    first: dict[int, float] = {}
+    for _nm, _slot, a, _b, batch, *_ in intervals:
+        b, t = int(batch), float(a)  # type: ignore[call-overload, arg-type]
+        if b not in first or t < first[b]:
+            first[b] = t
+    return [(float(c), None if b is None else first.get(int(b))) for c, b in rows]
 
 
 def pending_then(samples: list[Sample]) -> Callable[[float], bool]:
@@ -683,26 +697,25 @@ def latency_stages(
 ) -> dict[str, list[float]]:
     """A freed slot's wait (``total``: its worker ended -> the next worker started on it), for the ends ``counted``
     says to take (``ended``: when, epoch seconds), and where it went: ``report`` (the worker ended -> the ledger
-    recorded it: node manager, Kafka, aggregator), ``round`` (-> the next attempt on that slot dispatched),
-    ``stream`` (-> sent on the node manager's assignment stream), ``start`` (-> its worker started). A slot's
-    attempts (by dispatch time) are paired with its busy intervals (by start)."""
-    runs: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    for nm, slot, a, b in intervals:
-        runs.setdefault((str(nm), str(slot)), []).append((float(a), float(b)))  # type: ignore[arg-type]
-    tried: dict[tuple[str, str], list[tuple[float, float | None, float | None]]] = {}
-    for nm, slot, dispatched, sent, finished in attempts:
-        tried.setdefault((str(nm), str(slot)), []).append((float(dispatched), sent, finished))
+    recorded it: node manager, Kafka, aggregator), ``round`` (-> the next attempt on that slot dispatched;
+    below zero when the master sent it ahead, before the slot freed), ``stream`` (-> sent on the node
+    manager's assignment stream), ``start`` (-> its worker started; for an attempt sent ahead, this holds
+    its wait for the slot). A slot's runs (``intervals``: node manager, slot, start, end, batch, attempt)
+    are matched to their attempts (``attempts``: batch, attempt, dispatched, sent, finished)."""
+    runs: dict[tuple[str, str], list[tuple[float, float, tuple[int, int]]]] = {}
+    for nm, slot, a, b, batch, attempt in intervals:
+        key = (int(batch), int(attempt))  # type: ignore[call-overload]
+        runs.setdefault((str(nm), str(slot)), []).append((float(a), float(b), key))  # type: ignore[arg-type]
+    tried = {(int(b), int(a)): (float(d), s, f) for b, a, d, s, f in attempts}
     out: dict[str, list[float]] = {"ended": [], "total": [], "report": [], "round": [], "stream": [], "start": []}
-    for key, ran in runs.items():
+    for ran in runs.values():
         ran.sort()
-        att = tried.get(key, [])
-        if len(att) != len(ran):
-            continue  # an attempt that never ran (lost, aborted): the pairing would be off
-        for (prev_run, next_run), (prev_att, next_att) in zip(
-            itertools.pairwise(ran), itertools.pairwise(att), strict=True
-        ):
+        for prev_run, next_run in itertools.pairwise(ran):
             end = prev_run[1]
-            if end > t_end or not counted(end) or prev_att[2] is None or next_att[1] is None:
+            prev_att, next_att = tried.get(prev_run[2]), tried.get(next_run[2])
+            if prev_att is None or next_att is None or prev_att[2] is None or next_att[1] is None:
+                continue
+            if end > t_end or not counted(end):
                 continue
             out["ended"].append(end)
             out["total"].append((next_run[0] - end) * 1000)
@@ -714,24 +727,19 @@ def latency_stages(
 
 
 def occupancy_while_pending(
-    intervals: list[tuple[object, ...]], samples: list[Sample], slots: int, t0: float, t_end: float
+    intervals: list[tuple[object, ...]], waiting: Callable[[float], int], slots: int, t0: float, t_end: float
 ) -> dict[str, float]:
-    """Occupancy while work was pending (see the module docstring)."""
-    times = [s.t for s in samples]
-
-    def pending_at(t: float) -> int:
-        i = bisect.bisect_right(times, t) - 1
-        return samples[i].pending if i >= 0 else 0
-
+    """Occupancy while work was pending (see the module docstring): ``waiting(t)`` is how many requests
+    were submitted and not started at ``t`` (``WorkForSlots.waiting``)."""
     # busy slots at each whole second from t0: a sweep over the intervals' starts and ends
-    starts = sorted(float(a) for _nm, _s, a, _b in intervals)  # type: ignore[arg-type]
-    ends = sorted(float(b) for _nm, _s, _a, b in intervals)  # type: ignore[arg-type]
+    starts = sorted(float(a) for _nm, _s, a, _b, *_ in intervals)  # type: ignore[arg-type]
+    ends = sorted(float(b) for _nm, _s, _a, b, *_ in intervals)  # type: ignore[arg-type]
     busy_num = busy_den = 0.0
     t = t0
     while t < t_end:
         busy = bisect.bisect_right(starts, t) - bisect.bisect_right(ends, t)  # started by t, not ended by t
         busy_num += busy
-        busy_den += min(slots, busy + pending_at(t))
+        busy_den += min(slots, busy + waiting(t))
         t += 1.0
     return {"occupancy": busy_num / busy_den if busy_den else float("nan")}
 

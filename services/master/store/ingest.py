@@ -16,7 +16,10 @@ through the same store roles as the master's direct path (``BatchLedger.report_b
   ``BatchLedger.end_attempts_in``, which the core's ``lifecycle.end_attempt`` decides (bounded
   retries; a preemption first records its checkpoint and is no failure; a report for an attempt that
   is not the running one changes nothing);
-- ``progress``, ``batch_started`` and ``gpu_telemetry`` have no database effect (counted, dropped).
+- ``batch_started``: the attempt's ``started_at`` (``BatchLedger.mark_started_in``; the first word wins,
+  so it needs no claim below): a batch sent ahead of its slot's end waits on the node manager, and the
+  cost estimator must learn from the run alone;
+- ``progress`` and ``gpu_telemetry`` have no database effect (counted, dropped).
 
 Idempotence: every message with an effect inserts its ``msg_id`` into ``applied_messages`` in the same
 transaction as its effect, insert-or-ignore returning the ids that were new, so a redelivered message
@@ -46,6 +49,7 @@ from stagetree.bus.messages import (
     BatchFinished,
     BatchMessage,
     BatchPreempted,
+    BatchStarted,
     CheckpointSaved,
     Curve,
     Message,
@@ -82,7 +86,8 @@ class IngestResult:
 
     applied: int = 0  # messages whose effects were applied now
     duplicates: int = 0  # already applied earlier (or twice in this list): skipped
-    ignored: int = 0  # kinds with no database effect (progress, batch_started, telemetry)
+    ignored: int = 0  # kinds with no database effect (progress, telemetry)
+    started: int = 0  # batch_started messages (their attempts' started_at, where not set yet)
     rejected: int = 0  # can never apply (unknown batch/node, bad point): logged and skipped
     points: int = 0  # metrics messages applied
     curve_points: int = 0  # learning-curve points offered by the curve messages applied
@@ -106,8 +111,8 @@ class IngestResult:
 
     def merge(self, other: IngestResult) -> None:
         """Add ``other``'s counts and ids to this one (for applies split in parts)."""
-        counts = ("applied", "duplicates", "ignored", "rejected", "points", "curve_points", "checkpoints", "stale")
-        for name in (*counts, "path_changes"):
+        counts = ("applied", "duplicates", "ignored", "started", "rejected", "points", "curve_points", "checkpoints")
+        for name in (*counts, "stale", "path_changes"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("completed", "failed_requests", "finished", "requeued"):
             getattr(self, name).extend(getattr(other, name))
@@ -148,18 +153,27 @@ class Ingestor:
         written) or ``Unavailable`` (the database is unreachable; nothing was written)."""
         out = IngestResult()
         candidates: dict[str, BatchMessage] = {}
+        started: list[tuple[int, int]] = []
         for msg in messages:
-            if type(msg) not in _EFFECTFUL:
+            if isinstance(msg, BatchStarted):
+                if msg.batch_id <= MAX_INT64:
+                    started.append((msg.batch_id, msg.attempt))
+                out.started += 1
+            elif type(msg) not in _EFFECTFUL:
                 out.ignored += 1
             elif msg.msg_id in candidates:
                 out.duplicates += 1
             else:
                 candidates[msg.msg_id] = msg  # type: ignore[assignment]  # an effectful kind is a BatchMessage
+        now = time.time()
         if not candidates:
+            if started:
+                with self.db.tx("record batch starts") as s:
+                    self.ledger.mark_started_in(s, started, now)
             return out
         placed, rejected_ids, curves = self._place(list(candidates.values()))
-        now = time.time()
         with self.db.tx("apply bus messages") as s:
+            self.ledger.mark_started_in(s, started, now)
             new = self._claim(s, sorted(candidates), now)
             out.duplicates += len(candidates) - len(new)
             out.rejected += sum(1 for i in rejected_ids if i in new)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Container, Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import bindparam, case, insert, select, text, tuple_, update
+from sqlalchemy import bindparam, case, func, insert, select, text, tuple_, update
 from sqlalchemy.orm import Session
 
 from stagetree.core.errors import NotFound, StagetreeError
@@ -95,6 +95,11 @@ _NEXT_BATCH_IDS = text("SELECT nextval(pg_get_serial_sequence('batches', 'id')) 
 _DROP_BATCH = _B.delete().where(_B.c.id == bindparam("b"))
 _SET_SPEC = update(_B).where(_B.c.id == bindparam("b")).values(spec_json=bindparam("spec"))
 _NEW_ATTEMPT = insert(_A)
+_STARTED = (
+    update(_A)
+    .where(_A.c.batch_id == bindparam("b"), _A.c.attempt == bindparam("a"), _A.c.started_at.is_(None))
+    .values(started_at=bindparam("t"))
+)
 _RUNNING = select(
     _B.c.id, _B.c.plan_id, _B.c.state, _B.c.attempt, _B.c.spec_json, _B.c.node_manager_id, _B.c.slot_id
 ).where(_B.c.state == BatchState.RUNNING)
@@ -117,7 +122,13 @@ class BatchLedger:
         self.curves = CurveStore(db) if curves is None else curves
         self.paths = PathChangeStore(db) if paths is None else paths
 
-    # -- the end of attempts --------------------------------------------------------------------------
+    # -- the start and the end of attempts ------------------------------------------------------------
+
+    def mark_started_in(self, s: Session, attempts: Sequence[tuple[int, int]], now: float) -> None:
+        """Record that these (batch, attempt) pairs' workers started, at ``now``: the first word wins, so a
+        redelivered ``batch_started`` changes nothing. Unknown pairs are ignored."""
+        if attempts:
+            s.connection().execute(_STARTED, [{"b": b, "a": a, "t": now} for b, a in sorted(set(attempts))])
 
     def end_attempts_in(
         self,
@@ -459,17 +470,22 @@ class BatchLedger:
             rows: list[Any] = []
             for i in range(0, len(wanted), 500):
                 rows += s.execute(
-                    select(a.batch_id, a.attempt, b.spec_json, a.sent_at, a.dispatched_at, a.finished_at, sl.gpu_type)
+                    select(
+                        a.batch_id,
+                        a.attempt,
+                        b.spec_json,
+                        func.coalesce(a.started_at, a.sent_at, a.dispatched_at),
+                        a.finished_at,
+                        sl.gpu_type,
+                    )
                     .join(b, b.id == a.batch_id)
                     .outerjoin(sl, (sl.node_manager_id == a.node_manager_id) & (sl.slot_id == a.slot_id))
                     .where(tuple_(a.batch_id, a.attempt).in_(wanted[i : i + 500]))
                 ).all()
-            rows.sort(key=lambda r: -float(r[5] or 0.0))
+            rows.sort(key=lambda r: -float(r[4] or 0.0))
         return [
-            FinishedAttempt(
-                int(bid), int(att), spec, float(end) - float(disp if sent is None else sent), float(end), gpu or ""
-            )
-            for bid, att, spec, sent, disp, end, gpu in reversed(rows)
+            FinishedAttempt(int(bid), int(att), spec, float(end) - float(began), float(end), gpu or "")
+            for bid, att, spec, began, end, gpu in reversed(rows)
             if end is not None
         ]
 

@@ -76,7 +76,7 @@ class FinishedAttempt:
     batch_id: int
     attempt: int
     spec_json: str
-    seconds: float  # from the node manager taking it (or its dispatch) to its end
+    seconds: float  # from its worker's start (else the node manager taking it, else its dispatch) to its end
     finished_at: float
     gpu_type: str  # of its slot ("" when the slot is no longer registered)
 

@@ -59,6 +59,36 @@ def test_round_fills_free_slots_and_never_sends_an_attempt_twice(app: MasterApp)
     assert len(app.scheduler.run_round().dispatched) == 1  # the freed slot takes the queued batch
 
 
+def test_a_slot_about_to_free_is_sent_its_next_batch_ahead_and_holds_one_at_most(app: MasterApp) -> None:
+    _submit(app, 3)  # three 10-step batches, 10 s each by the default cost
+    nm = _node_manager(app, 1)
+    app.scheduler.settings = app.scheduler.settings.model_copy(update={"lookahead_s": 20.0})
+    (first,) = app.scheduler.run_round().dispatched  # the free slot
+    ahead = app.scheduler.run_round()  # the slot's batch ends within 20 s: its next goes now
+    assert len(ahead.dispatched) == 1 and ahead.wake_at is None
+    assert app.scheduler.run_round().dispatched == []  # one batch ahead at most
+    sent = app.service.take_assignments(ADMIN, nm)
+    assert [a.batch_id for a in sent] == [first, *ahead.dispatched] and {a.slot_id for a in sent} == {"g0"}
+    app.service.report_batch(ADMIN, attempt_report(first, 1, ok=True, metrics=[]))
+    assert len(app.scheduler.run_round().dispatched) == 1  # the batch sent ahead now runs alone: the third
+
+
+def test_a_slot_further_from_its_end_is_not_sent_work_ahead_but_a_round_is_due_when_it_comes_close(
+    app: MasterApp,
+) -> None:
+    _submit(app, 2)
+    _node_manager(app, 1)
+    app.scheduler.settings = app.scheduler.settings.model_copy(update={"lookahead_s": 3.0})
+    assert len(app.scheduler.run_round().dispatched) == 1
+    t = time.time()
+    report = app.scheduler.run_round()
+    assert report.dispatched == [] and report.wake_at is not None
+    assert t + 10 - 3 - 1 < report.wake_at < time.time() + 10 - 3 + 1  # 10 s estimated, 3 s ahead
+    app.scheduler.settings = app.scheduler.settings.model_copy(update={"lookahead_s": 0.0})
+    off = app.scheduler.run_round()
+    assert off.dispatched == [] and off.wake_at is None  # 0 turns it off
+
+
 def test_lost_node_manager_work_restarts_from_its_latest_checkpoint(app: MasterApp) -> None:
     study, (rid,) = _submit(app, 1, step=20)
     lost = _node_manager(app, 1, ttl=0.3)

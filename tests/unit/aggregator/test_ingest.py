@@ -5,22 +5,30 @@ from __future__ import annotations
 
 import math
 import shutil
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import select
 
 from stagetree.bus.messages import GpuTelemetry, Message
 from stagetree.core.lifecycle import BatchState, CheckpointPoint, MetricPoint, RequestState, Rescaled, RetryPolicy
 from stagetree.master.auth import Principal
 from stagetree.master.service import MasterService
 from stagetree.master.settings import LimitSettings
+from stagetree.master.store import models as m
 from stagetree.master.store.ingest import Ingestor
 from stagetree.master.store.records import metric_value
 from stagetree.master.store.store import Store, make_engine
 from tests.reports import attempt_report
 from tests.unit.aggregator.helpers import BRANCH, World, applied_count, make_world
+
+
+def started_at(store: Store, batch_id: int) -> float | None:
+    with store.db.tx("read") as s:
+        return s.execute(select(m.BatchAttempt.started_at).where(m.BatchAttempt.batch_id == batch_id)).scalar()
 
 
 def test_metrics_are_stored_and_complete_the_requests_waiting_there(world: World) -> None:
@@ -169,10 +177,28 @@ def test_kinds_without_a_database_effect_are_counted_and_leave_no_trace(world: W
         msg_id="t-1", node_manager=world.nm, gpu_index=0, utilization=50, memory_used=1, memory_total=2, ts=1.0
     )
     before = world.state()
-    res = Ingestor(world.store).apply([world.started(batch.id), world.progress(batch.id, world.root, 5), telemetry])
-    assert (res.ignored, res.applied) == (3, 0)
+    res = Ingestor(world.store).apply([world.progress(batch.id, world.root, 5), telemetry])
+    assert (res.ignored, res.applied) == (2, 0)
     assert world.state() == before
     assert applied_count(world.store) == 0
+
+
+def test_a_batch_start_is_recorded_once_and_the_cost_estimator_learns_from_it(world: World) -> None:
+    batch, (_r,) = world.dispatch([(world.root, 10)])
+    ing = Ingestor(world.store)
+    res = ing.apply([world.started(batch.id)])
+    assert (res.started, res.applied, res.ignored) == (1, 0, 0)
+    assert applied_count(world.store) == 0  # needs no claim: the first word wins
+    first = started_at(world.store, batch.id)
+    assert first is not None
+    time.sleep(0.01)
+    ing.apply([world.started(batch.id)])  # a redelivery keeps the first time
+    assert started_at(world.store, batch.id) == first
+    ing.apply([world.finished(batch.id, 10)])
+    [done] = world.store.ledger.finished_attempts(0.0)
+    with world.store.db.tx("read") as s:
+        finished = s.execute(select(m.BatchAttempt.finished_at).where(m.BatchAttempt.batch_id == batch.id)).scalar()
+    assert done.seconds == pytest.approx(finished - first)  # from the start, not the dispatch
 
 
 def test_a_diverged_run_reports_nan_and_infinity(world: World) -> None:

@@ -189,6 +189,27 @@ async def test_a_second_batch_waits_for_the_slot_the_first_frees(h: Harness) -> 
     assert r9.ok and r10.ok and h.link.reports.index(r9) < h.link.reports.index(r10)
 
 
+async def test_a_batch_sent_ahead_waits_for_its_named_slot_and_lets_others_pass(tmp_path: Path) -> None:
+    h = await _start(tmp_path, slots=3)
+    try:
+        h.run(_spec(11, steps=400, trainer=FAULTY, sleep_s=0.01), slot_id="cpu0")
+        await until(lambda: h.nm._attempts.get((11, 1)) and h.nm._attempts[(11, 1)].started)
+        h.run(_spec(12, steps=5), slot_id="cpu0")  # sent ahead: cpu0 is still busy, cpu1 and cpu2 are free
+        h.run(_spec(13, steps=5), slot_id="cpu1")  # behind it in the queue, its slot free: it passes
+        h.run(_spec(14, steps=5), slot_id="elsewhere")  # names no slot here: any free one
+        await h.report(13)
+        await h.report(14)
+        assert h.nm._attempts[(12, 1)].worker is None and 12 not in {r.batch_id for r in h.link.reports}
+        assert h.link.report_of(14).ok
+        h.send(PREEMPT, 11)
+        await h.report(12)
+        assert h.link.reports.index(h.link.report_of(11)) < h.link.reports.index(h.link.report_of(12))
+        assert h.link.report_of(12).ok
+    finally:
+        h.stop.set()
+        await asyncio.wait_for(h.task, 30)
+
+
 async def test_delete_checkpoints_removes_them_and_ignores_missing_or_foreign(h: Harness) -> None:
     uri = h.store.put("plan/n1/s4-central-b1a1", lambda d: (d / "x").write_text("x")).uri
     missing = h.store.uri_of("plan/n1/s8-central-b1a1")

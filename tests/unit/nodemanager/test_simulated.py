@@ -95,8 +95,8 @@ async def test_a_batch_reports_the_curve_at_its_evals_and_its_saves_and_takes_it
     assert {(c.node, c.step) for c in report.checkpoints} == {(1, 10), (2, 20)}  # type: ignore[attr-defined]
     assert all(c.uri.startswith("sim://sim-0/") for c in report.checkpoints)  # type: ignore[attr-defined]
     assert took >= 20 * STEP_S
-    [(nm, _slot, a, b)] = fleet.activity.intervals
-    assert nm == "sim-0" and b - a >= 20 * STEP_S
+    [(nm, _slot, a, b, batch, attempt)] = fleet.activity.intervals
+    assert nm == "sim-0" and b - a >= 20 * STEP_S and (batch, attempt) == (spec.batch_id, spec.attempt)
 
 
 async def test_a_slower_gpu_type_takes_longer_per_step(fleet: Fleet) -> None:
@@ -104,7 +104,7 @@ async def test_a_slower_gpu_type_takes_longer_per_step(fleet: Fleet) -> None:
     fleet.run(1, _spec(2, evals=[(1, 20)]))
     await fleet.report(0, 1)
     await fleet.report(1, 2)
-    took = {nm: b - a for nm, _slot, a, b in fleet.activity.intervals}
+    took = {nm: b - a for nm, _slot, a, b, *_ in fleet.activity.intervals}
     assert took["sim-1"] >= 3 * took["sim-0"] * 0.9  # speed 0.25 against 1
 
 
