@@ -64,12 +64,14 @@ class LocalBatcher:
         self._thread = threading.Thread(target=self._run, name="bus-batcher", daemon=True)
         self._thread.start()
 
-    def add(self, message: Message, *, urgent: bool = False) -> None:
-        """Queue one message; publishes at once when this fills a batch. ``urgent``: the batcher's thread
-        publishes it (and what is queued before it) now rather than when the oldest is ``max_age_s`` old;
-        those added while it publishes go together next, so a burst of urgent messages costs a few
-        publishes, not one each, and the caller waits for none. Bus errors do not reach the caller (the
-        message stays queued); a full buffer raises ResourceExhausted."""
+    def add(self, message: Message, *, urgent: bool = False, publish_here: bool = True) -> None:
+        """Queue one message; publishes at once when this fills a batch (in the caller's thread, or with
+        ``publish_here=False`` in the batcher's: then the call never waits for the bus, and an event loop
+        may make it). ``urgent``: the batcher's thread publishes it (and what is queued before it) now
+        rather than when the oldest is ``max_age_s`` old; those added while it publishes go together
+        next, so a burst of urgent messages costs a few publishes, not one each, and the caller waits for
+        none. Bus errors do not reach the caller (the message stays queued); a full buffer raises
+        ResourceExhausted."""
         with self._cond:
             if self._closed:
                 raise FailedPrecondition("add on a closed batcher")
@@ -80,12 +82,12 @@ class LocalBatcher:
                 )
             self._buffer.append((time.monotonic(), message))
             full = len(self._buffer) >= self._max_messages
-            if urgent:
+            if urgent or (full and not publish_here):
                 self._urgent = True
                 self._cond.notify()  # publish now
             elif len(self._buffer) == 1:
                 self._cond.notify()  # start the age timer
-        if full:
+        if full and publish_here:
             try:
                 self.flush()
             except StagetreeError as e:  # the message is queued; the timer thread retries

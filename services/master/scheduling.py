@@ -165,14 +165,19 @@ class SchedulingLoop:
         return [s for n in nms for s in n.placed_slots() if (n.id, s.id) not in busy]
 
     def soon_free(
-        self, nms: Sequence[NodeManagerRecord], running: Sequence[BatchRecord], cost: StageCost, now: float
+        self,
+        nms: Sequence[NodeManagerRecord],
+        running: Sequence[BatchRecord],
+        cost: StageCost,
+        now: float,
+        started: Mapping[tuple[int, int], float] | None = None,
     ) -> tuple[list[Slot], float | None]:
         """The busy slots of live node managers whose one batch should end by ``now + lookahead_s``,
         soonest first, and when the next other busy slot comes that close to its end (None: none will
         without a new batch). A slot already holding its next batch, or held by a batch on several slots,
-        is not offered. A batch's end is when a round first saw it alone on its slot (its dispatch, or
-        the end of the one before it) plus its stages' estimated cost: a little late by the report's
-        delay, so the next batch arrives no earlier than needed."""
+        is not offered. A batch's end is its start plus its stages' estimated cost; its start is when its
+        worker said it started (``started``: (batch, attempt) -> time) or, until that is heard, when a
+        round first saw it alone on its slot (its dispatch, or the end of the one before it)."""
         per_slot: dict[tuple[str, str], list[BatchRecord]] = {}
         for b in running:
             for slot in (b.slot_id or "").split(","):  # a batch on several slots holds each of them
@@ -193,9 +198,10 @@ class SchedulingLoop:
                 if since is None and alone:
                     since = now
                 seen[k] = (stages, since)
-                if alone and since is not None:
+                began = since if started is None else started.get(k, since)
+                if alone and began is not None:
                     plan = str(b.plan_id)
-                    ends[key] = since + sum(cost(Stage(0, plan, st.node, st.start, st.end)) for st in stages)
+                    ends[key] = began + sum(cost(Stage(0, plan, st.node, st.start, st.end)) for st in stages)
         self._alone = seen
         horizon = now + self.settings.lookahead_s
         wake_at = min((end - self.settings.lookahead_s for end in ends.values() if end > horizon), default=None)
@@ -406,7 +412,9 @@ class SchedulingLoop:
             wake_at = None
             if self.settings.lookahead_s > 0 and not chosen:  # followed with no work pending too: see soon_free
                 ahead_cost = self.stage_cost(slots or [s for n in reads.node_managers for s in n.placed_slots()])
-                soon, wake_at = self.soon_free(reads.node_managers, reads.running, ahead_cost, time.time())
+                soon, wake_at = self.soon_free(
+                    reads.node_managers, reads.running, ahead_cost, time.time(), reads.started
+                )
                 if not reads.pending:  # nothing to send ahead, nor a reason to wake early
                     soon, wake_at = [], None
             if not slots and not soon and not any(p.time_share or p.search for p in policies.values()):

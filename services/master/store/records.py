@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from stagetree.core.batch import Point
 from stagetree.core.lifecycle import AssignmentKind, BatchState, NodeManagerState, RequestState
@@ -151,6 +151,8 @@ class RoundReads:
     policy_studies: list[tuple[str, str]]  # (study id, fixed json) with policies and live requests
     pending: dict[int, list[tuple[int, Point]]]  # per plan: (request id, point) of NOT_SCHED requests
     running: list[BatchRecord]
+    # (batch, attempt) -> when its worker started, of the running ones whose batch_started was recorded
+    started: dict[tuple[int, int], float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,15 @@ from stagetree.master.store.ledger import BatchLedger
 from stagetree.master.store.nodes import NodeRegistry
 from stagetree.master.store.records import BatchRecord, RoundReads, SlotInfo
 
-_R, _B, _S = table(m.Request), table(m.Batch), table(m.Study)
+_R, _B, _S, _A = table(m.Request), table(m.Batch), table(m.Study), table(m.BatchAttempt)
 _PENDING = select(_R.c.id, _R.c.plan_id, _R.c.node_id, _R.c.step).where(_R.c.state == RequestState.NOT_SCHED)
 _BUSY = select(_B.c.node_manager_id, _B.c.slot_id).where(
     _B.c.state == BatchState.RUNNING, _B.c.node_manager_id.is_not(None)
 )
-_RUNNING_KEYS = select(_B.c.id, _B.c.plan_id, _B.c.attempt, _B.c.node_manager_id, _B.c.slot_id).where(
-    _B.c.state == BatchState.RUNNING
+_RUNNING_KEYS = (
+    select(_B.c.id, _B.c.plan_id, _B.c.attempt, _B.c.node_manager_id, _B.c.slot_id, _A.c.started_at)
+    .select_from(_B.outerjoin(_A, (_A.c.batch_id == _B.c.id) & (_A.c.attempt == _B.c.attempt)))
+    .where(_B.c.state == BatchState.RUNNING)
 )
 _SPECS = select(_B.c.id, _B.c.attempt, _B.c.spec_json).where(_B.c.id.in_(bindparam("ids", expanding=True)))
 _SPECS_PER_READ = 500
@@ -52,9 +54,10 @@ class RoundReader:
             nms = self.nodes.node_managers_cached_in(s, self._slots)
             policies = self._policy_studies_in(s)
             pending = self._pending_in(s)
-            running = self._running_in(s)
+            started: dict[tuple[int, int], float] = {}
+            running = self._running_in(s, started)
         busy = held_slots((b.node_manager_id, b.slot_id) for b in running if b.node_manager_id)
-        return RoundReads(nms, busy, policies, pending, running)
+        return RoundReads(nms, busy, policies, pending, running, started)
 
     def path_checkpoints(self, nodes: list[int], plans: list[int]) -> dict[int, dict[Point, str]]:
         """Checkpoint uri per point, per node, on ``nodes`` (the pending work's paths in ``plans``). Past
@@ -69,13 +72,16 @@ class RoundReader:
                     out.setdefault(p.node, {})[p] = uri
             return out
 
-    def _running_in(self, s: Session) -> list[BatchRecord]:
+    def _running_in(self, s: Session, started: dict[tuple[int, int], float] | None = None) -> list[BatchRecord]:
         """Every running batch, its record built once per attempt (a round reads 1,600 of them at 1,600
-        slots; building each again every round was 8% of the round's samples under py-spy)."""
+        slots; building each again every round was 8% of the round's samples under py-spy). ``started``
+        gets the start time of those whose worker said it started."""
         kept = self._records
         now: dict[tuple[int, int], BatchRecord] = {}
         new: list[tuple[int, int, int, str | None, str | None]] = []
-        for i, p, a, nm, slot in self.db.rows(s, _RUNNING_KEYS):
+        for i, p, a, nm, slot, began in self.db.rows(s, _RUNNING_KEYS):
+            if began is not None and started is not None:
+                started[(int(i), int(a))] = float(began)
             rec = kept.get((i, a))
             if rec is None:
                 new.append((int(i), int(p), int(a), nm, slot))
