@@ -201,6 +201,8 @@ class BusReporter(BatchReporter):
     def _message(self, info: AttemptInfo, kind: str, payload: dict[str, Any]) -> BatchMessage:
         cls = _BUS_TYPES[kind]
         fields = {k: v for k, v in payload.items() if k not in ("batch_id", "attempt")}
+        if cls is BatchStarted:  # the start as seen here: the scheduler estimates the batch's end from it
+            fields = {"started_at": time.time()}
         if cls is Curve:  # the runtime's [[step, values], ...] as the message's two aligned lists
             points = fields.pop("points")
             fields["steps"] = [int(p[0]) for p in points]

@@ -16,9 +16,10 @@ through the same store roles as the master's direct path (``BatchLedger.report_b
   ``BatchLedger.end_attempts_in``, which the core's ``lifecycle.end_attempt`` decides (bounded
   retries; a preemption first records its checkpoint and is no failure; a report for an attempt that
   is not the running one changes nothing);
-- ``batch_started``: the attempt's ``started_at`` (``BatchLedger.mark_started_in``; the first word wins,
-  so it needs no claim below): a batch sent ahead of its slot's end waits on the node manager, and the
-  cost estimator must learn from the run alone;
+- ``batch_started``: the attempt's ``started_at``, the node manager's time in the message (else now, and
+  never later than now) (``BatchLedger.mark_started_in``; the first word wins, so it needs no claim
+  below): a batch sent ahead of its slot's end waits on the node manager; the cost estimator must learn
+  from the run alone, and the scheduler estimates when a slot frees from it;
 - ``progress`` and ``gpu_telemetry`` have no database effect (counted, dropped).
 
 Idempotence: every message with an effect inserts its ``msg_id`` into ``applied_messages`` in the same
@@ -153,11 +154,11 @@ class Ingestor:
         written) or ``Unavailable`` (the database is unreachable; nothing was written)."""
         out = IngestResult()
         candidates: dict[str, BatchMessage] = {}
-        started: list[tuple[int, int]] = []
+        started: list[tuple[int, int, float | None]] = []
         for msg in messages:
             if isinstance(msg, BatchStarted):
                 if msg.batch_id <= MAX_INT64:
-                    started.append((msg.batch_id, msg.attempt))
+                    started.append((msg.batch_id, msg.attempt, msg.started_at))
                 out.started += 1
             elif type(msg) not in _EFFECTFUL:
                 out.ignored += 1

@@ -124,11 +124,15 @@ class BatchLedger:
 
     # -- the start and the end of attempts ------------------------------------------------------------
 
-    def mark_started_in(self, s: Session, attempts: Sequence[tuple[int, int]], now: float) -> None:
-        """Record that these (batch, attempt) pairs' workers started, at ``now``: the first word wins, so a
+    def mark_started_in(self, s: Session, attempts: Sequence[tuple[int, int, float | None]], now: float) -> None:
+        """Record that these (batch, attempt, when or None) workers started: when they say, else ``now``,
+        and never after ``now`` (a node manager's clock ahead of this one's). The first word wins, so a
         redelivered ``batch_started`` changes nothing. Unknown pairs are ignored."""
-        if attempts:
-            s.connection().execute(_STARTED, [{"b": b, "a": a, "t": now} for b, a in sorted(set(attempts))])
+        rows: dict[tuple[int, int], float] = {}
+        for b, a, t in attempts:
+            rows.setdefault((b, a), now if t is None else min(t, now))
+        if rows:
+            s.connection().execute(_STARTED, [{"b": b, "a": a, "t": t} for (b, a), t in sorted(rows.items())])
 
     def end_attempts_in(
         self,

@@ -73,8 +73,8 @@ class World:
             "attempt": attempt,
         }
 
-    def started(self, batch_id: int, attempt: int = 1) -> BatchStarted:
-        return BatchStarted(**self._common(batch_id, attempt))
+    def started(self, batch_id: int, attempt: int = 1, at: float | None = None) -> BatchStarted:
+        return BatchStarted(**self._common(batch_id, attempt), started_at=at)
 
     def progress(self, batch_id: int, node: int, step: int, attempt: int = 1) -> Progress:
         return Progress(**self._common(batch_id, attempt), node=node, step=step)

@@ -201,6 +201,15 @@ def test_a_batch_start_is_recorded_once_and_the_cost_estimator_learns_from_it(wo
     assert done.seconds == pytest.approx(finished - first)  # from the start, not the dispatch
 
 
+def test_a_batch_start_takes_the_node_managers_time_but_never_one_ahead_of_now(world: World) -> None:
+    (b1, _), (b2, _) = world.dispatch([(world.root, 10)]), world.dispatch([(world.root, 20)])
+    ing = Ingestor(world.store)
+    t = time.time()
+    ing.apply([world.started(b1.id, at=t - 5.0), world.started(b2.id, at=t + 3600)])
+    assert started_at(world.store, b1.id) == pytest.approx(t - 5.0)
+    assert t <= (started_at(world.store, b2.id) or 0.0) <= time.time()  # a clock an hour ahead: now
+
+
 def test_a_diverged_run_reports_nan_and_infinity(world: World) -> None:
     batch, _ = world.dispatch([(world.root, 10)])
     Ingestor(world.store).apply([world.metrics(batch.id, world.root, 10, {"loss": math.nan, "gn": -math.inf})])

@@ -5,6 +5,7 @@ fake master link), normalized to the same facts; then what only one adapter does
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -272,11 +273,13 @@ async def test_bus_reporter_says_nothing_more_about_an_aborted_attempt() -> None
     bus = InProcessBus()
     consumer = bus.subscribe(list(ALL_TOPICS), "test")
     reporter = BusReporter(bus, "nm-1", max_age_s=0.01)
+    t = time.time()
     await reporter.event(INFO, "batch_started", ids())
     await reporter.finish(INFO, AttemptEnd("aborted", by_worker=False))
     await reporter.close()
-    types = [r.message.TYPE for r in consumer.poll(timeout_s=0)]  # type: ignore[union-attr]
-    assert types == ["batch_started"]
+    messages = [r.message for r in consumer.poll(timeout_s=0)]
+    assert [m.TYPE for m in messages] == ["batch_started"]  # type: ignore[union-attr]
+    assert t <= messages[0].started_at <= time.time()  # type: ignore[union-attr]  # stamped here
 
 
 async def test_direct_report_of_an_aborted_attempt_keeps_what_it_saved() -> None:
