@@ -565,7 +565,7 @@ def live(cfg: LiveConfig, root: Path) -> dict[str, object]:
     any_pending = pending_then(samples)
     for name, counted in (("work_waiting", had_work), ("any_pending", any_pending)):
         stages = latency_stages(intervals, attempts, counted, t_end)
-        ended, lat = stages.pop("ended"), stages.pop("total")
+        ended, lat, ahead = stages.pop("ended"), stages.pop("total"), stages.pop("ahead")
         out[f"assign_ms_p50_{name}"] = statistics.median(lat) if lat else float("nan")
         out[f"assign_ms_p99_{name}"] = _p99(lat) if lat else float("nan")
         out[f"assign_samples_{name}"] = float(len(lat))
@@ -576,6 +576,7 @@ def live(cfg: LiveConfig, root: Path) -> dict[str, object]:
         )
         if name == "work_waiting":
             print("live: " + wave_split(ended, lat, t0 + START_WAVE_BATCHES * cfg.min_step * cfg.step_s), flush=True)
+            print("live: " + ahead_split(lat, ahead), flush=True)
     out["assign_ms_p99"] = out["assign_ms_p99_work_waiting"]
     return out
 
@@ -590,6 +591,18 @@ def wave_split(ended: list[float], waits_ms: list[float], until: float) -> str:
     parts = []
     for label, keep in (("start wave", lambda t: t < until), ("after", lambda t: t >= until)):
         xs = [w for t, w in zip(ended, waits_ms, strict=True) if keep(t)]
+        parts.append(
+            f"{label} n={len(xs)} p50={statistics.median(xs):.0f} p99={_p99(xs):.0f}" if xs else f"{label} n=0"
+        )
+    return "a freed slot's wait while work waiting, ms: " + ", ".join(parts)
+
+
+def ahead_split(waits_ms: list[float], ahead: list[float]) -> str:
+    """The freed slots' waits split by whether their next batch was sent before the slot freed (the
+    master's lookahead) or after: where the tail comes from."""
+    parts = []
+    for label, flag in (("sent ahead", 1.0), ("sent after", 0.0)):
+        xs = [w for w, a in zip(waits_ms, ahead, strict=True) if a == flag]
         parts.append(
             f"{label} n={len(xs)} p50={statistics.median(xs):.0f} p99={_p99(xs):.0f}" if xs else f"{label} n=0"
         )
@@ -708,6 +721,7 @@ def latency_stages(
         runs.setdefault((str(nm), str(slot)), []).append((float(a), float(b), key))  # type: ignore[arg-type]
     tried = {(int(b), int(a)): (float(d), s, f) for b, a, d, s, f in attempts}
     out: dict[str, list[float]] = {"ended": [], "total": [], "report": [], "round": [], "stream": [], "start": []}
+    out["ahead"] = []  # 1.0 where the next attempt was dispatched before the slot freed (lookahead), else 0.0
     for ran in runs.values():
         ran.sort()
         for prev_run, next_run in itertools.pairwise(ran):
@@ -723,6 +737,7 @@ def latency_stages(
             out["round"].append((next_att[0] - float(prev_att[2])) * 1000)
             out["stream"].append((float(next_att[1]) - next_att[0]) * 1000)
             out["start"].append((next_run[0] - float(next_att[1])) * 1000)
+            out["ahead"].append(1.0 if next_att[0] < end else 0.0)
     return out
 
 

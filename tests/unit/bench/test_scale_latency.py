@@ -5,6 +5,7 @@ from __future__ import annotations
 from tests.bench.scale import (
     Sample,
     WorkForSlots,
+    ahead_split,
     latency_stages,
     occupancy_while_pending,
     pending_then,
@@ -67,6 +68,8 @@ def test_a_batch_sent_ahead_waits_for_its_slot_and_counts_as_waiting_until_it_st
     assert [round(x) for x in stages["total"]] == [10]
     assert [round(x) for x in stages["round"]] == [-2300]  # sent before the slot freed
     assert [round(x) for x in stages["start"]] == [1960]  # its wait for the slot
+    assert stages["ahead"] == [1.0]
+    assert "sent ahead n=1 p50=10 p99=10, sent after n=0" in ahead_split(stages["total"], stages["ahead"])
     # occupancy, sampled each second: the slot is idle only at t0+10 (for 10 ms), while batch 2 waits
     assert occupancy_while_pending(intervals, had_work.waiting, 1, T0, T0 + 20) == {"occupancy": 19 / 20}
 
