@@ -29,6 +29,10 @@ ROUND_SECONDS = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
 DISPATCHED = Counter("stagetree_master_batches_dispatched", "Batch attempts dispatched to a slot")
+SENT_AHEAD = Counter(
+    "stagetree_master_batches_sent_ahead",
+    "Of those, the ones sent to a busy slot about to free (SchedulingSettings.lookahead_s)",
+)
 ASSIGNMENT_LATENCY = Histogram(
     "stagetree_master_assignment_latency_seconds",
     "From a batch attempt's dispatch to its node manager taking the assignment (this master's dispatches)",
@@ -41,8 +45,10 @@ _dispatched_at: OrderedDict[int, float] = OrderedDict()  # batch id -> when this
 _store: weakref.ref[Any] | None = None  # the store scrapes read (the latest master built here)
 
 
-def observe_round(seconds: float, dispatched: Iterable[int]) -> None:
+def observe_round(seconds: float, dispatched: Iterable[int], ahead: int = 0) -> None:
+    """One round: how long, the batches it dispatched, and how many of them went to busy slots."""
     ROUND_SECONDS.observe(seconds)
+    SENT_AHEAD.inc(ahead)
     now = time.monotonic()
     for batch_id in dispatched:
         DISPATCHED.inc()

@@ -16,8 +16,9 @@ is not implemented yet, so they are served by a later round from the checkpoint 
 whose one batch should end within ``lookahead_s`` (``soon_free``), soonest first. The node manager holds
 such a batch until its slot frees and starts it at once, so the end's trip to the database, the next
 round and the stream no longer leave the slot idle (``tests.bench.scale``'s assignment latency). A slot
-holds at most one batch ahead; a batch's end is estimated from the learnt step costs, from when the
-round first saw the batch alone on its slot. The loop wakes when the next busy slot comes within
+holds at most one batch ahead; a batch's end is estimated from the learnt step costs, from its worker's
+start (``batch_started``, which carries the node manager's time) or, until that is recorded, from when
+a round first saw the batch alone on its slot. The loop wakes when the next busy slot comes within
 ``lookahead_s`` of its end. Off in rounds where a study chose policies (they reason about the slots
 that are free now) or a plan's batches take several slots.
 
@@ -92,7 +93,7 @@ class Decision:
     preempts: tuple[int, ...] = ()  # running batches the studies' policies preempt (master.policies)
     kills: tuple[Kill, ...] = ()  # trials the studies' search policies kill
     unplaceable: Mapping[int, str] = field(default_factory=dict)  # plan id -> why no node manager can run it
-    ahead: int = 0  # of the slots offered, how many were busy ones about to free (lookahead)
+    ahead: frozenset[tuple[str, str]] = frozenset()  # (node manager, slot) of the busy slots offered (lookahead)
     wake_at: float | None = None  # when the next busy slot comes within lookahead of its end
 
 
@@ -449,7 +450,7 @@ class SchedulingLoop:
             tuple(preempts),
             tuple(kills),
             unplaceable,
-            len(soon),
+            frozenset((sl.node_manager, sl.id) for sl in soon),
             wake_at,
         )
 
@@ -536,10 +537,12 @@ class SchedulingLoop:
             for d, c in zip(result.dispatches, curves, strict=True)
         ]
         woken: set[str] = set()
+        ahead = 0
         for d, rec in zip(result.dispatches, self.store.ledger.dispatch_many(items), strict=True):
             if rec is None:
                 continue
             dispatched.append(rec.id)
+            ahead += (d.slot.node_manager, d.slot.id) in dec.ahead
             log.info(
                 "batch dispatched",
                 extra={"batch_id": rec.id, "node_manager_id": d.slot.node_manager, "slot_id": d.slot.id},
@@ -553,7 +556,7 @@ class SchedulingLoop:
         if self.settings.checkpoint_budget_bytes is not None:
             self.enforce_checkpoint_budget(dec.forest)
         took = time.monotonic() - t0
-        metrics.observe_round(took, dispatched)
+        metrics.observe_round(took, dispatched, ahead)
         if took >= SLOW_ROUND_S:
             log.warning(
                 "slow scheduling round",

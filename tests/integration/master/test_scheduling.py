@@ -8,6 +8,7 @@ import json
 import time
 
 import pytest
+from prometheus_client import REGISTRY
 
 from stagetree.core.batch import BatchSpec, Point
 from stagetree.core.config import Config
@@ -64,8 +65,10 @@ def test_a_slot_about_to_free_is_sent_its_next_batch_ahead_and_holds_one_at_most
     nm = _node_manager(app, 1)
     app.scheduler.settings = app.scheduler.settings.model_copy(update={"lookahead_s": 20.0})
     (first,) = app.scheduler.run_round().dispatched  # the free slot
+    before = REGISTRY.get_sample_value("stagetree_master_batches_sent_ahead_total") or 0.0
     ahead = app.scheduler.run_round()  # the slot's batch ends within 20 s: its next goes now
     assert len(ahead.dispatched) == 1 and ahead.wake_at is None
+    assert REGISTRY.get_sample_value("stagetree_master_batches_sent_ahead_total") == before + 1
     assert app.scheduler.run_round().dispatched == []  # one batch ahead at most
     sent = app.service.take_assignments(ADMIN, nm)
     assert [a.batch_id for a in sent] == [first, *ahead.dispatched] and {a.slot_id for a in sent} == {"g0"}
