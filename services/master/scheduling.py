@@ -169,7 +169,7 @@ class SchedulingLoop:
         self,
         nms: Sequence[NodeManagerRecord],
         running: Sequence[BatchRecord],
-        cost: StageCost,
+        cost: StageCost | None,
         now: float,
         started: Mapping[tuple[int, int], float] | None = None,
     ) -> tuple[list[Slot], float | None]:
@@ -178,7 +178,8 @@ class SchedulingLoop:
         without a new batch). A slot already holding its next batch, or held by a batch on several slots,
         is not offered. A batch's end is its start plus its stages' estimated cost; its start is when its
         worker said it started (``started``: (batch, attempt) -> time) or, until that is heard, when a
-        round first saw it alone on its slot (its dispatch, or the end of the one before it)."""
+        round first saw it alone on its slot (its dispatch, or the end of the one before it). Without
+        ``cost`` only the latter is kept up to date, and nothing is offered."""
         per_slot: dict[tuple[str, str], list[BatchRecord]] = {}
         for b in running:
             for slot in (b.slot_id or "").split(","):  # a batch on several slots holds each of them
@@ -200,7 +201,7 @@ class SchedulingLoop:
                     since = now
                 seen[k] = (stages, since)
                 began = since if started is None else started.get(k, since)
-                if alone and began is not None:
+                if alone and began is not None and cost is not None:
                     plan = str(b.plan_id)
                     ends[key] = began + sum(cost(Stage(0, plan, st.node, st.start, st.end)) for st in stages)
         self._alone = seen
@@ -412,12 +413,15 @@ class SchedulingLoop:
             soon: list[Slot] = []
             wake_at = None
             if self.settings.lookahead_s > 0 and not chosen:  # followed with no work pending too: see soon_free
-                ahead_cost = self.stage_cost(slots or [s for n in reads.node_managers for s in n.placed_slots()])
+                # with nothing pending, nothing goes ahead and no round is due early: only who is alone is kept
+                ahead_cost = (
+                    self.stage_cost(slots or [s for n in reads.node_managers for s in n.placed_slots()])
+                    if reads.pending
+                    else None
+                )
                 soon, wake_at = self.soon_free(
                     reads.node_managers, reads.running, ahead_cost, time.time(), reads.started
                 )
-                if not reads.pending:  # nothing to send ahead, nor a reason to wake early
-                    soon, wake_at = [], None
             if not slots and not soon and not any(p.time_share or p.search for p in policies.values()):
                 return Decision(
                     RoundResult([], [], [], {}, 0), {}, 0, (time.perf_counter() - t0) * 1000, 0.0, None, wake_at=wake_at
