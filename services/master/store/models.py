@@ -134,7 +134,8 @@ class BatchAttempt(Base):
     state: Mapped[str] = mapped_column(String(16))
     dispatched_at: Mapped[float] = mapped_column(Float)
     sent_at: Mapped[float | None] = mapped_column(Float, nullable=True)  # set once: never sent twice
-    # when its worker said batch_started (the aggregator's clock; NULL: not heard, see migration 0013)
+    # when its worker started: the node manager's time in batch_started (else when the aggregator heard it,
+    # never later); NULL: not heard, see migration 0013
     started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     finished_at: Mapped[float | None] = mapped_column(Float, nullable=True, index=True)
 
