@@ -178,15 +178,39 @@ def _request(r: RequestRecord) -> RequestOut:
     )
 
 
+DOCS_ASSETS = f"{PREFIX}/docs/assets"
+
+
+def mount_docs(api: FastAPI) -> None:
+    """``/api/v1/docs``: Swagger UI over the spec, its scripts and styles served by the master itself
+    (``swagger-ui-bundle``), so the page loads on a cluster with no route to a CDN."""
+    from fastapi.openapi.docs import get_swagger_ui_html
+    from fastapi.staticfiles import StaticFiles
+    from swagger_ui_bundle import swagger_ui_path
+
+    api.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_path), name="docs-assets")
+
+    @api.get(f"{PREFIX}/docs", include_in_schema=False)
+    async def _docs() -> Response:
+        return get_swagger_ui_html(
+            openapi_url=f"{PREFIX}/openapi.json",
+            title="stagetree master: REST API",
+            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png",
+        )
+
+
 def create_rest_app(master: MasterApp) -> FastAPI:
     svc = master.service
     api = FastAPI(
         title="stagetree master",
         version="1",
         openapi_url=f"{PREFIX}/openapi.json",
-        docs_url=f"{PREFIX}/docs",
+        docs_url=None,  # served below from the packaged Swagger UI: the page works with no internet
         redoc_url=None,
     )
+    mount_docs(api)
     api.state.master = master
     api.add_middleware(BodyGuard, max_bytes=master.settings.limits.max_body_bytes)
     api.add_middleware(AdmissionGuard, admission=master.admission)  # outermost: a shed call reads nothing

@@ -3,6 +3,7 @@ error table as gRPC."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -25,6 +26,17 @@ def test_health_and_openapi(http: httpx.Client) -> None:
     assert http.get("/health").json() == {"status": "ok"}
     paths = http.get("/openapi.json").json()["paths"]
     assert "/api/v1/studies/{study_id}/requests" in paths
+
+
+def test_the_docs_page_loads_everything_from_the_master(http: httpx.Client) -> None:
+    page = http.get("/docs")
+    assert page.status_code == 200 and "swagger-ui" in page.text
+    assets = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+    assert assets and all(a.startswith("/api/v1/") for a in assets), assets  # no CDN: works offline
+    for asset in assets:
+        got = http.get(asset.removeprefix("/api/v1"))
+        assert got.status_code == 200 and got.content, asset
+    assert "/api/v1/openapi.json" in page.text
 
 
 def test_study_lifecycle_and_isolation(http: httpx.Client) -> None:
