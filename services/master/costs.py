@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 from stagetree.core.batch import BatchSpec
+from stagetree.core.config import Config
 from stagetree.core.errors import StagetreeError
 from stagetree.core.estimator import CostModel, features_of
 from stagetree.core.lifecycle import BatchState
 from stagetree.core.scheduler import StageCost
-from stagetree.core.searchplan import Node
 from stagetree.core.stagetree import Stage
 from stagetree.master.store.ledger import BatchLedger
 from stagetree.master.store.records import FinishedAttempt
@@ -128,7 +128,7 @@ class CostLearner:
     def stage_cost(
         self,
         plan_key_of: Callable[[int], str],
-        nodes_of: Callable[[int], Mapping[int, Node]],
+        config_of: Callable[[int, int], Config],
         gpu_type: str,
         slots_of: Callable[[str], int] | None = None,
     ) -> StageCost:
@@ -136,10 +136,12 @@ class CostLearner:
         data costs its steps times the fitted seconds per step at its midpoint, on the slots its plan's
         batches take (``slots_of(stage.plan)``, default 1); others cost ``default_step_seconds`` per step
         (divided by the slots: the ideal speedup). A stage's cost is kept until its plan learns more: a
-        round asks for every stage of the forest, most of them the same as the round before."""
+        round asks for every stage of the forest, most of them the same as the round before.
+        ``config_of(plan id, node id)``: a node's configuration, which the caller loads when it lacks it
+        (the stages of a running batch can be older than anything this master has read)."""
         default = self.default_step_seconds
         if slots_of is not None:
-            return self._stage_cost_on_slots(plan_key_of, nodes_of, gpu_type, slots_of)
+            return self._stage_cost_on_slots(plan_key_of, config_of, gpu_type, slots_of)
         model, names = self.model, self.model.feature_names
         # per plan of the round: (its key, its kept stage costs), or None when it has no data
         per_plan: dict[str, tuple[str, dict[tuple[int, int, int], float]] | None] = {}
@@ -164,7 +166,7 @@ class CostLearner:
                 if stage.steps <= 0:
                     got = 0.0
                 else:
-                    config = nodes_of(int(stage.plan))[stage.node].config
+                    config = config_of(int(stage.plan), stage.node)
                     feats = features_of(config, (stage.start + stage.end) // 2, names)
                     got = stage.steps * model.seconds_per_step(plan_key, gpu_type, feats)
                 costs[k] = got
@@ -175,7 +177,7 @@ class CostLearner:
     def _stage_cost_on_slots(
         self,
         plan_key_of: Callable[[int], str],
-        nodes_of: Callable[[int], Mapping[int, Node]],
+        config_of: Callable[[int, int], Config],
         gpu_type: str,
         slots_of: Callable[[str], int],
     ) -> StageCost:
@@ -196,7 +198,7 @@ class CostLearner:
             elif plan_key is None or (plan_key, gpu_type) not in self._warm:
                 got = stage.steps * default / n
             else:
-                config = nodes_of(int(stage.plan))[stage.node].config
+                config = config_of(int(stage.plan), stage.node)
                 feats = features_of(config, (stage.start + stage.end) // 2, names)
                 got = stage.steps * model.seconds_per_step(plan_key, gpu_type, feats, n)
             memo[k] = got

@@ -1,7 +1,9 @@
 """In-memory cache of each search plan's node structure, and the walk that turns configs into points.
 
 The plan is append-only, so a core ``SearchPlan`` per plan, refreshed with the nodes whose id is above
-the last one seen, is always a correct prefix of the database. Walking happens here with core code;
+the last one seen, is always a correct prefix of the database. A plan is read whole the first time any
+reader touches it (a master that starts or takes over holds none, while batches of its plans still run),
+and a reader that names nodes refreshes until it holds them. Walking happens here with core code;
 writing happens in the store. When the walk needs a node that does not exist, the node is written
 insert-or-ignore under its unique key (plan, parent-or-0, start, branch digest), the cache is
 refreshed, and the walk is repeated: whichever master wrote first, every master ends on the same node.
@@ -52,6 +54,7 @@ class _CachedPlan(SearchPlan):
 class _Entry:
     plan: _CachedPlan
     last_id: int = 0
+    loaded: bool = False  # read from the store once at least
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -68,11 +71,17 @@ class PlanCache:
         self._max_passes = max_passes
 
     def _entry(self, plan_id: int) -> _Entry:
+        """The plan's entry, read from the store on its first use: an empty cache is not an empty plan."""
         with self._lock:
             e = self._entries.get(plan_id)
             if e is None:
                 e = self._entries[plan_id] = _Entry(_CachedPlan(str(plan_id)))
-            return e
+        if not e.loaded:
+            with e.lock:
+                if not e.loaded:
+                    self._refresh(e, plan_id)
+                    e.loaded = True
+        return e
 
     def _refresh(self, e: _Entry, plan_id: int, *, full: bool = False) -> None:
         """Add the nodes written since the last refresh. Ids come from a sequence but transactions commit

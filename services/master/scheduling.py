@@ -504,7 +504,7 @@ class SchedulingLoop:
         gpu_type = slots[0].gpu_type if slots else "cpu"
         return self.costs.stage_cost(
             lambda plan_id: self.store.plans.plan_fixed(plan_id)[0],
-            lambda plan_id: self.plans.ensure(plan_id, ()).nodes,
+            lambda plan_id, node: self.plans.ensure(plan_id, (node,)).nodes[node].config,
             gpu_type,
             slots_of,
         )

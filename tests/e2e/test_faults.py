@@ -15,6 +15,7 @@ from stagetree.client.sdk import Client, EvalFailed
 from stagetree.cluster import ProcessCluster
 from tests.e2e.helpers import (
     LRS,
+    BatchRow,
     batches,
     checkpoint_steps,
     diagnostics,
@@ -150,6 +151,54 @@ async def test_master_killed_and_restarted_recovers_from_postgres_and_answers_th
     # the node managers kept their work: the new master waited for them rather than requeue it
     assert not [b for b in batches(cluster, plan) if b.state == "LOST"], diagnostics(cluster, "master")
     assert await asyncio.wait_for(study.eval({"lr": LRS[0]}, 30), 30) == results[0]  # same client, new master
+
+
+async def test_a_restarted_master_dispatches_waiting_work_in_its_first_round_while_a_long_batch_runs(
+    cluster: ProcessCluster, client: Client
+) -> None:
+    """A new master holds no plan in its cache while batches of them still run: its rounds must read the
+    plans they need (the lookahead costs the running batch before anything else), or the slot freed while
+    it was down waits for the long batch to end."""
+    study = await new_study(client, "takeover", sleep_s=0.1)
+    try:
+        await asyncio.wait_for(study.eval({"lr": LRS[0]}, 3), STUDY_TIMEOUT_S)  # the plan's step cost is learnt
+        plan = plan_of(cluster, study)
+        long_eval = study.submit({"lr": LRS[1]}, 2000)  # 200 s of training at least
+        medium = study.submit({"lr": LRS[2]}, 60)
+
+        def both_running() -> dict[int, BatchRow] | None:
+            running = {b.spec["stages"][-1]["end"]: b for b in batches(cluster, plan) if b.state == "RUNNING"}
+            return running if {2000, 60} <= set(running) else None
+
+        running = await wait_for(both_running, 60, "the long and the medium batch running")
+        long_batch = running[2000]
+        waiting = study.submit({"lr": LRS[3]}, 5)
+        await wait_for(lambda: waiting.request_id is not None, 30, "the waiting eval recorded")
+        cluster.kill("master")
+        state = query(cluster, "SELECT state FROM requests WHERE id = :r", r=waiting.request_id)[0][0]
+        assert state == "NOT_SCHED", "the medium batch ended (or was sent ahead) before the kill"
+        await wait_for(
+            lambda: next(b for b in batches(cluster, plan) if b.id == running[60].id).state == "DONE",
+            60,
+            "the medium batch done while the master is down (its slot free)",
+        )
+        await asyncio.to_thread(cluster.restart, "master")
+
+        def dispatched() -> int | None:
+            rows = query(cluster, "SELECT batch_id FROM requests WHERE id = :r", r=waiting.request_id)
+            return int(rows[0][0]) if rows and rows[0][0] is not None else None
+
+        await wait_for(dispatched, 60, "the waiting work dispatched", every_s=0.1)
+        # each round of the new master found the free slot and the work: the first one that did not fail
+        # dispatched it, and none failed
+        log_now = cluster.log("master", since_start=True)
+        assert "scheduling round failed" not in log_now, diagnostics(cluster, "master")
+        assert next(b for b in batches(cluster, plan) if b.id == long_batch.id).state == "RUNNING"
+        assert (await asyncio.wait_for(waiting.result(), STUDY_TIMEOUT_S)).state == "DONE"
+        assert (await asyncio.wait_for(medium.result(), STUDY_TIMEOUT_S)).state == "DONE"
+        assert not long_eval.done()
+    finally:
+        await study.delete()  # the long batch is aborted: the cluster is shared
 
 
 async def test_node_manager_joining_mid_study_gets_work_at_once(cluster: ProcessCluster, client: Client) -> None:

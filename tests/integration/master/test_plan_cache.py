@@ -27,3 +27,22 @@ def test_equal_sequences_are_one_object_in_the_cache(store: Store) -> None:
         assert [n.config.to_json() for n in nodes] == [c.to_json() for c in configs]
     # the two caches agree on where each config goes, whoever wrote the nodes
     assert reader.locate_many(plan_id, [(c, 30) for c in configs]) == points
+
+
+def test_every_reader_of_a_cache_that_never_saw_the_plan_loads_it(store: Store) -> None:
+    # a master that takes over holds no plan while batches of them still run: asking for the plan as it
+    # is cached (no node named) must not answer with an empty plan, nor a named node with a KeyError
+    plan_id = store.plans.ensure_plan(unique("plan"), "{}")
+    configs = [Config.of({"lr": lr, "bs": 32}) for lr in (0.1, 0.2)]
+    writer = PlanCache(store.plans)
+    first, second = writer.locate_many(plan_id, [(c, 30) for c in configs])
+    written = set(writer.refresh(plan_id).nodes)
+    assert PlanCache(store.plans).ensure(plan_id, ()).nodes.keys() == written
+    assert PlanCache(store.plans).canonical(plan_id, first) == first
+    assert PlanCache(store.plans).find(plan_id, configs[1], 30) == second
+    # a node written by the other master after this one loaded the plan is read when it is named
+    reader = PlanCache(store.plans)
+    reader.ensure(plan_id, ())
+    (third,) = writer.locate_many(plan_id, [(Config.of({"lr": 0.3, "bs": 32}), 30)])
+    assert third.node not in reader.ensure(plan_id, ()).nodes
+    assert third.node in reader.ensure(plan_id, (third.node,)).nodes

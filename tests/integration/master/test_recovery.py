@@ -13,6 +13,7 @@ from stagetree.master.scheduling import SchedulingLoop
 from stagetree.master.service import SubmitItem
 from stagetree.master.settings import SchedulingSettings
 from tests.integration.master.helpers import config_json, fixed, unique
+from tests.reports import attempt_report
 
 ALICE = Principal("alice")
 ADMIN = Principal("admin", admin=True)
@@ -67,3 +68,38 @@ def test_a_node_manager_that_heartbeated_to_the_new_leader_is_lost_at_once(app: 
     app.coordination.heartbeat(nm, 0.1)
     time.sleep(0.2)
     assert nm in leader.requeue_lost()
+
+
+def test_a_master_over_the_same_database_schedules_in_its_first_round_while_a_batch_runs(app: MasterApp) -> None:
+    # the new master's plan cache is empty: every read of a plan (here the lookahead's cost of the running
+    # batch, before any snapshot) must load it, or the round fails and the free slot waits for the batch
+    nm = unique("nm")
+    app.service.register_node_manager(ADMIN, nm, "local", [("g0", "cpu"), ("g1", "cpu")])
+    app.coordination.heartbeat(nm, 30)
+    study = app.service.create_study(ALICE, unique("s"))
+    f = fixed()
+    app.service.submit(ALICE, study.id, [SubmitItem("warm", config_json(f, lr=0.01), 10)])
+    (warm,) = app.scheduler.run_round().dispatched
+    time.sleep(0.01)
+    app.service.report_batch(ADMIN, attempt_report(warm, 1, ok=True))  # the plan's costs are learnt from it
+    long_req, short_req = app.service.submit(
+        ALICE,
+        study.id,
+        [SubmitItem("long", config_json(f, lr=0.02), 100_000), SubmitItem("short", config_json(f, lr=0.03), 10)],
+    )
+    assert len(app.scheduler.run_round().dispatched) == 2  # both slots busy
+    (waits,) = app.service.submit(ALICE, study.id, [SubmitItem("waits", config_json(f, lr=0.5), 10)])
+    assert app.scheduler.run_round().dispatched == []
+    long, short = (r.batch_id for r in app.service.get_requests(ALICE, study.id, [long_req.id, short_req.id]))
+    assert long is not None and short is not None
+    app.service.take_assignments(ADMIN, nm)
+
+    restarted = MasterApp.build(app.settings, coordination=app.coordination)
+    try:
+        restarted.service.report_batch(ADMIN, attempt_report(short, 1, ok=True))
+        (sent,) = restarted.scheduler.run_round().dispatched  # the slot freed: the waiting work goes at once
+        (got,) = restarted.service.get_requests(ALICE, study.id, [waits.id])
+        assert got.batch_id == sent and got.state == "SCHED"
+        assert restarted.store.ledger.get_batch(long).state == "RUNNING"
+    finally:
+        restarted.store.dispose()

@@ -35,7 +35,7 @@ def test_cold_plans_cost_the_default_and_learned_ones_follow_the_batch_size() ->
     cheap = plan.add_request(Config.of(CHEAP), 50).point
     dear = plan.add_request(Config.of(DEAR), 40).point
     forest = build_stage_tree(plan.nodes, {}, [(r.id, r.point) for r in plan.pending()], plan="7")
-    cost = learner.stage_cost(lambda pid: _plan_key(), lambda pid: plan.nodes, "cpu")
+    cost = learner.stage_cost(lambda pid: _plan_key(), lambda pid, node: plan.nodes[node].config, "cpu")
     by_end = {s.end: cost(s) for s in forest.stages}
     assert by_end == {50: 50.0, 40: 40.0}  # no data: every step costs the default
     # the critical path is then the longer one in steps
@@ -45,19 +45,21 @@ def test_cold_plans_cost_the_default_and_learned_ones_follow_the_batch_size() ->
     assert learner.observe([_attempt(1, CHEAP, 10, 0.22, 100.0), _attempt(2, DEAR, 10, 0.88, 101.0)]) == 2
     assert learner.observe([_attempt(1, CHEAP, 10, 0.22, 100.0)]) == 0  # read again: not counted twice
     assert learner.knows(_plan_key(), "cpu") and not learner.knows(_plan_key({"hidden": 8}), "cpu")
-    cost = learner.stage_cost(lambda pid: _plan_key(), lambda pid: plan.nodes, "cpu")
+    cost = learner.stage_cost(lambda pid: _plan_key(), lambda pid, node: plan.nodes[node].config, "cpu")
     forest = build_stage_tree(plan.nodes, {}, [(r.id, r.point) for r in plan.pending()], plan="7")
     costs = {s.end: cost(s) for s in forest.stages}
     assert abs(costs[50] - 50 * 0.022) < 1e-6 and abs(costs[40] - 40 * 0.088) < 1e-6
     first = schedule_round(forest, [Slot("w0")], cost, "critical_path").dispatches[0].batch.stages[-1]
     assert first.end_point == dear  # 40 steps at bs=128 take longer than 50 at bs=32
-    other_plan = learner.stage_cost(lambda pid: _plan_key({"hidden": 8}), lambda pid: plan.nodes, "cpu")
+    other_plan = learner.stage_cost(
+        lambda pid: _plan_key({"hidden": 8}), lambda pid, node: plan.nodes[node].config, "cpu"
+    )
     assert {s.end: other_plan(s) for s in forest.stages} == {50: 50.0, 40: 40.0}
-    gpu = learner.stage_cost(lambda pid: _plan_key(), lambda pid: plan.nodes, "a100")
+    gpu = learner.stage_cost(lambda pid: _plan_key(), lambda pid, node: plan.nodes[node].config, "a100")
     assert {s.end: gpu(s) for s in forest.stages} == {50: 50.0, 40: 40.0}  # per GPU type
     # what it learns next replaces the costs it kept: bs=32 twice as dear now, on the average
     learner.observe([_attempt(3, CHEAP, 10, 0.66, 102.0)])
-    cost = learner.stage_cost(lambda pid: _plan_key(), lambda pid: plan.nodes, "cpu")
+    cost = learner.stage_cost(lambda pid: _plan_key(), lambda pid, node: plan.nodes[node].config, "cpu")
     assert abs(cost(next(s for s in forest.stages if s.end == 50)) - 50 * 0.044) < 1e-6
 
 
