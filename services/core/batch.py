@@ -4,8 +4,9 @@ A batch loads the model at ``source`` (or initializes it when ``source.uri`` is 
 0), then trains its stages back to back with no reload between them. It saves a checkpoint at every
 point in ``saves`` (central checkpoints at branch points and at its end) and evaluates at every point
 in ``evals`` (where requests wait). It samples the step metrics its trainer reports (the learning
-curve) every ``curve_every_steps`` steps and at most ``curve_max_per_s`` points a second (0: no
-limit; ``curve_every_steps`` 0: no curve), as its studies' ``CurveSampling`` asks. ``slots`` is how
+curve) every ``curve_every_steps`` steps and at most ``curve_max_per_s`` points a second once its first
+``CURVE_BURST`` points are kept (0: no limit; ``curve_every_steps`` 0: no curve), as its studies'
+``CurveSampling`` asks. ``slots`` is how
 many slots of one node manager the batch trains on, one worker process each, as one
 ``torch.distributed`` group (data parallel; 1: a plain worker). The JSON form is what travels in the
 assignment stream.
@@ -31,6 +32,32 @@ class Point(NamedTuple):
 
 MAX_CURVE_EVERY_STEPS = 10_000_000
 MAX_CURVE_RATE = 1_000_000.0
+# Curve points a batch keeps before ``curve_max_per_s`` applies: a short request keeps every step it asked
+# for, however fast its steps; a long batch of fast steps settles to the rate.
+CURVE_BURST = 200
+
+
+class CurveRate:
+    """A token bucket over a batch's curve points: up to ``burst`` at once, refilled at ``per_s`` points a
+    second (``per_s`` 0: no limit). ``take(now)`` says whether a point ending at ``now`` is kept."""
+
+    __slots__ = ("_at", "_burst", "_per_s", "_tokens")
+
+    def __init__(self, per_s: float, burst: int | None = None) -> None:
+        self._per_s = per_s
+        self._burst = float(CURVE_BURST if burst is None else burst)
+        self._tokens, self._at = self._burst, float("nan")
+
+    def take(self, now: float) -> bool:
+        if self._per_s <= 0:
+            return True
+        if now > self._at:  # False while _at is nan: the first point finds the bucket full
+            self._tokens = min(self._burst, self._tokens + (now - self._at) * self._per_s)
+        self._at = now
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ request is a trial of its own). Metrics come from the store, so nothing is train
 them. A trial's configuration is the one its tuner gave (``configs``, e.g. ``tuner_configs(tuner)``) when
 known; otherwise the search plan's node at its last evaluated step, which is exact only up to that step
 (the plan keeps a configuration from where trials diverge, not what a stopped trial would have done next).
+With ``curves=True`` each trial also carries its learning curve (the step metrics its trainer's ``train()``
+returned, as the master sampled them: ``Study.curve`` of its furthest finished request).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class TrialRecord:
     config: dict[str, Sequence] | None
     points: dict[int, dict[str, float]] = field(default_factory=dict)
     failed: list[str] = field(default_factory=list)
+    curve: list[tuple[int, dict[str, float]]] = field(default_factory=list)  # step metrics, when asked for
+    last_request: int | None = None  # the finished request at its furthest step
 
     def last_step(self) -> int | None:
         return max(self.points) if self.points else None
@@ -62,6 +66,7 @@ def group_results(results: Iterable[EvalResult], configs: Mapping[int, dict[str,
             rec = trials[label] = TrialRecord(label, r.config or configs.get(r.node))
         if r.state == "DONE" and (not rec.points or r.step >= max(rec.points)):
             rec.config = r.config or configs.get(r.node) or rec.config  # the deepest node knows the most
+            rec.last_request = r.request_id
         if r.state == "DONE":
             rec.points[r.step] = dict(r.metrics)
         elif r.state == "FAILED":
@@ -76,8 +81,10 @@ def tuner_configs(tuner: Any) -> dict[str, dict[str, Sequence]]:
     return {f"trial-{t.trial_id}": dict(t.config) for t in tuner.trials.values()}
 
 
-async def study_trials(study: Study, configs: Mapping[str, dict[str, Sequence]] | None = None) -> list[TrialRecord]:
-    """Every trial of ``study`` with its stored metrics (see the module doc for ``configs``)."""
+async def study_trials(
+    study: Study, configs: Mapping[str, dict[str, Sequence]] | None = None, *, curves: bool = False
+) -> list[TrialRecord]:
+    """Every trial of ``study`` with its stored metrics (see the module doc for ``configs`` and ``curves``)."""
     resp = await study.client.call("ListRequests", pb.ListRequestsRequest(study_id=study.id), idempotent=True)
     results = [
         EvalResult(
@@ -105,4 +112,6 @@ async def study_trials(study: Study, configs: Mapping[str, dict[str, Sequence]] 
     for rec in out:
         if configs and rec.label in configs:
             rec.config = dict(configs[rec.label])
+        if curves and rec.last_request is not None:
+            rec.curve = await study.curve(rec.last_request)
     return out

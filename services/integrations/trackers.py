@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 TrialEnd: TypeAlias = Literal["FINISHED", "FAILED", "KILLED"]
 
 
+STEP_PREFIX = "step/"  # a learning curve's metrics (what train() returned), logged beside the evaluations'
+
+
 class Tracker(ABC):
     """Where a study's trials are logged: one study, a run per trial, a point per evaluated step."""
 
@@ -51,8 +54,11 @@ class Tracker(ABC):
         """End the study's run (and any trial's still open)."""
 
     def log_trial(self, rec: TrialRecord) -> None:
-        """A stored trial at once: every point, then its end."""
+        """A stored trial at once: its learning curve (step metrics as ``step/<name>``, apart from the
+        evaluations' metrics of the same name), every evaluated point, then its end."""
         config = rec.flat_config()
+        for step, metrics in rec.curve:
+            self.log_point(rec.label, config, step, {f"{STEP_PREFIX}{k}": v for k, v in metrics.items()})
         for step, metrics in rec.points.items():
             self.log_point(rec.label, config, step, metrics)
         if not rec.points and rec.failed:
@@ -66,10 +72,12 @@ async def log_study(
     *,
     configs: Mapping[str, dict[str, Sequence]] | None = None,
     params: Mapping[str, Any] | None = None,
+    curves: bool = True,
 ) -> int:
     """Log every trial of ``study`` from the platform's stored metrics; returns how many trials.
-    ``configs``: the tuner's configurations by trial label (``records.tuner_configs``), see ``records``."""
-    trials = await study_trials(study, configs)
+    ``configs``: the tuner's configurations by trial label (``records.tuner_configs``), see ``records``;
+    ``curves``: each trial's learning curve too (``step/<name>``, one read per trial)."""
+    trials = await study_trials(study, configs, curves=curves)
     fixed = study.fixed
     study_params: dict[str, Any] = {"study_id": study.id}
     if fixed is not None:

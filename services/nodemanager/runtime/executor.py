@@ -7,9 +7,10 @@ init or a restore, including across a stage boundary). After each step it evalua
 points, saves *central* checkpoints at ``spec.saves`` points and *peripheral* ones every
 ``peripheral_every_steps`` steps or ``peripheral_every_s`` seconds, and checks for preemption (finish
 the step, save, stop). What ``train`` returns (and what it ``log``-ged) is a learning-curve point,
-kept every ``spec.curve_every_steps`` steps and at most ``spec.curve_max_per_s`` a second (non-finite
-values dropped), buffered, and emitted as ``curve`` events of one node: at most every
-``CURVE_FLUSH_S``, at the end of each stage, and before the batch ends, so none is lost to a finish.
+kept every ``spec.curve_every_steps`` steps and, past its first ``CURVE_BURST`` points, at most
+``spec.curve_max_per_s`` a second (``core.batch.CurveRate``; non-finite values dropped), buffered, and
+emitted as ``curve`` events of one node: at most every ``CURVE_FLUSH_S``, at the end of each stage, and
+before the batch ends, so none is lost to a finish.
 Checkpoints of trainers with ``state_dict`` are snapshotted in memory and written by a background
 thread; a failed write fails the batch.
 
@@ -50,7 +51,7 @@ from typing import Any, Literal
 
 import torch
 
-from stagetree.core.batch import BatchSpec, Point
+from stagetree.core.batch import BatchSpec, CurveRate, Point
 from stagetree.core.config import Config, FixedPart
 from stagetree.core.sequences import Value
 from stagetree.nodemanager.runtime.checkpoints import CheckpointStore, StoredCheckpoint
@@ -242,6 +243,7 @@ class BatchRun:
         self._curve: list[list[Any]] = []  # [[step, {name: value}], ...] of self._curve_node, not emitted yet
         self._curve_node = spec.stages[0].node
         self._curve_flushed = 0.0
+        self._curve_rate = CurveRate(spec.curve_max_per_s)
 
     # -- control ------------------------------------------------------------------------------
 
@@ -284,8 +286,7 @@ class BatchRun:
                 periodic = spec.peripheral_every_steps > 0 or spec.peripheral_every_s > 0
                 batch_id, attempt = spec.batch_id, spec.attempt
                 curve_every = spec.curve_every_steps
-                curve_gap = 1.0 / spec.curve_max_per_s if spec.curve_max_per_s > 0 else 0.0
-                last_point = float("-inf")
+                rate = self._curve_rate
                 curve = self._curve
                 group = self._group
                 distributed = group.distributed
@@ -330,9 +331,8 @@ class BatchRun:
                                 # a checkpoint asked for by the clock at a step is due unless one was saved since
                                 periodic_due |= bool(flags & _PERIODIC) and self._last_save_step < sync.step
                                 preempt_now |= bool(flags & _PREEMPT)
-                                last_point = self._curve_point(sync.step, sync.at, averaged, node, last_point)
-                        if values and curve_every and step % curve_every == 0 and now - last_point >= curve_gap:
-                            last_point = now
+                                self._curve_point(sync.step, sync.at, averaged, node)
+                        if values and curve_every and step % curve_every == 0 and rate.take(now):
                             curve.append([step, finite_values(values)])
                             if now - self._curve_flushed >= CURVE_FLUSH_S or len(curve) >= CURVE_MAX_BUFFER:
                                 self._flush_curve(node, now)
@@ -353,7 +353,7 @@ class BatchRun:
                         if step < end and (preempt_now or (not distributed and should_preempt())):
                             if pending_sync is not None:  # every rank has it in flight: take its curve point
                                 _, averaged = pending_sync.wait()
-                                self._curve_point(pending_sync.step, pending_sync.at, averaged, node, last_point)
+                                self._curve_point(pending_sync.step, pending_sync.at, averaged, node)
                             self._flush_curve(node)
                             return self._preempt(trainer, node, step, trained)
                 self._flush_curve(self._curve_node)
@@ -365,18 +365,15 @@ class BatchRun:
         finally:
             self._pool = None
 
-    def _curve_point(self, step: int, now: float, values: Any, node: int, last_point: float) -> float:
+    def _curve_point(self, step: int, now: float, values: Any, node: int) -> None:
         """Keep ``values`` as the curve point of ``step`` (ended at ``now``) when the batch's curve rate
-        says so (the one-rank loop does the same inline); the time of the last point kept."""
-        spec = self.spec
-        every = spec.curve_every_steps
-        gap = 1.0 / spec.curve_max_per_s if spec.curve_max_per_s > 0 else 0.0
-        if not values or not every or step % every or now - last_point < gap:
-            return last_point
+        says so (the one-rank loop does the same inline)."""
+        every = self.spec.curve_every_steps
+        if not values or not every or step % every or not self._curve_rate.take(now):
+            return
         self._curve.append([step, finite_values(values)])
         if now - self._curve_flushed >= CURVE_FLUSH_S or len(self._curve) >= CURVE_MAX_BUFFER:
             self._flush_curve(node, now)
-        return now
 
     def _flush_curve(self, node: int, now: float | None = None) -> None:
         """Emit the buffered curve points (of ``self._curve_node``); later points belong to ``node``."""

@@ -102,7 +102,7 @@ async def test_optuna_tpe_with_asha_logged_to_mlflow_and_tensorboard(tmp_path: P
         after = await scrape(cluster.http_url)
         plan_only = await study_trials(study)
         configs = tuner_configs(tuner)
-        trials = await study_trials(study, configs)
+        trials = await study_trials(study, configs, curves=True)
         n_mlflow = await log_study(study, MlflowTracker(mlruns, experiment="stored"), configs=configs)
         n_tb = await log_study(study, TensorBoardTracker(tmp_path / "tb"), configs=configs)
     assert tuner.finished and len(tuner.trials) == 6 and n_mlflow == n_tb == 6
@@ -153,6 +153,11 @@ async def test_optuna_tpe_with_asha_logged_to_mlflow_and_tensorboard(tmp_path: P
             assert {(m.step, round(m.value, 6)) for m in history} == {
                 (s, round(m["accuracy"], 6)) for s, m in rec.points.items()
             }
+            if name == "stored":  # the learning curve too, as step/<name>, apart from the evaluations
+                history = client_ml.get_metric_history(r.info.run_id, "step/loss")
+                assert rec.curve and {(m.step, round(m.value, 6)) for m in history} == {
+                    (s, round(v["loss"], 6)) for s, v in rec.curve
+                }
 
     # TensorBoard: one event directory per trial with the accuracy curve
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -3,13 +3,14 @@ sampling a batch serving several studies uses (it keeps every point each of them
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stagetree.core.batch import MAX_CURVE_EVERY_STEPS, CurveSampling
+from stagetree.core.batch import MAX_CURVE_EVERY_STEPS, CurveRate, CurveSampling
 from stagetree.core.errors import InvalidArgument
 
 samplings = st.builds(
@@ -60,3 +61,23 @@ def test_the_finest_of_one_is_itself_and_of_none_the_default() -> None:
 def test_a_bad_sampling_names_its_field(every: object, rate: object, field: str) -> None:
     with pytest.raises(InvalidArgument, match=field):
         CurveSampling(every, rate)  # type: ignore[arg-type]
+
+
+@given(
+    per_s=st.floats(0.1, 100),
+    burst=st.integers(1, 50),
+    gaps=st.lists(st.floats(0, 2, allow_nan=False), min_size=1, max_size=300),
+)
+def test_curve_rate_keeps_a_burst_then_at_most_its_rate(per_s: float, burst: int, gaps: list[float]) -> None:
+    rate = CurveRate(per_s, burst)
+    times = list(itertools.accumulate(gaps))
+    kept = [t for t in times if rate.take(t)]
+    assert kept[: min(burst, len(times))] == times[:burst]  # the first `burst` points are all kept
+    for i, t in enumerate(kept):  # never more than the burst plus what the rate refilled since the first
+        assert i + 1 <= burst + (t - times[0]) * per_s + 1e-9
+
+
+def test_curve_rate_zero_is_no_limit_and_a_short_run_keeps_every_step() -> None:
+    assert all(CurveRate(0.0, 1).take(0.0) for _ in range(1000))
+    default = CurveRate(20.0)
+    assert all(default.take(i * 1e-4) for i in range(20))  # 20 steps of 0.1 ms: each one kept

@@ -8,8 +8,10 @@ import itertools
 import math
 from typing import Any
 
+import pytest
 import torch
 
+from stagetree.core import batch as batch_module
 from stagetree.nodemanager.examples.digits import DigitsMLP, digits_batch
 from stagetree.nodemanager.runtime.executor import run_batch
 from stagetree.nodemanager.runtime.trainer import StepMetrics
@@ -43,18 +45,26 @@ def test_every_step_across_stages_one_node_per_event(store, make_events) -> None
     assert events.kinds()[-1] == "batch_finished"
 
 
-def test_every_k_steps_and_a_rate_limit(store, make_events) -> None:
+def test_every_k_steps_and_a_rate_limit(store, make_events, monkeypatch: pytest.MonkeyPatch) -> None:
     events = make_events()
     spec = dataclasses.replace(digits_batch([(1, 0, 12, HP)]), curve_every_steps=4)
     run_batch(spec, DigitsMLP, store, events)
     assert [s for _, s, _ in _points(events)] == [4, 8, 12]
 
+    # a clock that advances 1 s per reading, against a rate of 0.4 points a second
     events = make_events()
-    ticks = iter(range(1000))  # a clock that advances 1 s per reading: one point a second at most 0.5/s
+    ticks = iter(range(1000))
     spec = dataclasses.replace(digits_batch([(1, 0, 12, HP)]), curve_max_per_s=0.4)
     run_batch(spec, DigitsMLP, store, events, clock=lambda: float(next(ticks)))
+    assert [s for _, s, _ in _points(events)] == list(range(1, 13))  # a short batch keeps every step
+
+    monkeypatch.setattr(batch_module, "CURVE_BURST", 3)  # past its first 3 points, the rate applies
+    events = make_events()
+    ticks = iter(range(1000))
+    run_batch(spec, DigitsMLP, store, events, clock=lambda: float(next(ticks)))
     steps = [s for _, s, _ in _points(events)]
-    assert 1 < len(steps) < 12 and all(b - a >= 2 for a, b in itertools.pairwise(steps))
+    assert steps[:3] == [1, 2, 3] and len(steps) < 12
+    assert all(b - a >= 2 for a, b in itertools.pairwise(steps[3:]))
 
     events = make_events()
     spec = dataclasses.replace(digits_batch([(1, 0, 5, HP)]), curve_every_steps=0)
