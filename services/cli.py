@@ -31,10 +31,21 @@ GROUPS: dict[str, tuple[str, bool, str]] = {
 }
 
 
+def version() -> str:
+    """The installed distribution's version."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("stagetree")
+    except PackageNotFoundError:  # imported from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def usage() -> str:
     lines = ["usage: stagetree <command> [args...]", "", "commands:"]
     lines += [f"  {name:<12} {hlp}" for name, (_, _, hlp) in GROUPS.items()]
-    lines += ["", "Run `stagetree <command> --help` for a command's options."]
+    lines += ["", "Run `stagetree <command> --help` for a command's options; `stagetree --version` for the version."]
     return "\n".join(lines)
 
 
@@ -43,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help", "help"):
         print(usage())
         return 0 if args else 2
+    if args[0] in ("-V", "--version", "version"):
+        print(f"stagetree {version()}")
+        return 0
     name, rest = args[0], args[1:]
     if name not in GROUPS:
         print(f"stagetree: unknown command {name!r}\n\n{usage()}", file=sys.stderr)

@@ -308,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         admin_token=ns.admin_token,
     )
 
+    from stagetree.client.cli import DEFAULT_URL, ENV_URL
+
     async def run() -> None:
         done = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -317,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stagetree embedded: gRPC {cluster.target}", flush=True)
             if cluster.http_url:
                 print(f"  REST   {cluster.http_url}/api/v1   docs {cluster.http_url}/api/v1/docs", flush=True)
+                if cluster.http_url != DEFAULT_URL:  # the CLI and the docs' scripts read it from there
+                    print(f"         (export {ENV_URL}={cluster.http_url})", flush=True)
                 print(f"  dashboard  {cluster.http_url}/dashboard/#token={cluster.token}   (signs you in)", flush=True)
             print(f"  token  {cluster.token}   (export STAGETREE_TOKEN={cluster.token})", flush=True)
             print(

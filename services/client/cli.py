@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from stagetree.core.errors import ALL_ERRORS, InvalidArgument, StagetreeError, Unavailable
+from stagetree.core.errors import ALL_ERRORS, InvalidArgument, NotFound, StagetreeError, Unavailable
 from stagetree.filevars import env_or_file, read_secret_file
 from stagetree.tls import ENV_CLIENT_PREFIX, ClientTls
 
@@ -374,33 +374,47 @@ def _parser() -> argparse.ArgumentParser:
     ssub = study.add_subparsers(dest="command", required=True)
     ssub.add_parser("list", parents=[common], help="the studies of this token's owner")
     show = ssub.add_parser("show", parents=[common], help="one study and its requests by state")
-    show.add_argument("study_id")
+    show.add_argument("study_id", metavar="STUDY", help="the study's id or name")
     best = ssub.add_parser("best", parents=[common], help="the finished request with the best metric")
-    best.add_argument("study_id")
+    best.add_argument("study_id", metavar="STUDY", help="the study's id or name")
     best.add_argument("--metric", required=True, help="a metric your Trainer.evaluate() reports, e.g. acc")
     best.add_argument("--mode", choices=["max", "min"], default="max")
     stats = ssub.add_parser("stats", parents=[common], help="what sharing bought the study")
-    stats.add_argument("study_id")
+    stats.add_argument("study_id", metavar="STUDY", help="the study's id or name")
     delete = ssub.add_parser(
         "delete", parents=[common], help="cancel the study's live requests and delete it (its plans are kept)"
     )
-    delete.add_argument("study_id")
+    delete.add_argument("study_id", metavar="STUDY", help="the study's id or name")
     plan = sub.add_parser("plan", help="search plans")
     psub = plan.add_subparsers(dest="command", required=True)
     pshow = psub.add_parser("show", parents=[common], help="a study's search plan as a tree")
-    pshow.add_argument("study_id")
+    pshow.add_argument("study_id", metavar="STUDY", help="the study's id or name")
     pshow.add_argument("--plan-key", default="", help="which plan, when the study uses several")
     forget = psub.add_parser(
         "forget", parents=[common], help="drop a plan's checkpoints and metrics (and the requests they answered)"
     )
-    forget.add_argument("study_id")
+    forget.add_argument("study_id", metavar="STUDY", help="the study's id or name")
     forget.add_argument("--plan-key", default="", help="which plan, when the study uses several")
     sub.add_parser("nodes", parents=[common], help="node managers and their slots (admin token)")
     return p
 
 
+def study_id_of(rest: RestClient, ref: str) -> str:
+    """The id of the study ``ref`` names: its id, or its name among this token's owner's studies."""
+    try:
+        return str(rest.get(f"/studies/{_quote(ref)}")["id"])
+    except NotFound:
+        pass  # not an id of a study this token may see: a name, then
+    for s in rest.get("/studies"):
+        if s["name"] == ref:
+            return str(s["id"])
+    raise NotFound(f"no study with the id or name {ref!r} (`stagetree study list` shows yours)")
+
+
 def run(ns: argparse.Namespace, rest: RestClient) -> tuple[Any, str, int]:
     """Carry out a parsed command: (JSON document, text, exit status)."""
+    if getattr(ns, "study_id", None) is not None:
+        ns.study_id = study_id_of(rest, ns.study_id)
     if ns.group == "nodes":
         nodes = rest.get("/nodes")
         return nodes, format_nodes(nodes), 0

@@ -30,6 +30,8 @@ def test_up_prints_working_addresses_the_admin_token_and_a_status_line(tmp_path:
         with urllib.request.urlopen(docs.group(1), timeout=10) as resp:
             assert resp.status == 200 and "swagger" in resp.read().decode().lower()
         assert re.search(r"admin\s+adm-123\b", text)
+        url = re.search(r"export STAGETREE_URL=(http://\S+)\)", text)  # not the default port: the CLI's variable
+        assert url is not None and docs.group(1) == f"{url.group(1)}/api/v1/docs", text
         dash = re.search(r"dashboard\s+(http://\S+/dashboard/)#token=(\S+)", text)  # a URL that signs in
         token = re.search(r"^\s+token\s+(\S+)", text, re.M)
         assert dash is not None and token is not None and dash.group(2) == token.group(1), text

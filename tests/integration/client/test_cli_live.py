@@ -37,6 +37,13 @@ async def test_cli_commands_against_a_live_master(http_platform: Platform, capsy
     assert status == 0 and study.id in {s["id"] for s in studies}
     status, shown, _ = await run("study", "show", study.id)
     assert shown["requests"] == {"total": 3, "by_state": {"DONE": 3}} and shown["metrics"] == ["acc", "loss"]
+    assert (await run("study", "show", study.name))[1] == shown  # a study by its name too
+    status, stats, _ = await run("study", "stats", study.name)
+    assert status == 0 and stats == (await run("study", "stats", study.id))[1]
+    status, error, err = await run("study", "show", "no-such-study")
+    assert status == 1 and error["error"] == "NOT_FOUND" and "no-such-study" in err
+    status, error, _ = await run("study", "show", study.name, token=TOKENS["bob"])  # bob's names, not alice's
+    assert status == 1 and error["error"] == "NOT_FOUND"
     status, best, _ = await run("study", "best", study.id, "--metric", "acc")
     assert status == 0 and best["request"]["request_id"] == sdk_best.request_id
     assert best["request"]["metrics"] == sdk_best.metrics and best["config"] is not None

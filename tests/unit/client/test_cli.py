@@ -175,7 +175,7 @@ def test_main_prints_json_and_errors(capsys: pytest.CaptureFixture[str], monkeyp
     assert json.loads(capsys.readouterr().out) == [STUDY]
     assert cli.main(["study", "show", "nope"]) == 1
     captured = capsys.readouterr()
-    assert captured.out == "" and "does not exist" in captured.err
+    assert captured.out == "" and "no study with the id or name 'nope'" in captured.err
     assert cli.main(["study", "show", "nope", "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["error"] == "NOT_FOUND"
     assert cli.main(["study"]) == 2  # argparse usage error
@@ -199,3 +199,12 @@ def test_dispatch_from_the_main_cli(monkeypatch: pytest.MonkeyPatch, capsys: pyt
     assert main_cli.main(["nodes", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == NODES
     assert isinstance(cli._parser().parse_args(["nodes"]), argparse.Namespace)
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    from stagetree import cli as main_cli
+
+    assert main_cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"stagetree {version('stagetree')}"
