@@ -68,7 +68,7 @@ def build_node_manager(
         progress_interval_s=settings.progress_interval_s,
         preload=[m.strip() for m in settings.worker_preload.split(",")],
         mps_env=mps.client_env() if mps is not None else None,
-        extra_env={USER_PATH_ENV: settings.user_path} if settings.user_path else None,
+        extra_env={USER_PATH_ENV: settings.worker_search_path()},
         warm_cuda=settings.worker_warm_cuda,
     )
     if link is None:

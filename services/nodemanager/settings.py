@@ -9,6 +9,7 @@ in environment names, e.g. ``STAGETREE_NM_BUS__KAFKA_BOOTSTRAP_SERVERS``. The ad
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 from typing import Literal
@@ -73,6 +74,13 @@ class NodeManagerSettings(FileVariablesSettings):
     bus: BusSettings = Field(default_factory=lambda: BusSettings())
     # how the link verifies the master (ca_file) and proves itself for mutual TLS (cert_file, key_file)
     tls: ClientTls = Field(default_factory=lambda: ClientTls())
+
+    def worker_search_path(self) -> str:
+        """Where workers import the user's trainer from, before ``PYTHONPATH``: ``user_path``, then the node
+        manager's working directory (where ``stagetree nodemanager run`` was started, as a user expects)."""
+        parts = [p for p in self.user_path.split(os.pathsep) if p]
+        cwd = os.getcwd()
+        return os.pathsep.join(parts if cwd in parts else [*parts, cwd])
 
     def resolved_id(self) -> str:
         """The node manager id: the setting, else the host name."""

@@ -201,8 +201,9 @@ def load_trainer_class(entry_point: str) -> type[Trainer]:
             raise  # the user's module imports something missing: its own traceback says what
         raise ModuleNotFoundError(
             f"trainer entry point {entry_point!r}: no module named {e.name!r} on the worker's search path "
-            f"{[p for p in sys.path if p]}; put the module's directory on PYTHONPATH (or next to the script "
-            "that runs stagetree in embedded mode), or install its package where the node manager runs",
+            f"{[p for p in sys.path if p]}; start the node manager in the module's directory (or put it on "
+            "PYTHONPATH, or next to the script that runs stagetree in embedded mode), or install its package "
+            "where the node manager runs",
             name=e.name,
         ) from None
     obj: Any = module

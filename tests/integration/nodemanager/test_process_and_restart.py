@@ -1,4 +1,4 @@
-"""The node manager as its own process (``python -m stagetree.cli nodemanager run``), its answer to a
+"""The node manager as its own process (``stagetree nodemanager run``), its answer to a
 wrong token, and a master that is killed and restarted while a worker runs."""
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ class NodeManagerProcess:
         self._reader = asyncio.create_task(self._read())
 
     @classmethod
-    async def start(cls, target: str, tmp: Path, token: str = ADMIN_TOKEN) -> NodeManagerProcess:
+    async def start(
+        cls, target: str, tmp: Path, token: str = ADMIN_TOKEN, cwd: Path | None = None
+    ) -> NodeManagerProcess:
         env = {
             **os.environ,
             "STAGETREE_NM_MASTER_TARGET": target,
@@ -51,8 +53,9 @@ class NodeManagerProcess:
             "STAGETREE_NM_CPU_SLOTS": "1",
             "STAGETREE_NM_RECONNECT_MAX_S": "1",
         }
-        cmd = [sys.executable, "-m", "stagetree.cli", "nodemanager", "run"]
-        proc = await asyncio.create_subprocess_exec(*cmd, stderr=asyncio.subprocess.PIPE, env=env)
+        # the console script, as a user runs it (``python -m`` would put the working directory on sys.path)
+        cmd = [str(Path(sys.executable).parent / "stagetree"), "nodemanager", "run"]
+        proc = await asyncio.create_subprocess_exec(*cmd, stderr=asyncio.subprocess.PIPE, env=env, cwd=cwd)
         return cls(proc)
 
     async def _read(self) -> None:
@@ -76,12 +79,17 @@ class NodeManagerProcess:
 async def test_node_manager_process_runs_batches_and_stops_on_sigterm(
     scheduling: MasterApp, grpc_target: str, tmp_path: Path
 ) -> None:
-    nm = await NodeManagerProcess.start(grpc_target, tmp_path)
+    # started in the user's project directory: its trainer module is found there, with no setting
+    project = tmp_path / "project"
+    project.mkdir()
+    module = f"cwd_trainer_{unique('m').replace('-', '_')}"
+    (project / f"{module}.py").write_text("from stagetree.nodemanager.examples.digits import DigitsMLP as Net\n")
+    nm = await NodeManagerProcess.start(grpc_target, tmp_path, cwd=project)
     try:
         await until(lambda: nm.saw("registered with the master") or nm.proc.returncode is not None, 60, "register")
-        study, ids = await submit(scheduling, [(config_json(fixed_part(seed=9), lr=0.1), 8)])
+        study, ids = await submit(scheduling, [(config_json(fixed_part(f"{module}:Net", seed=9), lr=0.1), 8)])
         (rec,) = await finished(scheduling, study, ids, timeout=60)
-        assert rec.state == "DONE" and set(rec.metrics or {}) == {"accuracy", "loss"}
+        assert rec.state == "DONE" and set(rec.metrics or {}) == {"accuracy", "loss"}, rec.error
         nm.proc.send_signal(signal.SIGTERM)
         assert await nm.wait() == 0, "".join(nm.lines)
     finally:
