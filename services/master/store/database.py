@@ -2,7 +2,10 @@
 the few dialect-specific writes (Postgres for the cluster, SQLite for the embedded mode).
 
 Nothing above the store sees SQLAlchemy exceptions: ``IntegrityError`` and a busy or deadlocked
-database become ``Conflict`` (retriable), a lost or unreachable database ``Unavailable``.
+database become ``Conflict`` (retriable), a lost or unreachable database ``Unavailable`` (retriable), a
+statement over one of the database's limits ``ResourceExhausted`` (not retriable: the same statement
+fails again). Postgres errors are told apart by SQLSTATE, SQLite's by their result code
+(:func:`operational_error`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from sqlalchemy import JSON, Engine, String, Table, create_engine, event, func, 
 from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from stagetree.core.errors import Conflict, Unavailable
+from stagetree.core.errors import Conflict, ResourceExhausted, StagetreeError, Unavailable
 from stagetree.master.store.records import json_safe_metrics
 from stagetree.master.store.schema import check_schema
 
@@ -79,6 +82,41 @@ def _ping_when_idle(engine: Engine) -> None:
             raise DisconnectionError(f"pooled connection failed its ping: {e}") from e
 
 
+# SQLSTATE classes or codes (PostgreSQL's appendix A) of an OperationalError, by what a retry can do
+_PG_BUSY = ("40", "55P03")  # serialization failure, deadlock; lock not available
+# connection exception, insufficient resources (disk full, too many connections), operator intervention
+# (shutdown, cannot connect now, statement cancelled), I/O error
+_PG_DOWN = ("08", "53", "57", "58030")
+_PG_LIMIT = ("54",)  # program limit exceeded: statement too complex, too many columns or arguments, row too big
+# SQLite result codes (``sqlite3.Error.sqlite_errorname``, extended codes included by prefix)
+_SQLITE_BUSY = ("SQLITE_BUSY", "SQLITE_LOCKED")
+_SQLITE_DOWN = ("SQLITE_CANTOPEN", "SQLITE_IOERR", "SQLITE_FULL", "SQLITE_NOMEM", "SQLITE_PROTOCOL")
+_SQLITE_LIMIT_MESSAGES = ("too many", "too large", "too big", "stack overflow")
+
+
+def operational_error(what: str, orig: BaseException | None) -> StagetreeError:
+    """The domain error for a driver's OperationalError: only a database that cannot be reached (or is
+    out of resources for now) is ``Unavailable``; a statement over a database limit is ``ResourceExhausted``,
+    and an error of neither kind is not retriable (the same statement would fail again)."""
+    text = str(orig).strip()
+    pgcode = str(getattr(orig, "pgcode", None) or "")
+    name = str(getattr(orig, "sqlite_errorname", None) or "")
+    if not pgcode and not name:  # no answer from a server at all: a connection failure
+        if "locked" in text:
+            return Conflict(f"{what}: the database is busy; retry")
+        return Unavailable(f"{what}: the database is unreachable: {text}; check the database URL")
+    code = f"{pgcode or name}: {text}"
+    if pgcode.startswith(_PG_BUSY) or name.startswith(_SQLITE_BUSY):
+        return Conflict(f"{what}: the database is busy ({code}); retry")
+    if pgcode.startswith(_PG_DOWN) or name.startswith(_SQLITE_DOWN):
+        return Unavailable(f"{what}: the database is unavailable ({code}); retry")
+    if pgcode.startswith(_PG_LIMIT) or (name == "SQLITE_ERROR" and any(m in text for m in _SQLITE_LIMIT_MESSAGES)):
+        return ResourceExhausted(
+            f"{what}: the statement is over a limit of the database ({code}); send less in one call"
+        )
+    return StagetreeError(f"{what}: the database refused the statement ({code})")
+
+
 def table(model: Any) -> Table:
     """A model's table, typed as such (``__table__`` is declared as a ``FromClause``)."""
     return cast(Table, model.__table__)
@@ -133,9 +171,9 @@ class Database:
         except IntegrityError as e:
             raise Conflict(f"{what}: a concurrent writer changed the same rows; retry ({e.orig})") from e
         except OperationalError as e:
-            if "locked" in str(e.orig) or "deadlock" in str(e.orig):
-                raise Conflict(f"{what}: the database is busy; retry") from e
-            raise Unavailable(f"{what}: the database is unreachable: {e.orig}; check the database URL") from e
+            if e.connection_invalidated:
+                raise Unavailable(f"{what}: lost the database connection; retry") from e
+            raise operational_error(what, e.orig) from e
         except DBAPIError as e:
             if e.connection_invalidated:
                 raise Unavailable(f"{what}: lost the database connection; retry") from e
