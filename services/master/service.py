@@ -21,7 +21,7 @@ from stagetree.core.errors import AlreadyExists, InvalidArgument, NotFound, Reso
 from stagetree.core.lifecycle import AssignmentKind, AttemptReport, MetricPoint, RetryPolicy
 from stagetree.core.searchplan import check_step
 from stagetree.core.sharing import SharingStats
-from stagetree.core.text import INT64_MAX, check_id, check_text
+from stagetree.core.text import INT64_MAX, check_id, check_json_depth, check_text
 from stagetree.master import metrics
 from stagetree.master.auth import Principal, scope_of
 from stagetree.master.plans import PlanCache, config_text
@@ -97,6 +97,7 @@ def _json_object(text: str, what: str, limit: int) -> Any:
         raise InvalidArgument(f"{what}: must be a non-empty JSON string")
     if len(text) > limit:
         raise InvalidArgument(f"{what}: {len(text)} bytes is over the {limit}-byte limit")
+    check_json_depth(text, what)  # before the parser recurses into it
     try:
         return json.loads(text)
     except ValueError as e:

@@ -28,6 +28,7 @@ from stagetree.core.text import check_id
 from stagetree.master.api.admission import RETRY_AFTER_MD, Admission
 from stagetree.master.api.assignment_hub import STREAM_POLL_S, AssignmentHub
 from stagetree.master.api.grouping import Grouper
+from stagetree.master.api.grpc_guard import GuardedRegistration
 from stagetree.master.api.results_hub import ResultsHub
 from stagetree.master.auth import Authenticator, Principal, bearer
 from stagetree.master.coordination import Coordination, Subscription
@@ -427,7 +428,7 @@ async def start_grpc_server(
     """Start serving (TLS with ``credentials``, else plaintext); ``port`` 0 picks a free one. Returns the
     server and the bound port."""
     server = grpc.aio.server()
-    pb_grpc.add_MasterServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    pb_grpc.add_MasterServiceServicer_to_server(servicer, GuardedRegistration(server))  # type: ignore[no-untyped-call]
     address = f"{host}:{port}"
     bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     await server.start()

@@ -2,10 +2,11 @@
 
 - A body over ``max_bytes`` is refused with 413 before it is read in full (by its ``Content-Length``,
   or while it streams in).
-- A JSON body is refused with 422 when it holds ``NaN``/``Infinity`` (not JSON numbers, though Python's
-  parser takes them) or a string with a lone surrogate (which no database stores): both would otherwise
-  reach a route, and the error answer itself could not be serialized. So is a body that is not UTF-8
-  (FastAPI would answer a 400 of its own shape).
+- A JSON body is refused with 422 when it nests deeper than ``core.text.MAX_JSON_DEPTH`` (counted before
+  any parser recurses into it), holds ``NaN``/``Infinity`` (not JSON numbers, though Python's parser takes
+  them) or a string with a lone surrogate (which no database stores): each would otherwise reach a route,
+  and the error answer itself could not be serialized. So is a body that is not UTF-8 (FastAPI would
+  answer a 400 of its own shape).
 
 Everything else goes through untouched: malformed JSON is FastAPI's own 422.
 """
@@ -15,6 +16,8 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+
+from stagetree.core.text import MAX_JSON_DEPTH, json_depth
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -39,6 +42,9 @@ def body_problem(body: bytes) -> str | None:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
         return f"the body is not UTF-8 text (byte {e.start}); send JSON encoded as UTF-8"
+    depth = json_depth(body)
+    if depth > MAX_JSON_DEPTH:
+        return f"the body nests JSON {depth} levels deep, over the limit of {MAX_JSON_DEPTH}; send a flatter document"
     try:
         obj = json.loads(text, parse_constant=_reject_constant)
     except _NotANumber as e:

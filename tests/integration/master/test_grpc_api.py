@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from stagetree.core.batch import BatchSpec
+from stagetree.core.text import MAX_JSON_DEPTH
 from stagetree.master.app import MasterApp
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
 from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
@@ -198,3 +199,48 @@ async def test_cancel_a_pending_request(stub: pb_grpc.MasterServiceStub) -> None
     assert await _code(call) == grpc.StatusCode.NOT_FOUND
     stream = stub.StreamResults(pb.StreamResultsRequest(study_id=s.id, request_ids=[rid]), metadata=ALICE)
     assert [r.state async for r in stream] == [pb.CANCELLED]
+
+
+async def test_json_nested_past_the_limit_is_invalid_argument_naming_it(stub: pb_grpc.MasterServiceStub) -> None:
+    deep = "[" * 10_000 + "]" * 10_000  # 20 kB: under the config size limit, far past Python's recursion limit
+    in_values = json.dumps({"trainer": "m:T", "values": {"x": 0}}).replace("0}}", "[" * 5_000 + "]" * 5_000 + "}}")
+    for fixed_json in (deep, in_values):
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await stub.CreateStudy(pb.CreateStudyRequest(name=unique("deep"), fixed_json=fixed_json), metadata=ALICE)
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"over the limit of {MAX_JSON_DEPTH}" in (ei.value.details() or "")
+    s = await _study(stub)
+    config = json.dumps({"fixed": fixed(), "tuned": {"lr": 0}}).replace('"lr": 0', '"lr": ' + deep)
+    item = pb.SubmitItem(client_request_id="deep", config_json=config, step=3)
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await stub.SubmitRequests(pb.SubmitRequestsRequest(study_id=s.id, items=[item]), metadata=ALICE)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "levels deep" in (ei.value.details() or "")
+    query = pb.GetMetricsRequest(study_id=s.id, config_json=config, step=3)
+    assert await _code(stub.GetMetrics(query, metadata=ALICE)) == grpc.StatusCode.INVALID_ARGUMENT
+    got = await stub.ListRequests(pb.ListRequestsRequest(study_id=s.id), metadata=ALICE)
+    assert list(got.results) == []  # nothing was written
+
+
+async def test_a_message_nested_past_the_decoders_limit_is_invalid_argument(grpc_target: str) -> None:
+    # an unknown group (field 15) opened 100,000 times: the decoder gives up at its recursion limit
+    nested = bytes([(15 << 3) | 3]) * 100_000 + bytes([(15 << 3) | 4]) * 100_000
+    async with grpc.aio.insecure_channel(grpc_target) as ch:
+        for method in ("CreateStudy", "StreamResults"):
+            path = f"/stagetree.v1.MasterService/{method}"
+            call = ch.unary_unary(path) if method == "CreateStudy" else ch.unary_stream(path)
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                got = call(pb.CreateStudyRequest(name="x").SerializeToString() + nested, metadata=ALICE)
+                if method == "CreateStudy":
+                    await got
+                else:
+                    async for _ in got:
+                        pass
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value
+            assert "not a valid protobuf message" in (ei.value.details() or "")
+        shallow = bytes([(15 << 3) | 3]) * 20 + bytes([(15 << 3) | 4]) * 20  # unknown but decodable: ignored
+        study = pb.Study.FromString(
+            await ch.unary_unary("/stagetree.v1.MasterService/CreateStudy")(
+                pb.CreateStudyRequest(name=unique("groups")).SerializeToString() + shallow, metadata=ALICE
+            )
+        )
+        assert study.owner == "alice"

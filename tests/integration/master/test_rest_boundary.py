@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from stagetree.core.text import MAX_JSON_DEPTH
 from stagetree.master.api.grpc_api import result_pb
 from stagetree.master.app import MasterApp
 from tests.integration.master.conftest import TOKENS
@@ -160,3 +161,36 @@ def test_the_spec_declares_auth_typed_configs_and_each_routes_statuses(http: htt
                 assert "404" in codes, (path, method)
             if method in ("post", "delete"):
                 assert "413" in codes, (path, method)
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def test_json_nested_past_the_limit_is_a_422_naming_it_and_writes_nothing(http: httpx.Client, study: str) -> None:
+    studies = len(http.get("/studies", headers=ALICE).json())
+    for body in (
+        _nested(100_000),  # the whole body
+        '{"name": "deep", "fixed": {"trainer": "m:T", "values": {"x": @}}}'.replace("@", _nested(5_000)),
+    ):
+        r = _raw(http, "POST", "/studies", body, ALICE)
+        assert r.status_code == 422 and f"limit of {MAX_JSON_DEPTH}" in r.json()["message"], r.text[:300]
+    deep_seq = '{"kind": "constant", "value": @}'.replace("@", _nested(5_000))
+    item = '{"items": [{"client_request_id": "d", "config": {"tuned": {"lr": @}}, "step": 3}]}'.replace("@", deep_seq)
+    r = _raw(http, "POST", f"/studies/{study}/requests", item, ALICE)
+    assert r.status_code == 422 and "levels deep" in r.json()["message"]
+    query = '{"config": {"tuned": {"lr": @}}, "step": 3}'.replace("@", _nested(MAX_JSON_DEPTH))
+    assert _raw(http, "POST", f"/studies/{study}/metrics/query", query, ALICE).status_code == 422
+    assert len(http.get("/studies", headers=ALICE).json()) == studies
+    _nothing_written(http, study)
+
+
+def test_sequences_nested_as_deep_as_a_user_writes_them_pass_the_limit(http: httpx.Client, study: str) -> None:
+    seq: dict[str, object] = {"kind": "cosine", "init": 0.1, "min_value": 0.0, "period": 5}
+    for i in range(8):  # a warmup of a piecewise of a warmup ... eight times over: 26 levels in the body
+        seq = {"kind": "warmup", "init": 0.0, "period": 2, "then": seq}
+        if i % 2:
+            seq = {"kind": "piecewise", "pieces": [0.05, seq], "boundaries": [1]}
+    item = {"client_request_id": "nested", "config": {"tuned": {"lr": seq}}, "step": 3}
+    r = http.post(f"/studies/{study}/requests", json={"items": [item]}, headers=ALICE)
+    assert r.status_code == 200, r.text
