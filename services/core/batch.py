@@ -8,8 +8,12 @@ curve) every ``curve_every_steps`` steps and at most ``curve_max_per_s`` points 
 ``CURVE_BURST`` points are kept (0: no limit; ``curve_every_steps`` 0: no curve), as its studies'
 ``CurveSampling`` asks. ``slots`` is how
 many slots of one node manager the batch trains on, one worker process each, as one
-``torch.distributed`` group (data parallel; 1: a plain worker). The JSON form is what travels in the
-assignment stream.
+``torch.distributed`` group (data parallel; 1: a plain worker). With ``snapshot_budget_bytes`` > 0 the
+worker also keeps an in-memory snapshot of the model at every step it trains (of a trainer that can be
+snapshotted, on one rank), at most that many bytes (beyond it, every k-th step), and writes them as one
+pack when the batch ends, so a trial that arrives later and branches inside this range resumes at its
+branch point instead of training the prefix again. The JSON form is what travels in the assignment
+stream.
 """
 
 from __future__ import annotations
@@ -137,6 +141,7 @@ class BatchSpec:
     curve_every_steps: int = 1
     curve_max_per_s: float = 0.0
     slots: int = 1
+    snapshot_budget_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -190,6 +195,8 @@ class BatchSpec:
         }
         if self.slots != 1:  # absent for a one-slot batch: its spec reads as before
             out["slots"] = self.slots
+        if self.snapshot_budget_bytes:
+            out["snapshot_budget_bytes"] = self.snapshot_budget_bytes
         return out
 
     @classmethod
@@ -212,6 +219,7 @@ class BatchSpec:
                 curve_every_steps=int(o.get("curve_every_steps", 1)),
                 curve_max_per_s=float(o.get("curve_max_per_s", 0.0)),
                 slots=int(o.get("slots", 1)),
+                snapshot_budget_bytes=int(o.get("snapshot_budget_bytes", 0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidArgument(f"malformed batch spec: {e!r}") from None

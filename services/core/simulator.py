@@ -4,7 +4,9 @@ The simulator owns a core ``SearchPlan`` and calls the same ``build_stage_tree``
 ``schedule_round`` the master calls; only time is simulated. Workers load a batch's source checkpoint
 (``load_s``), train its steps (``step_time(config, step)`` seconds each), evaluate where requests wait
 (``eval_s``) and save checkpoints in the background (available ``save_s`` after the worker passes the
-point). A *driver* plays the tuner: it issues requests and reacts to results (grid, SHA, ASHA over
+point). With ``snapshots``, a batch also leaves a checkpoint at every step it trained, available
+``save_s`` after it ends (the runtime's in-memory snapshots of a small model, written as one pack at the
+batch's end). A *driver* plays the tuner: it issues requests and reacts to results (grid, SHA, ASHA over
 synthetic learning curves are provided). The report gives makespan, worker-seconds and executed versus
 unique steps, so ordering policies can be compared at cluster scale on one CPU.
 """
@@ -214,8 +216,12 @@ class Simulator:
         save_s: float = 0.0,
         eval_s: float = 0.0,
         decision_cost: StageCost | None = None,
+        snapshots: bool = False,
+        boundaries: bool = True,
     ) -> None:
         self.driver = driver
+        self.snapshots = snapshots
+        self.use_boundaries = boundaries
         self.plan = SearchPlan("sim")
         self.slots = [Slot(f"w{i}") for i in range(workers)]
         self.policy = policy
@@ -339,7 +345,7 @@ class Simulator:
                     t += self.step_time(cfg, progress)
                     progress += 1
                 stages.append(InflightStage(node, a, b, progress if self.now >= t0 else a))
-            out.append(InflightBatch(run.id, tuple(stages), frozenset(run.batch.saves)))
+            out.append(InflightBatch(run.id, tuple(stages), frozenset(run.batch.saves), self.snapshots))
         return out
 
     def _round(self) -> None:
@@ -350,7 +356,8 @@ class Simulator:
             return
         inflight = self._inflight()
         forest = build_stage_tree(plan.nodes, plan.checkpoint_steps(), pending, inflight)
-        result = schedule_round(forest, self.free, self.decision_cost, self.policy, self._boundaries, inflight)
+        boundaries = self._boundaries if self.use_boundaries else None
+        result = schedule_round(forest, self.free, self.decision_cost, self.policy, boundaries, inflight)
         for amend in result.amendments:
             run = self.running.get(amend.batch)
             t = None if run is None else self._time_at(run, amend.point)
@@ -394,6 +401,10 @@ class Simulator:
                 self._push(t, "metrics", end)
             if end in batch.saves:
                 self._push(t + self.save_s, "ckpt", end)
+        if self.snapshots:  # every step's snapshot, written (as one pack) before the batch says it ended
+            for st in batch.stages:
+                for step in range(st.start + 1, st.end + 1):
+                    self._push(t, "ckpt", Point(st.node, step))
         run.end_time = t
         self.running[bid] = run
         self.plan.mark_scheduled(batch.requests, bid)

@@ -9,7 +9,9 @@ b". A stage whose source is a promise is not runnable until that checkpoint exis
 In-flight batches matter twice: a request whose point lies ahead of a running batch is *attached* to
 it (the master asks the batch to also evaluate/save there: an amendment), and a request past a
 running batch's end starts from the checkpoint that batch will leave. Either way no step is trained
-twice while its model is on its way.
+twice while its model is on its way. A batch that keeps a *snapshot* of every step it trains (a small
+model: ``InflightBatch.snapshots``, written when it ends) also covers the points it has already passed:
+a request that branches there waits for that snapshot instead of training the prefix again.
 """
 
 from __future__ import annotations
@@ -34,9 +36,12 @@ class InflightStage:
 
 @dataclass(frozen=True)
 class InflightBatch:
+    """A running batch; ``snapshots``: it leaves a checkpoint at every step of its stages when it ends."""
+
     id: int
     stages: tuple[InflightStage, ...]
     saves: frozenset[Point] = frozenset()
+    snapshots: bool = False
 
 
 @dataclass(frozen=True)
@@ -112,10 +117,14 @@ def build_stage_tree(
     point) of the NOT_SCHED requests."""
     cover: dict[int, list[tuple[int, int, int, int]]] = {}  # node -> [(lo, end, batch, progress)]
     planned: set[Point] = set()
+    snapshotting: set[int] = set()
     for b in inflight:
         planned.update(b.saves)
+        if b.snapshots:
+            snapshotting.add(b.id)
         for ist in b.stages:
-            cover.setdefault(ist.node, []).append((max(ist.start, ist.progress), ist.end, b.id, ist.progress))
+            lo = ist.start if b.snapshots else max(ist.start, ist.progress)
+            cover.setdefault(ist.node, []).append((lo, ist.end, b.id, ist.progress))
 
     sources: dict[Point, int] = {}  # point -> _READY / _PROMISED / _ORIGIN
     needed: set[Point] = set()
@@ -139,7 +148,7 @@ def build_stage_tree(
     def promise(p: Point, batch: int) -> None:
         sources[p] = _PROMISED
         promised_by[p] = batch
-        if p not in planned:
+        if p not in planned and batch not in snapshotting:
             amend[p] = batch
 
     def walk(p: Point) -> None:

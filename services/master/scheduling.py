@@ -315,6 +315,7 @@ class SchedulingLoop:
         if curves is None:
             curves = CurveSampling(self.settings.curve_every_steps, self.settings.curve_max_per_s)
         curve_every, curve_rate = curves.every_steps, curves.max_per_s
+        snapshot_budget = self.settings.snapshot_budget_bytes
 
         def render(batch_id: int, attempt: int) -> str:
             spec = BatchSpec(
@@ -332,6 +333,7 @@ class SchedulingLoop:
                 curve_max_per_s=curve_rate,
                 slots=batch.slots,
                 extra={"slot_ids": list(slot_ids)} if len(slot_ids) > 1 else {},
+                snapshot_budget_bytes=snapshot_budget,
             )
             return json.dumps(spec.to_json(), separators=(",", ":"))
 
@@ -386,11 +388,13 @@ class SchedulingLoop:
         )
         if not result.evict:
             return []
-        uris = [c.uri for p in result.evict if (c := ckpts.get(p)) is not None]
+        uris = sorted({c.uri for p in result.evict if (c := ckpts.get(p)) is not None})
         told = self.store.checkpoints.delete_checkpoints(result.evict)
         for nm in told:
             self.coord.notify(ch_node_manager(nm))
-        self.files.delete(uris)  # an object store's copy goes even with no node manager alive
+        kept = self.store.checkpoints.referenced(uris)  # a pack goes with the last of its points
+        # an object store's copy goes even with no node manager alive
+        self.files.delete([u for u in uris if u not in kept])
         log.info(
             "checkpoints evicted over budget",
             extra={"evicted": len(result.evict), "bytes_after": result.bytes_after, "shortfall": result.shortfall},

@@ -55,6 +55,10 @@ class SchedulingSettings(BaseModel):
     # stopped: every this many steps and/or seconds (0: off). Central ones (branch points) are always saved.
     peripheral_every_steps: int = Field(default=0, ge=0)
     peripheral_every_s: float = Field(default=60.0, ge=0)
+    # bytes of in-memory snapshots a batch may keep, one per step, of a model that can be snapshotted, written
+    # as one pack when it ends: a trial that arrives later and branches inside the batch's range resumes at
+    # its branch point (every k-th step when they do not fit; 0: off)
+    snapshot_budget_bytes: int = Field(default=64 * 1024 * 1024, ge=0)
     # the studies' policy state (Hermes quanta, POP curves) is saved when changed, at most this often; a
     # round that preempts or kills saves it first, always (master.policies)
     policy_state_save_s: float = Field(default=1.0, ge=0)

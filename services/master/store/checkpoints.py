@@ -1,7 +1,9 @@
 """The checkpoint catalog: which model states exist at which canonical points, their uris and sizes.
 
 Deleting a checkpoint forgets it here and queues its deletion on the live node managers through the
-outbox (``nodes.enqueue_action``); whichever gets there first deletes, the others find nothing.
+outbox (``nodes.enqueue_action``); whichever gets there first deletes, the others find nothing. The
+points of a pack (a batch's in-memory snapshots, ``runtime.state``) share its uri: its files are
+deleted with the last of its points.
 """
 
 from __future__ import annotations
@@ -111,6 +113,13 @@ class CheckpointCatalog:
             out.setdefault(int(n), {})[Point(int(n), int(st))] = uri
         return out
 
+    def referenced(self, uris: Sequence[str]) -> set[str]:
+        """Which of ``uris`` some checkpoint row still names (a pack whose other points are kept)."""
+        if not uris:
+            return set()
+        with self.db.tx("checkpoint uris in use") as s:
+            return {str(u) for u in s.scalars(select(_C.c.uri).where(_C.c.uri.in_(sorted(set(uris)))))}
+
     def delete_checkpoints(self, points: Sequence[Point]) -> dict[str, list[str]]:
         """Forget these checkpoints and queue their deletion on every live node manager (the store is
         shared; whichever gets there first deletes, the others find nothing). Returns uris per manager."""
@@ -119,10 +128,15 @@ class CheckpointCatalog:
         keys = [(p.node, p.step) for p in points]
         with self.db.tx("delete checkpoints") as s:
             where = tuple_(_C.c.node_id, _C.c.step).in_(keys)
-            uris = [str(u) for u in s.scalars(select(_C.c.uri).where(where))]
-            if not uris:
+            found = sorted({str(u) for u in s.scalars(select(_C.c.uri).where(where))})
+            if not found:
                 return {}
             s.execute(_C.delete().where(where))
+            # a pack holds many points under one uri: its files go with the last of them
+            kept = set(s.scalars(select(_C.c.uri).where(_C.c.uri.in_(found))))
+            uris = [u for u in found if u not in kept]
+            if not uris:
+                return {}
             nms = [str(n) for n in s.scalars(select(m.NodeManager.id).where(m.NodeManager.state == ALIVE))]
             for nm in nms:
                 enqueue_action(s, nm, AssignmentKind.DELETE_CHECKPOINTS, uris=uris)

@@ -59,7 +59,7 @@ class Retention:
             nodes = select(m.Node.id).where(m.Node.plan_id == plan_id).scalar_subquery()
             ckpts = s.execute(select(m.Checkpoint.uri, m.Checkpoint.bytes).where(m.Checkpoint.node_id.in_(nodes))).all()
             if ckpts:
-                uris = [str(u) for u, _ in ckpts]
+                uris = sorted({str(u) for u, _ in ckpts})  # a pack's points share one uri
                 for nm in s.scalars(select(m.NodeManager.id).where(m.NodeManager.state == ALIVE)):
                     enqueue_action(s, str(nm), AssignmentKind.DELETE_CHECKPOINTS, uris=uris)
                 s.execute(delete(m.Checkpoint).where(m.Checkpoint.node_id.in_(nodes)))

@@ -12,7 +12,11 @@ kept every ``spec.curve_every_steps`` steps and, past its first ``CURVE_BURST`` 
 emitted as ``curve`` events of one node: at most every ``CURVE_FLUSH_S``, at the end of each stage, and
 before the batch ends, so none is lost to a finish.
 Checkpoints of trainers with ``state_dict`` are snapshotted in memory and written by a background
-thread; a failed write fails the batch.
+thread; a failed write fails the batch. With ``spec.snapshot_budget_bytes`` such a trainer (on one rank)
+is also snapshotted in memory after every step that saves nothing (every k-th step when a snapshot of
+every step would not fit the budget), and the snapshots are written as one pack when the batch ends or
+is preempted, each of its points reported as a peripheral ``checkpoint_saved`` of the pack's uri: a
+trial that arrives later and branches inside this batch's range resumes at its branch point.
 
 Everything the master learns goes through ``emit(kind, payload)`` (see ``events.EVENT_FIELDS``).
 A failure becomes ``batch_failed``: its ``error`` is what was raised and the last ``TRACEBACK_LINES``
@@ -57,7 +61,14 @@ from stagetree.core.sequences import Value
 from stagetree.nodemanager.runtime.checkpoints import CheckpointStore, StoredCheckpoint
 from stagetree.nodemanager.runtime.distributed import PEER_LOST_NOTE, SINGLE_RANK, RankGroup, StepSync, is_peer_lost
 from stagetree.nodemanager.runtime.events import Emit
-from stagetree.nodemanager.runtime.state import restore_checkpoint, save_now, take_snapshot
+from stagetree.nodemanager.runtime.state import (
+    Snapshot,
+    restore_checkpoint,
+    save_now,
+    snapshot_bytes,
+    take_snapshot,
+    write_pack,
+)
 from stagetree.nodemanager.runtime.trainer import (
     Trainer,
     TrainerContext,
@@ -86,9 +97,10 @@ class BatchOutcome:
 @dataclass
 class _Save:
     future: Future[StoredCheckpoint]
-    points: tuple[Point, ...]
+    points: tuple[Point, ...]  # each at its own step (a pack's points are many steps)
     kind: CheckpointKind
     step: int
+    pack: bool = False
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -244,6 +256,8 @@ class BatchRun:
         self._curve_node = spec.stages[0].node
         self._curve_flushed = 0.0
         self._curve_rate = CurveRate(spec.curve_max_per_s)
+        self._snaps: dict[Point, Snapshot] = {}  # in-memory snapshots of this batch's steps, packed at its end
+        self._snap_stride = 0  # a snapshot every this many steps (0: not decided until the first one)
 
     # -- control ------------------------------------------------------------------------------
 
@@ -284,6 +298,12 @@ class BatchRun:
                 emit, clock, should_preempt = self._emit, self._clock, self._should_preempt
                 lock, point_steps, interval = self._lock, self._point_steps, self._progress_interval
                 periodic = spec.peripheral_every_steps > 0 or spec.peripheral_every_s > 0
+                snapshots = (
+                    spec.snapshot_budget_bytes > 0
+                    and not self._group.distributed
+                    and self._background
+                    and type(trainer).snapshots_in_memory()
+                )
                 batch_id, attempt = spec.batch_id, spec.attempt
                 curve_every = spec.curve_every_steps
                 rate = self._curve_rate
@@ -348,6 +368,8 @@ class BatchRun:
                             preempt_now = False
                         if periodic_due and step < end and not saved:
                             self._save(trainer, (Point(node, step),), "peripheral", step)
+                        if snapshots and step < end and self._last_save_step != step:
+                            self._snapshot(trainer, Point(node, step))
                         if self._pending:
                             self._drain(block=False)
                         if step < end and (preempt_now or (not distributed and should_preempt())):
@@ -357,6 +379,7 @@ class BatchRun:
                             self._flush_curve(node)
                             return self._preempt(trainer, node, step, trained)
                 self._flush_curve(self._curve_node)
+                self._write_pack()
                 self._drain(block=True)
             self._emit("batch_finished", {**self._ids, "steps": trained})
             return BatchOutcome("finished", step, trained)
@@ -396,7 +419,9 @@ class BatchRun:
         self._trainer = trainer
         t_init = time.monotonic()
         if spec.source.uri is not None:
-            at, ranks = restore_checkpoint(trainer, self._store, spec.source.uri, info.rank, info.world_size)
+            at, ranks = restore_checkpoint(
+                trainer, self._store, spec.source.uri, info.rank, info.world_size, spec.source.point
+            )
             if ranks != info.world_size:  # the trainer is rescalable (restore refuses otherwise): say so
                 self._emit(
                     "rescaled",
@@ -512,20 +537,53 @@ class BatchRun:
         self._last_save = record
         self._last_ckpt_step, self._last_ckpt_time = step, self._clock()
 
+    def _snapshot(self, trainer: Trainer, point: Point) -> None:
+        """Keep the model at ``point`` in memory for the pack, within the batch's snapshot budget."""
+        if self._snap_stride and (point.step - self.spec.start_step) % self._snap_stride:
+            return
+        snap = take_snapshot(trainer, point)
+        if not self._snap_stride:  # every step's snapshot, or every k-th so that they fit the budget
+            need = snapshot_bytes(snap) * self.spec.steps
+            self._snap_stride = max(1, -(-need // self.spec.snapshot_budget_bytes))
+            if self._snap_stride > 1:
+                log.info(
+                    "snapshots every %d steps: one of each would take %d bytes, the budget is %d",
+                    self._snap_stride,
+                    need,
+                    self.spec.snapshot_budget_bytes,
+                    extra=self._ids,
+                )
+        self._snaps[point] = snap
+
+    def _write_pack(self) -> None:
+        """Write the in-memory snapshots as one pack (in the background; reported when drained)."""
+        if not self._snaps:
+            return
+        snaps, self._snaps = self._snaps, {}
+        first = next(iter(snaps))
+        spec = self.spec
+        plan = _KEY_UNSAFE.sub("_", spec.plan_key) or "plan"
+        key = f"{plan}/n{first.node}/s{first.step}-pack-b{spec.batch_id}a{spec.attempt}"
+        assert self._pool is not None
+        future = self._pool.submit(self._store.put, key, lambda d: write_pack(snaps, d))
+        self._pending.append(_Save(future, tuple(snaps), "peripheral", max(p.step for p in snaps), pack=True))
+
     def _drain(self, *, block: bool) -> None:
-        """Emit ``checkpoint_saved`` for finished writes, in order; re-raise a failed write."""
+        """Emit ``checkpoint_saved`` for finished writes, in order; re-raise a failed write. A pack's
+        points share its uri, each with its share of the bytes."""
         while self._pending and (block or self._pending[0].future.done()):
             record = self._pending.popleft()
             stored = record.future.result()
+            nbytes = stored.bytes // len(record.points) if record.pack else stored.bytes
             for p in record.points:
                 self._emit(
                     "checkpoint_saved",
                     {
                         **self._ids,
                         "node": p.node,
-                        "step": record.step,
+                        "step": p.step,
                         "uri": stored.uri,
-                        "bytes": stored.bytes,
+                        "bytes": nbytes,
                         "kind": record.kind,
                         "ranks": self._group.info.world_size,
                     },
@@ -533,7 +591,9 @@ class BatchRun:
 
     def _preempt(self, trainer: Trainer, node: int, step: int, trained: int) -> BatchOutcome:
         if self._last_save_step != step:
+            self._snaps.pop(Point(node, step), None)
             self._save(trainer, (Point(node, step),), "peripheral", step)
+        self._write_pack()
         if not self._group.leader:
             return BatchOutcome("preempted", step, trained)
         record = self._last_save

@@ -13,7 +13,10 @@ many ranks wrote the checkpoint, so the worker can report the resume and the mas
 path change.
 
 A ``Snapshot`` is the same state held in memory, detached from the live trainer: every tensor is
-copied (to CPU), every container rebuilt, so training may go on while a thread writes it. Restores
+copied (to CPU), every container rebuilt, so training may go on while a thread writes it. A *pack* is
+one directory holding the snapshots of many points (``pack.pt``: ``"<node>:<step>"`` -> snapshot), the
+in-memory snapshots a batch kept of a small model at every step; every point of it is cataloged with
+the pack's uri, and a restore takes the batch's source point out of it. Restores
 always read from the store, never from a shared in-memory object: ``Optimizer.load_state_dict`` keeps
 references to the tensors it is given, so two trainers restored from one object would share their
 momentum buffers.
@@ -46,6 +49,7 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 USER_DIR = "user"
 RUNTIME_FILE = "runtime.pt"
+PACK_FILE = "pack.pt"
 
 
 def detached_copy(obj: Any) -> Any:
@@ -97,6 +101,31 @@ class Snapshot:
         torch.save(self.runtime, directory / RUNTIME_FILE)
 
 
+def pack_key(point: Point) -> str:
+    return f"{point.node}:{point.step}"
+
+
+def snapshot_bytes(snapshot: Snapshot) -> int:
+    """The bytes of a snapshot's tensors (what holding it costs; its small Python objects aside)."""
+    total = 0
+    todo: list[Any] = [snapshot.user, snapshot.runtime]
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, torch.Tensor):
+            total += obj.numel() * obj.element_size()
+        elif isinstance(obj, Mapping):
+            todo.extend(obj.values())
+        elif isinstance(obj, list | tuple):
+            todo.extend(obj)
+    return total
+
+
+def write_pack(snapshots: Mapping[Point, Snapshot], directory: Path) -> None:
+    """The snapshots of many points as one pack (see the module doc)."""
+    points = {pack_key(p): {"user": s.user, "runtime": s.runtime} for p, s in snapshots.items()}
+    torch.save({"format": FORMAT_VERSION, "points": points}, directory / PACK_FILE)
+
+
 def take_snapshot(trainer: Trainer, point: Point, rng_ranks: list[dict[str, Any]] | None = None) -> Snapshot:
     """Only for trainers whose class ``snapshots_in_memory()``."""
     return Snapshot(user=detached_copy(trainer.state_dict()), runtime=detached_copy(runtime_state(point, rng_ranks)))
@@ -123,12 +152,20 @@ def restore(trainer: Trainer, store: CheckpointStore, uri: str, rank: int = 0, w
 
 
 def restore_checkpoint(
-    trainer: Trainer, store: CheckpointStore, uri: str, rank: int = 0, world_size: int = 1
+    trainer: Trainer,
+    store: CheckpointStore,
+    uri: str,
+    rank: int = 0,
+    world_size: int = 1,
+    point: Point | None = None,
 ) -> Restored:
     """Load the checkpoint at ``uri`` into an ``init``-ed trainer and the process RNGs (rank ``rank`` of
     ``world_size``'s own, see the module doc); its point and the number of ranks that wrote it (the
-    caller reports a resume on another number, which the master records as the plan's path change)."""
+    caller reports a resume on another number, which the master records as the plan's path change).
+    A pack gives up the snapshot of ``point`` (the batch's source)."""
     with store.open(uri) as directory:
+        if (directory / PACK_FILE).exists():
+            return _restore_from_pack(trainer, directory / PACK_FILE, uri, point, world_size)
         rt = torch.load(directory / RUNTIME_FILE, weights_only=True)
         if rt.get("format") != FORMAT_VERSION:
             raise FailedPrecondition(
@@ -154,3 +191,25 @@ def restore_checkpoint(
         )
         restore_rng_state(rt["rng"])
     return Restored(Point(int(rt["node"]), int(rt["step"])), saved)
+
+
+def _restore_from_pack(trainer: Trainer, path: Path, uri: str, point: Point | None, world_size: int) -> Restored:
+    if point is None:
+        raise FailedPrecondition(f"checkpoint {uri} is a pack of snapshots: say which point to restore")
+    if world_size != 1 and not type(trainer).rescalable:
+        raise FailedPrecondition(
+            f"checkpoint {uri} was written by 1 rank and this batch runs on {world_size}: "
+            f"{type(trainer).__name__} does not say it may resume on another number of ranks"
+        )
+    pack = torch.load(path, weights_only=True)
+    if pack.get("format") != FORMAT_VERSION:
+        raise FailedPrecondition(
+            f"checkpoint {uri} has format {pack.get('format')!r}, this runtime reads {FORMAT_VERSION}"
+        )
+    entry = pack["points"].get(pack_key(point))
+    if entry is None:
+        raise FailedPrecondition(f"checkpoint {uri} holds no snapshot of node {point.node} at step {point.step}")
+    trainer.load_state_dict(entry["user"])
+    rt = entry["runtime"]
+    restore_rng_state(rt["rng"])
+    return Restored(Point(int(rt["node"]), int(rt["step"])), 1)

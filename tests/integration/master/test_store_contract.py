@@ -316,3 +316,18 @@ def test_rounds_read_a_node_managers_slots_again_only_after_it_registers_again(s
     with store.db.tx("test") as s:
         every = store.nodes.node_managers_in(s)
     assert [(n.id, n.slots) for n in every if n.id == nm] == [(nm, cache[nm][1])]  # the same as an uncached read
+
+
+def test_a_packs_files_are_deleted_with_the_last_of_its_points(store: Store) -> None:
+    _pid, node = _plan_with_node(store)
+    nm = unique("nm")
+    store.nodes.register_node_manager(nm, "127.0.0.1:1", [("s0", "cpu")])
+    pack = f"file:///{unique('pack')}"
+    for step in (3, 4, 5):
+        store.checkpoints.record_checkpoint(node, step, pack, 100, "peripheral")
+    store.checkpoints.record_checkpoint(node, 6, "file:///alone", 100, "central")
+    assert store.checkpoints.delete_checkpoints([Point(node, 3), Point(node, 4)]) == {}  # 5 still needs it
+    assert store.checkpoints.referenced([pack, "file:///alone"]) == {pack, "file:///alone"}
+    told = store.checkpoints.delete_checkpoints([Point(node, 5), Point(node, 6)])
+    assert sorted(told[nm]) == sorted([pack, "file:///alone"])
+    assert store.checkpoints.referenced([pack]) == set()
