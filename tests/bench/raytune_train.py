@@ -1,6 +1,7 @@
 """One trial trained straight through, the way a trial-by-trial system (Ray Tune) runs it.
 
-``train_straight`` builds the same trainer stagetree's workers build (``DigitsMLP``, same fixed part and
+``train_straight`` builds the same trainer stagetree's workers build (``raytune_workloads.TRAINER``, the
+digits MLP in a user's module; same fixed part and
 seed), seeds the RNGs the way the worker runtime does, applies the trial's hyper-parameter sequences
 before each step (only the values that change, as ``BatchRun`` does) and evaluates at the requested
 steps with the RNG state restored afterwards. It is both the independent reference of the exactness
@@ -19,10 +20,10 @@ import torch
 
 from stagetree.core.config import Config
 from stagetree.core.sequences import Value
-from stagetree.nodemanager.examples.digits import DigitsMLP
 from stagetree.nodemanager.runtime.trainer import (
     TrainerContext,
     capture_rng_state,
+    load_trainer_class,
     restore_rng_state,
     seed_everything,
 )
@@ -43,7 +44,9 @@ def train_straight(
     metrics at each of them."""
     config = Config.from_json(config_json)
     at = sorted(set(int(s) for s in evals))
-    trainer = DigitsMLP()
+    from tests.bench.raytune_workloads import TRAINER
+
+    trainer = load_trainer_class(TRAINER)()
     trainer.bind(TrainerContext(fixed=dict(fixed), seed=seed, device=torch.device(device)))
     seed_everything(seed)
     trainer.init()

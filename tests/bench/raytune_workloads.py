@@ -25,7 +25,8 @@ from stagetree.client.spaces import GridSearchSpace
 from stagetree.core.config import Config
 from stagetree.core.sequences import Constant, Cosine, MultiStep, Piecewise, Sequence, Warmup
 
-TRAINER = "stagetree.nodemanager.examples.digits:DigitsMLP"
+# a user's module (tests/bench/userstyle/digits_user.py): the digits MLP behind the imports users' modules have
+TRAINER = "digits_user:DigitsNet"
 DATASET = "sklearn-digits"
 SEED = 0
 TUNED = ("bs", "lr", "momentum")

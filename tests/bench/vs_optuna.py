@@ -1,47 +1,43 @@
-"""Plain Optuna side by side with stagetree driving the same Optuna sampler, on real PyTorch CPU training.
+"""Plain Optuna side by side with its port to stagetree, every process of each counted from launch to exit.
 
-    pip install ".[bench]"        # optuna, cmaes
-    python -m tests.bench.vs_optuna [--trials 64] [--minibatches 20] [--hidden 128] [--seed 0]
+    pip install ".[bench]"        # optuna, scikit-learn, scipy
+    python -m tests.bench.vs_optuna [--trials 40] [--workers 1] [--minibatches 40] [--runs 1]
 
-The workload: the digits MLP (``stagetree.nodemanager.examples.torch_digits.DigitsTorch``, a
-``TorchTrainer``) over one ``OptunaSpace``: a 5-step warmup into a decay family chosen by the sampler
-(cosine, exponential, multistep, each with its peak learning rate on a 4-point grid and its own
-categorical parameters) times three batch-size sequences; momentum 0.9. Rungs at steps 10, 30, 90
-(reduction factor 3). Both sides draw 64 trials with ``TPESampler(seed)``:
+The workload is a user's module (``tests/bench/userstyle/``): ``tabular_mlp`` is an Optuna user's
+``pytorch_simple``-style script (an MLP on generated tabular data, SGD with a tuned warmup-then-decay
+learning rate, momentum and a batch-size ramp; TPE with a median pruner; accuracy reported at steps
+3, 9 and 27); it imports optuna, scikit-learn and scipy as such modules do. ``tabular_port`` is its port
+as docs/integrations.md tells an Optuna user to write it (a ``TorchTrainer`` and an ``OptunaSpace`` with
+``grid=4``), driven by ``stagetree_study.py`` in embedded mode through ``OptunaTuner(promotions="pruner")``.
+Three runs, each its own process tree launched by this bench (``tests.bench.proctree``: a subreaper
+wrapper, so daemons and workers that outlive their parents are counted too), one torch thread per
+training process, ``--workers`` processes (Optuna) or slots (stagetree) each:
 
-1. plain Optuna: TPE with its ``SuccessiveHalvingPruner`` (min resource 10, reduction factor 3); each trial
-   trains from scratch in the objective, reporting accuracy at each rung, two trials at a time (two
-   worker processes on one Optuna SQLite storage, each with its own sampler seed);
-2. stagetree: the same sampler through ``OptunaTuner`` with ASHA promotions (the rungs above), in
-   embedded mode with two CPU slots; trials that share a prefix train it once, and a proposal that
-   repeats an earlier configuration is answered from the stored metrics.
+1. ``optuna``: ``optuna_study.py``, one process (or ``--workers`` sharing an SQLite study);
+2. ``stagetree``: the port, embedded (master, node manager, fork server and workers all counted);
+3. ``stagetree_no_sharing``: the same search with continuous floats (``--grid 0``): merge rate 1.0, so
+   what it costs over Optuna is the platform's overhead alone.
 
-Every training process runs one torch thread. Figures:
+Figures (Optuna's over stagetree's for the ratios; medians over ``--runs``, the order rotating):
 
-* ``optuna_best`` / ``stagetree_best``: the best accuracy at step 90;
-* ``cpu_s_ratio``: CPU-seconds of the processes that train, Optuna's over stagetree's (Optuna: its two
-  worker processes' ``process_time`` over ``optimize``; stagetree: its worker processes' tree, as in
-  ``vs_raytune``);
-* ``e2e_ratio``: wall-clock seconds of the whole study, Optuna's over stagetree's. Neither counts its
-  start-up: Optuna's from when both workers have imported everything and loaded the data; stagetree's
-  from the study's creation to the tuner's finish, the embedded cluster up with its warm workers;
-* ``merge_rate``: stagetree's (the study's steps trial by trial over the unique steps it trained).
+* ``cpu_s_ratio`` / ``cpu_s_ratio_no_sharing``: CPU-seconds of the whole tree, start-up included;
+* ``e2e_ratio``: wall seconds from launch to the last process's exit;
+* ``merge_rate``: the study's trial-by-trial steps over its unique steps (``study.stats()``);
+* ``first_trial_s``: from stagetree's launch to its first result;
+* ``steps_trained_twice``: steps stagetree's batches trained beyond the unique steps (the sharing run).
 
-With ``--runs N`` the two sides alternate which goes first and every figure is the median of N (the
-best accuracies too: both samplers are seeded, so they differ between runs only through timing).
-
-Last line: ``optuna_best=<acc> stagetree_best=<acc> cpu_s_ratio=<r> e2e_ratio=<r> merge_rate=<m>``.
-Targets: stagetree_best >= optuna_best - 0.005, cpu_s_ratio >= 0.8 x merge_rate, e2e_ratio >= 1.5.
+Last line: ``optuna_best=<a> stagetree_best=<a> merge_rate=<m> cpu_s_ratio=<r> e2e_ratio=<r>
+cpu_s_ratio_no_sharing=<r> first_trial_s=<s> steps_trained_twice=<n>``, also written to
+``tests/bench/results/vs_optuna.json``. Targets: stagetree_best >= optuna_best - 0.005,
+cpu_s_ratio >= 0.9 x merge_rate, cpu_s_ratio_no_sharing >= 0.9, e2e_ratio >= 1.0, first_trial_s <= 5,
+steps_trained_twice == 0.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import importlib
 import json
-import logging
-import multiprocessing
+import os
 import shutil
 import statistics
 import sys
@@ -50,242 +46,109 @@ import time
 from pathlib import Path
 from typing import Any
 
-import optuna
-import torch
+from tests.bench.proctree import TreeUsage, run_counted, summary
 
-from stagetree.client.spaces import Choice, Family, LogUniform
-from stagetree.core.config import Config, FixedPart
-from stagetree.core.sequences import Cosine, Exponential, MultiStep, Warmup
-from stagetree.integrations.optuna import OptunaSpace, OptunaTuner
-from stagetree.nodemanager.examples.digits import digits_split
-from stagetree.nodemanager.examples.torch_digits import ENTRY_POINT, DigitsTorch
-from stagetree.nodemanager.runtime.executor import new_trainer
-from tests.bench.vs_raytune import STAGETREE_WORKERS, _children_cpu, _forkserver_pid, _live_children, _tree_cpu
-
-log = logging.getLogger(__name__)
-
-RUNGS = (10, 30, 90)
-ETA = 3
-METRIC = "accuracy"
-DATASET = "sklearn-digits"
-TIMEOUT_S = 1800.0
+USERSTYLE = Path(__file__).resolve().parent / "userstyle"
+RESULTS = Path(__file__).resolve().parent / "results"
+TIMEOUT_S = 3600.0
+SIDES = ("optuna", "stagetree", "stagetree_no_sharing")
 
 
-def space() -> OptunaSpace:
-    peak = LogUniform(0.03, 0.3)
-    decay = Choice(
-        [
-            Family(Cosine, init=peak, min_value=0.001, period=85),
-            Family(Exponential, init=peak, gamma=Choice([0.97, 0.99])),
-            Family(MultiStep, init=peak, milestones=Choice([[30, 60], [45, 75]]), gamma=0.3),
-        ]
-    )
-    return OptunaSpace(
-        {
-            "lr": Family(Warmup, init=0.01, period=5, then=decay),
-            "bs": Choice([32, MultiStep(32, [40], 2), MultiStep(32, [40], 4)]),
-            "momentum": 0.9,
-        },
-        grid=4,
-    )
+def side_command(side: str, out: Path, ns: argparse.Namespace, home: Path) -> list[str]:
+    common = [str(out), "--trials", str(ns.trials), "--seed", str(ns.seed), "--workers", str(ns.workers)]
+    if side == "optuna":
+        return [sys.executable, str(USERSTYLE / "optuna_study.py"), *common]
+    grid = str(ns.grid) if side == "stagetree" else "0"
+    return [sys.executable, str(USERSTYLE / "stagetree_study.py"), *common, "--grid", grid, "--home", str(home)]
 
 
-# ---------------------------------------------------------------------------------------------
-# 1. plain Optuna
+def run_side(side: str, ns: argparse.Namespace, work: Path) -> tuple[TreeUsage, dict[str, Any]]:
+    out = work / f"{side}.json"
+    env = {**os.environ, "TABULAR_MINIBATCHES": str(ns.minibatches), "OMP_NUM_THREADS": "1"}
+    usage = run_counted(side_command(side, out, ns, work / f"home-{side}"), env=env, cwd=USERSTYLE, timeout_s=TIMEOUT_S)
+    if usage.rc != 0:
+        raise RuntimeError(f"{side} exited {usage.rc}")
+    return usage, json.loads(out.read_text())
 
 
-def objective_factory(fixed: FixedPart) -> Any:
-    def objective(trial: optuna.Trial) -> float:
-        config = Config.of(space().suggest(trial))
-        trainer = new_trainer(DigitsTorch, fixed, torch.device("cpu"))
-        applied: dict[str, Any] = {}
-        acc = 0.0
-        for s in range(RUNGS[-1]):
-            values = config.values_at(s)
-            changes = {k: v for k, v in values.items() if applied.get(k) != v}
-            if changes:
-                trainer.setup(changes)
-                applied.update(changes)
-            trainer.step = s
-            trainer.train()
-            if s + 1 in RUNGS:
-                acc = trainer.evaluate()[METRIC]
-                trial.report(acc, s + 1)
-                if trial.should_prune():
-                    raise optuna.TrialPruned()
-        return acc
+def figures(runs: dict[str, list[tuple[TreeUsage, dict[str, Any]]]]) -> dict[str, float]:
+    """The last line's figures from each side's runs (medians)."""
+    med = statistics.median
 
-    return objective
+    def cpu(side: str) -> float:
+        return float(med(u.cpu_s for u, _ in runs[side]))
 
+    def wall(side: str) -> float:
+        return float(med(u.wall_s for u, _ in runs[side]))
 
-def _storage(path: str) -> optuna.storages.BaseStorage:
-    # SQLite through Optuna's RDB storage: a waiting writer blocks on the database lock (its journal
-    # file storage polls its lock with sleeps growing to 1 s, which a loaded machine turns into seconds)
-    return optuna.storages.RDBStorage(f"sqlite:///{path}", engine_kwargs={"connect_args": {"timeout": 60}})
-
-
-def _optuna_worker(
-    storage_path: str, seed: int, n_trials: int, fixed_json: str, cpu_file: str, ready: Any, go: Any
-) -> None:
-    torch.set_num_threads(1)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = _storage(storage_path)
-    study = optuna.load_study(
-        study_name="digits", storage=storage, sampler=optuna.samplers.TPESampler(seed=seed),
-        pruner=optuna.pruners.SuccessiveHalvingPruner(min_resource=RUNGS[0], reduction_factor=ETA),
-    )  # fmt: skip
-    fixed = FixedPart.from_json(json.loads(fixed_json))
-    objective = objective_factory(fixed)
-    # what a warm stagetree worker has done before its batch: torch's optimizers import torch._dynamo on
-    # first use (seconds), which stagetree's workers preload; and the data set loaded
-    importlib.import_module("torch._dynamo")
-    digits_split()
-    ready.put(seed)
-    go.wait()
-    cpu0 = time.process_time()
-    study.optimize(objective, n_trials=n_trials)
-    Path(cpu_file).write_text(str(time.process_time() - cpu0))
-
-
-def run_optuna(work: Path, fixed: FixedPart, n_trials: int, seed: int) -> tuple[float, float, float, int]:
-    """(best accuracy at the last rung, CPU-seconds of the workers, wall seconds, steps trained).
-
-    The workers are started fresh (``spawn``: this process may hold gRPC threads, and forking it is not
-    safe) and timed from when both have imported everything and loaded the data, as stagetree's warm
-    workers are."""
-    storage_path = str(work / "optuna.db")
-    storage = _storage(storage_path)
-    optuna.create_study(study_name="digits", storage=storage, direction="maximize")
-    ctx = multiprocessing.get_context("spawn")
-    ready, go = ctx.Queue(), ctx.Event()
-    half = [n_trials // 2, n_trials - n_trials // 2]
-    fixed_json = json.dumps(fixed.to_json())
-    procs = [
-        ctx.Process(
-            target=_optuna_worker,
-            args=(storage_path, seed + i, half[i], fixed_json, str(work / f"cpu-{i}"), ready, go),
-        )
-        for i in range(2)
-    ]
-    for p in procs:
-        p.start()
-    for _ in procs:
-        ready.get(timeout=300)
-    t0 = time.perf_counter()
-    go.set()
-    for p in procs:
-        p.join()
-    wall = time.perf_counter() - t0
-    if any(p.exitcode != 0 for p in procs):
-        raise RuntimeError(f"an Optuna worker failed: exit codes {[p.exitcode for p in procs]}")
-    cpu = sum(float((work / f"cpu-{i}").read_text()) for i in range(2))
-    study = optuna.load_study(study_name="digits", storage=storage)
-    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
-    best = max((t.value for t in complete if t.value is not None), default=float("nan"))
-    steps = sum(max(t.intermediate_values, default=0) for t in study.trials)
-    return best, cpu, wall, steps
-
-
-# ---------------------------------------------------------------------------------------------
-# 2. stagetree
-
-
-async def run_stagetree(home: Path, values: dict[str, Any], n_trials: int, seed: int) -> dict[str, Any]:
-    import stagetree
-    from stagetree.embedded import Embedded, EmbeddedSettings
-
-    settings = EmbeddedSettings(home=home, workers=STAGETREE_WORKERS, threads_per_worker=1)
-    async with Embedded(settings) as cluster, stagetree.connect(cluster.target, token=cluster.token) as client:
-        await _idle(cluster)
-        fs = _forkserver_pid()
-        cpu0 = (_tree_cpu([fs]) if fs is not None else 0.0) + _children_cpu()
-        t0 = time.perf_counter()
-        study = await stagetree.Study.create(
-            client, "vs-optuna", trainer=ENTRY_POINT, dataset=DATASET, seed=seed, values=values,
-            tuned=["lr", "bs", "momentum"],
-        )  # fmt: skip
-        tuner = OptunaTuner(
-            space(), optuna.samplers.TPESampler(seed=seed), metric=METRIC, mode="max", n_trials=n_trials,
-            min_step=RUNGS[0], max_step=RUNGS[-1], eta=ETA, promotions="asha", max_concurrent=4,
-        )  # fmt: skip
-        await asyncio.wait_for(stagetree.drive(study, tuner), TIMEOUT_S)
-        wall = time.perf_counter() - t0
-        await _idle(cluster)
-        fs = _forkserver_pid()
-        cpu = (_tree_cpu([fs]) if fs is not None else 0.0) + _children_cpu() - cpu0
-        stats = await study.stats()
-    best = max((t.results[RUNGS[-1]][METRIC] for t in tuner.trials.values() if RUNGS[-1] in t.results), default=0.0)
+    st = runs["stagetree"]
+    first = [o["first_result_at"] - u.t_launch for u, o in st if o.get("first_result_at")]
     return {
-        "best": best,
-        "cpu": cpu,
-        "wall": wall,
-        "merge_rate": stats.merge_rate,
-        "executed": stats.steps_executed,
-        "trial_steps": stats.trial_by_trial_steps,
-        "trials": len(tuner.trials),
-        "distinct": len({tuple(sorted((k, repr(v)) for k, v in t.config.items())) for t in tuner.trials.values()}),
+        "optuna_best": float(med(o["best"] for _, o in runs["optuna"])),
+        "stagetree_best": float(med(o["best"] for _, o in st)),
+        "merge_rate": float(med(o["merge_rate"] for _, o in st)),
+        "cpu_s_ratio": cpu("optuna") / cpu("stagetree"),
+        "e2e_ratio": wall("optuna") / wall("stagetree"),
+        "cpu_s_ratio_no_sharing": cpu("optuna") / cpu("stagetree_no_sharing"),
+        "first_trial_s": float(med(first)) if first else float("nan"),
+        "steps_trained_twice": float(med(o["steps_executed"] - o["unique_steps"] for _, o in st)),
     }
 
 
-async def _idle(cluster: Any) -> None:
-    """Until no batch runs and only the slots' warm workers are alive (their CPU then counts live)."""
-    store = cluster.app.store
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        busy = await asyncio.to_thread(store.rounds.busy_slots)
-        fs = _forkserver_pid()
-        if not busy and (fs is None or _live_children(fs) <= STAGETREE_WORKERS):
-            return
-        await asyncio.sleep(0.05)
-
-
-# ---------------------------------------------------------------------------------------------
+def last_line(f: dict[str, float]) -> str:
+    return (
+        f"optuna_best={f['optuna_best']:.4f} stagetree_best={f['stagetree_best']:.4f} "
+        f"merge_rate={f['merge_rate']:.2f} cpu_s_ratio={f['cpu_s_ratio']:.2f} e2e_ratio={f['e2e_ratio']:.2f} "
+        f"cpu_s_ratio_no_sharing={f['cpu_s_ratio_no_sharing']:.2f} first_trial_s={f['first_trial_s']:.1f} "
+        f"steps_trained_twice={f['steps_trained_twice']:.0f}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--trials", type=int, default=64)
-    p.add_argument("--minibatches", type=int, default=20, help="minibatches per step (the cost of a step)")
-    p.add_argument("--hidden", type=int, default=128)
+    p = argparse.ArgumentParser(prog="python -m tests.bench.vs_optuna", description=__doc__.splitlines()[0])
+    p.add_argument("--trials", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--runs", type=int, default=1, help="runs, the side that goes first alternating; medians")
+    p.add_argument("--workers", type=int, default=1, help="Optuna processes = stagetree slots")
+    p.add_argument("--grid", type=int, default=4, help="points per float in the sharing run")
+    p.add_argument("--minibatches", type=int, default=40, help="batches per step (the cost of a step)")
+    p.add_argument("--runs", type=int, default=1, help="runs of each side, the order rotating; medians")
+    p.add_argument("--results", type=Path, default=RESULTS / "vs_optuna.json")
     ns = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    torch.set_num_threads(1)
-    values = {"hidden": ns.hidden, "minibatches": ns.minibatches}
-    fixed = FixedPart(trainer=ENTRY_POINT, dataset=DATASET, seed=ns.seed, values=values)
-    print(f"vs_optuna: {ns.trials} TPE trials, rungs {RUNGS}, digits MLP hidden {ns.hidden}, "
-          f"{ns.minibatches} minibatches/step, 2 workers each, {ns.runs} run(s)", flush=True)  # fmt: skip
-    opt: list[tuple[float, float, float, int]] = []
-    sts: list[dict[str, Any]] = []
+    print(
+        f"vs_optuna: {ns.trials} TPE trials + median pruner, tabular MLP ({ns.minibatches} minibatches/step, "
+        f"rungs 3/9/27), {ns.workers} process(es)/slot(s) each, one torch thread, {ns.runs} run(s)",
+        flush=True,
+    )
+    runs: dict[str, list[tuple[TreeUsage, dict[str, Any]]]] = {s: [] for s in SIDES}
     for i in range(ns.runs):
         work = Path(tempfile.mkdtemp(prefix="vs-optuna-"))
         try:
-            for side in ("optuna", "stagetree") if i % 2 == 0 else ("stagetree", "optuna"):
-                if side == "optuna":
-                    opt.append(run_optuna(work, fixed, ns.trials, ns.seed))
-                    o_best, o_cpu, o_wall, o_steps = opt[-1]
-                    print(f"  optuna     best {o_best:.4f}  cpu_s {o_cpu:7.1f}  e2e {o_wall:7.1f} s  "
-                          f"steps trained {o_steps}", flush=True)  # fmt: skip
-                else:
-                    st = asyncio.run(run_stagetree(work / "stagetree", values, ns.trials, ns.seed))
-                    sts.append(st)
-                    print(
-                        f"  stagetree  best {st['best']:.4f}  cpu_s {st['cpu']:7.1f}  e2e {st['wall']:7.1f} s  steps "
-                        f"trained {st['executed']} (trial by trial {st['trial_steps']}; {st['distinct']} distinct "
-                        f"configs of {st['trials']} trials)",
-                        flush=True,
+            for side in SIDES[i % 3 :] + SIDES[: i % 3]:
+                usage, out = run_side(side, ns, work)
+                runs[side].append((usage, out))
+                extra = ""
+                if side != "optuna":
+                    extra = (
+                        f"  merge {out['merge_rate']:.2f}  steps {out['steps_executed']} (unique "
+                        f"{out['unique_steps']}, trial by trial {out['trial_by_trial_steps']})"
                     )
+                print(
+                    f"  {side:22s} best {out['best']:.4f}  cpu_s {usage.cpu_s:7.1f}  e2e {usage.wall_s:7.1f} s  "
+                    f"procs {usage.peak_procs} at once ({summary(usage.names)}){extra}",
+                    flush=True,
+                )
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    med = statistics.median
-    cpu_ratio = med(o[1] for o in opt) / max(med(s["cpu"] for s in sts), 1e-9)
-    e2e_ratio = med(o[2] for o in opt) / max(med(s["wall"] for s in sts), 1e-9)
-    print(
-        f"optuna_best={med(o[0] for o in opt):.4f} stagetree_best={med(s['best'] for s in sts):.4f} "
-        f"cpu_s_ratio={cpu_ratio:.2f} e2e_ratio={e2e_ratio:.2f} merge_rate={med(s['merge_rate'] for s in sts):.2f}"
-    )
+    f = figures(runs)
+    ns.results.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "args": {k: v for k, v in vars(ns).items() if k != "results"},
+        "figures": {k: round(v, 4) for k, v in f.items()},
+        "runs": {s: [{"usage": vars(u), "out": o} for u, o in r] for s, r in runs.items()},
+    }
+    ns.results.write_text(json.dumps(record, indent=1) + "\n")
+    print(last_line(f))
     return 0
 
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import resource
@@ -81,6 +82,9 @@ from tests.bench.raytune_workloads import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
+USERSTYLE = Path(__file__).resolve().parent / "userstyle"  # the user's trainer module (raytune_workloads.TRAINER)
+USERSTYLE_PATH = str(USERSTYLE)
+RESULTS = Path(__file__).resolve().parent / "results"
 INSTALL = 'pip install ".[bench]"   (or: pip install "ray[tune]==2.60.0")'
 TOLERANCE = 1e-6
 TIMEOUT_S = 1800.0
@@ -208,7 +212,11 @@ class StagetreeSide:
 
         self._embedded = Embedded(
             EmbeddedSettings(
-                home=self.home, workers=STAGETREE_WORKERS, threads_per_worker=1, slots_per_gpu=self.slots_per_gpu
+                home=self.home,
+                workers=STAGETREE_WORKERS,
+                threads_per_worker=1,
+                slots_per_gpu=self.slots_per_gpu,
+                user_path=(USERSTYLE_PATH, str(ROOT)),
             )
         )
         self.cluster = await self._embedded.__aenter__()
@@ -489,69 +497,131 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-async def bench(ns: argparse.Namespace, home: Path) -> int:
+def work_to_json(work: list[TrialWork]) -> list[dict[str, Any]]:
+    return [
+        {"trial": w.trial_id, "config": {k: v.to_json() for k, v in w.config.items()}, "evals": list(w.evals)}
+        for w in work
+    ]
+
+
+def work_from_json(rows: list[dict[str, Any]]) -> list[TrialWork]:
+    from stagetree.core.sequences import from_json
+
+    return [
+        TrialWork(int(r["trial"]), {k: from_json(v) for k, v in r["config"].items()}, tuple(int(e) for e in r["evals"]))
+        for r in rows
+    ]
+
+
+async def child(ns: argparse.Namespace, home: Path) -> int:
+    """One system, one workload, in this process (which the parent counts as a whole tree): start the
+    system, run the work, write what it measured to ``ns.out``, stop."""
+    fixed = {"hidden": ns.hidden, "minibatches": ns.minibatches}
+    out: dict[str, Any]
+    if ns.child == "ray":
+        work = work_from_json(json.loads(Path(ns.work).read_text()))
+        ray_side = RaySide(home, fixed)
+        with _quiet():
+            ray_side.start()
+            try:
+                fig = ray_side.run(ns.workload, work)
+            finally:
+                ray_side.stop()
+        out = {"e2e_s": fig.e2e_s, "metrics": fig.metrics, "executed": None, "actors": fig.notes.get("actors")}
+    else:
+        async with StagetreeSide(home / "stagetree", fixed) as st:
+            if ns.workload == "asha":
+                s2, wall, executed = await st.asha_live()
+                out = {"work": work_to_json(s2), "e2e_s": wall, "executed": executed}
+            else:
+                work = work_from_json(json.loads(Path(ns.work).read_text()))
+                fig = await st.run(ns.workload, work)
+                out = {"e2e_s": fig.e2e_s, "metrics": fig.metrics, "executed": fig.executed}
+    Path(ns.out).write_text(json.dumps(out))
+    return 0
+
+
+def run_child(
+    ns: argparse.Namespace, home: Path, system: str, workload: str, work: Path | None
+) -> tuple[Any, dict[str, Any]]:
+    """``system`` on ``workload`` as its own process tree (``tests.bench.proctree``), start-up included."""
+    from tests.bench.proctree import run_counted
+
+    out = home / f"{system}-{workload}-{time.monotonic_ns()}.json"
+    cmd = [sys.executable, "-m", "tests.bench.vs_raytune", "--child", system, "--workload", workload,
+           "--out", str(out), "--home", str(home / f"{system}-{workload}"),
+           "--hidden", str(ns.hidden), "--minibatches", str(ns.minibatches)]  # fmt: skip
+    if work is not None:
+        cmd += ["--work", str(work)]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(USERSTYLE), env.get("PYTHONPATH")]))
+    usage = run_counted(cmd, env=env, cwd=ROOT, timeout_s=TIMEOUT_S, grace_s=30.0)
+    if usage.rc != 0:
+        raise RuntimeError(f"{system} on {workload} exited {usage.rc}")
+    return usage, json.loads(out.read_text())
+
+
+def figures_of(system: str, workload: str, usage: Any, out: dict[str, Any]) -> RunFigures:
+    """A child's run as ``RunFigures``: ``cpu_s`` and ``cpu_all_s`` are its whole tree's CPU, start-up
+    included; ``e2e_s`` from its launch to its last process's exit; ``notes['work_s']`` the child's own
+    submit-to-last-result time."""
+    metrics = {int(t): {str(k): float(v) for k, v in m.items()} for t, m in out["metrics"].items()}
+    return RunFigures(
+        system, workload, usage.wall_s, usage.cpu_s, usage.cpu_s, metrics, executed=out.get("executed"),
+        notes={"work_s": out["e2e_s"], "peak_procs": usage.peak_procs, "names": usage.names},
+    )  # fmt: skip
+
+
+def bench(ns: argparse.Namespace, home: Path) -> int:
+    from tests.bench.proctree import summary
+
     fixed = {"hidden": ns.hidden, "minibatches": ns.minibatches}
     s1 = s1_work()
     if ns.s1_trials:
         s1 = s1[: ns.s1_trials]
     m1 = merge_rate(s1)
     print(f"vs_raytune: digits MLP (hidden {ns.hidden}, {ns.minibatches} minibatches per step), CPU only")
-    if ns.nm_bus_max_age is not None:
-        print(f"  stagetree node manager bus batch max age {ns.nm_bus_max_age} s (platform default 0.5 s)")
     print(
         f"  S1: {len(s1)} trials x 40 steps, lr branching 2/4/6: {trial_steps(s1)} trial steps, "
         f"{unique_steps(s1)} unique, merge rate {m1:.2f}"
     )
     print(
-        "  both systems: 2 workers, torch.set_num_threads(1); Ray Tune with reuse_actors=True, "
-        "1 CPU per trial, ray.init(num_cpus=2)"
+        "  both systems: 2 workers, torch.set_num_threads(1); Ray Tune with reuse_actors=True, 1 CPU per trial, "
+        "ray.init(num_cpus=2); each run its own process tree, counted whole from launch to exit",
+        flush=True,
     )
     t_start = time.perf_counter()
-    ray_side = RaySide(home, fixed)
-    async with StagetreeSide(home / "stagetree", fixed) as st:
-        print(f"  stagetree embedded up ({time.perf_counter() - t_start:.1f} s)", flush=True)
-        with _quiet():
-            await asyncio.to_thread(ray_side.start)
-        print(f"  ray up ({time.perf_counter() - t_start:.1f} s)", flush=True)
-        try:
-            # S2's decisions: ASHA live on stagetree (also stagetree's warm-up).
-            s2, asha_wall, asha_executed = await st.asha_live()
-            stops = sorted({w.stop for w in s2})
-            per_stop = {s: sum(w.stop == s for w in s2) for s in stops}
-            print(
-                f"  S2: ASHA (eta 4, rungs 4/16/64) live on stagetree: {len(s2)} trials stopped at {per_stop} "
-                f"in {asha_wall:.1f} s, trained {asha_executed} steps for {unique_steps(s2)} unique",
-                flush=True,
-            )
-            if ns.s2_trials:
-                s2 = s2[: ns.s2_trials]
-            m2 = merge_rate(s2)
-            print(
-                f"  S2 replayed on both systems: {len(s2)} trials, {trial_steps(s2)} trial steps, "
-                f"{unique_steps(s2)} unique, merge rate {m2:.2f}",
-                flush=True,
-            )
-            # Ray's warm-up: a few short trials (actor start-up, imports, Tune's first-run costs).
-            warm = [TrialWork(w.trial_id, w.config, (3,)) for w in s1[:4]]
-            with _quiet():
-                wr = await asyncio.to_thread(ray_side.run, "warmup", warm)
-            print(f"  ray warm-up: {len(warm)} trials x 3 steps in {wr.e2e_s:.1f} s", flush=True)
-
-            runs: dict[tuple[str, str], list[RunFigures]] = {}
-            for i in range(ns.runs):
-                for workload, work in (("S1", s1), ("S2", s2)):
-                    order = ("stagetree", "ray") if (i % 2 == 0) else ("ray", "stagetree")
-                    for system in order:
-                        if system == "stagetree":
-                            fig = await st.run(workload, work)
-                        else:
-                            with _quiet():
-                                fig = await asyncio.to_thread(ray_side.run, workload, work)
-                        runs.setdefault((workload, fig.system), []).append(fig)
-                        print(f"{fig.line()}   (run {i + 1})", flush=True)
-        finally:
-            with _quiet():
-                await asyncio.to_thread(ray_side.stop)
+    usage, out = run_child(ns, home, "stagetree", "asha", None)
+    s2 = work_from_json(out["work"])
+    stops = sorted({w.stop for w in s2})
+    per_stop = {s: sum(w.stop == s for w in s2) for s in stops}
+    print(
+        f"  S2: ASHA (eta 4, rungs 4/16/64) live on stagetree: {len(s2)} trials stopped at {per_stop} "
+        f"in {out['e2e_s']:.1f} s, trained {out['executed']} steps for {unique_steps(s2)} unique "
+        f"(the process: cpu {usage.cpu_s:.1f} s, {usage.wall_s:.1f} s)",
+        flush=True,
+    )
+    if ns.s2_trials:
+        s2 = s2[: ns.s2_trials]
+    m2 = merge_rate(s2)
+    print(f"  S2 replayed: {len(s2)} trials, {trial_steps(s2)} trial steps, {unique_steps(s2)} unique, merge {m2:.2f}")
+    files = {}
+    for name, work in (("S1", s1), ("S2", s2)):
+        files[name] = home / f"work-{name}.json"
+        files[name].write_text(json.dumps(work_to_json(work)))
+    runs: dict[tuple[str, str], list[RunFigures]] = {}
+    for i in range(ns.runs):
+        for workload in ("S1", "S2"):
+            order = ("stagetree", "ray") if (i % 2 == 0) else ("ray", "stagetree")
+            for system in order:
+                usage, out = run_child(ns, home, system, workload, files[workload])
+                fig = figures_of("ray-tune" if system == "ray" else "stagetree", workload, usage, out)
+                runs.setdefault((workload, fig.system), []).append(fig)
+                print(
+                    f"{fig.line()}  work {out['e2e_s']:.1f} s  procs {usage.peak_procs} at once "
+                    f"({summary(usage.names)})   (run {i + 1})",
+                    flush=True,
+                )
 
     print("straight runs (the reference) ...", flush=True)
     t0 = time.perf_counter()
@@ -564,20 +634,36 @@ async def bench(ns: argparse.Namespace, home: Path) -> int:
         print(line)
     exact = ok1 and ok2
 
-    print("medians (Ray Tune / stagetree):")
+    print("medians (Ray Tune / stagetree), whole process trees from launch to exit:")
     ratios = {}
     for workload in ("S1", "S2"):
         st_runs, ray_runs = runs[(workload, "stagetree")], runs[(workload, "ray-tune")]
-        for attr, label in (("e2e_s", "e2e"), ("cpu_s", "cpu_s"), ("cpu_all_s", "cpu_all")):
+        for attr, label in (("e2e_s", "e2e"), ("cpu_s", "cpu_s")):
             a, b = _median(ray_runs, attr), _median(st_runs, attr)
             ratios[(workload, label)] = a / b
             print(f"  {workload} {label:8s} ray {a:8.1f}   stagetree {b:8.1f}   ratio {a / b:5.2f}")
     print(f"  total bench time {time.perf_counter() - t_start:.0f} s")
-    print(
+    line = (
         f"merge_rate={m1:.2f} cpu_s_ratio_s1={ratios[('S1', 'cpu_s')]:.2f} e2e_ratio_s1={ratios[('S1', 'e2e')]:.2f} "
         f"cpu_s_ratio_s2={ratios[('S2', 'cpu_s')]:.2f} e2e_ratio_s2={ratios[('S2', 'e2e')]:.2f} "
         f"exact={'true' if exact else 'false'}"
     )
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    record = {
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "args": {k: v for k, v in vars(ns).items() if k not in ("home", "child", "work", "out")},
+        "merge_rate_s1": round(m1, 4),
+        "merge_rate_s2": round(m2, 4),
+        "ratios": {f"{k[1]}_ratio_{k[0].lower()}": round(v, 4) for k, v in ratios.items()},
+        "exact": exact,
+        "runs": [
+            {"workload": w, "system": f.system, "e2e_s": f.e2e_s, "cpu_s": f.cpu_s, "executed": f.executed} | f.notes
+            for (w, _), figs in runs.items()
+            for f in figs
+        ],
+    }
+    (RESULTS / "vs_raytune.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(line)
     return 0
 
 
@@ -589,6 +675,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--s1-trials", type=int, default=0, help="only the first N S1 trials (a quick try)")
     p.add_argument("--s2-trials", type=int, default=0, help="only the first N S2 trials (a quick try)")
     p.add_argument("--home", type=Path, default=None, help="work directory (default: a temporary one)")
+    p.add_argument("--child", choices=("stagetree", "ray"), help=argparse.SUPPRESS)  # one side, in this process
+    p.add_argument("--workload", choices=("S1", "S2", "asha"), help=argparse.SUPPRESS)
+    p.add_argument("--work", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument(
         "--nm-bus-max-age",
         type=float,
@@ -619,7 +709,11 @@ def main(argv: list[str] | None = None, *, runner: Callable[..., Any] = asyncio.
         shutil.rmtree(home)
     home.mkdir(parents=True, exist_ok=True)
     try:
-        return int(runner(bench(ns, home.resolve())))
+        if ns.child:
+            return int(runner(child(ns, home.resolve())))
+        if USERSTYLE_PATH not in sys.path:
+            sys.path.insert(0, USERSTYLE_PATH)  # the straight runs import the user's module
+        return bench(ns, home.resolve())
     finally:
         if ns.home is None:
             shutil.rmtree(home, ignore_errors=True)
