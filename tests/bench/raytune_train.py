@@ -12,8 +12,10 @@ training code.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,8 +29,12 @@ from stagetree.nodemanager.runtime.trainer import (
     restore_rng_state,
     seed_everything,
 )
+from tests.bench.raytune_workloads import TRAINER
 
 Report = Callable[[int, dict[str, float]], None]
+USERSTYLE = str(Path(__file__).resolve().parent / "userstyle")  # where TRAINER's module lives
+if USERSTYLE not in sys.path:
+    sys.path.append(USERSTYLE)
 
 
 def train_straight(
@@ -44,8 +50,6 @@ def train_straight(
     metrics at each of them."""
     config = Config.from_json(config_json)
     at = sorted(set(int(s) for s in evals))
-    from tests.bench.raytune_workloads import TRAINER
-
     trainer = load_trainer_class(TRAINER)()
     trainer.bind(TrainerContext(fixed=dict(fixed), seed=seed, device=torch.device(device)))
     seed_everything(seed)

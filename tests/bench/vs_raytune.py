@@ -14,27 +14,21 @@ Workloads (``raytune_workloads``), the digits MLP (``stagetree.nodemanager.examp
   one trial at a time per actor, from scratch to its last rung, reporting at each). The live run's own
   figures are printed too (its ASHA decisions depend on timing, so they are taken once).
 
-Both systems get 2 workers with ``torch.set_num_threads(1)``: stagetree ``Embedded(workers=2)`` (one
-worker process per batch, forked from a fork server), Ray Tune ``ray.init(num_cpus=2)`` with one CPU per
-trial and ``reuse_actors=True``. Each system is started once and reused by every run; a short warm-up
-run on Ray (stagetree's is the live ASHA run) precedes the timed runs; the runs are interleaved (the
-system that goes first alternates) and each figure is the median of ``--runs``.
+The trainer is the digits MLP in a user's module (``tests/bench/userstyle/digits_user.py``) that imports
+what users' modules import (optuna, scikit-learn, scipy), so each process that imports it pays for them.
+Both systems get 2 workers with ``torch.set_num_threads(1)``: stagetree ``Embedded(workers=2)``, Ray Tune
+``ray.init(num_cpus=2)`` with one CPU per trial and ``reuse_actors=True``. Every run of a system on a
+workload is its own process tree, started by this bench (``--child``) and counted whole by
+``tests.bench.proctree`` (a subreaper wrapper: Ray's raylet, GCS and workers; stagetree's master, node
+manager, fork server and workers; whatever outlives its parent), from launch to exit, start-up
+included. The runs alternate which system goes first; each figure is the median of ``--runs``.
 
 Figures:
 
-* e2e: wall-clock seconds from submitting the work to the last result (stagetree: study creation to the
-  last eval; Ray: ``Tuner.fit``). ``--nm-bus-max-age`` sets how long stagetree's node manager may hold
-  worker events before publishing them (a platform setting, 0.5 s by default; it once delayed every
-  batch's end by that much, which is worth seeing in e2e).
-* cpu_s (the headline, the GPU-hours analog): CPU-seconds of the processes that train, from their own
-  accounting. stagetree: the children's user+system time its worker processes leave with their parent
-  (the fork server's ``cutime + cstime``, the ``getrusage(RUSAGE_CHILDREN)`` of that process, read from
-  ``/proc``), whole worker lifetimes. Ray: each actor's ``time.process_time()`` from the start of its
-  first trial to the last report of its last trial (reported through the results; the actors' start-up
-  is left out, in Ray's favour) plus the driver's ``getrusage(RUSAGE_CHILDREN)``.
-* cpu_all: the same plus the control plane: this process's own CPU (stagetree's master, aggregator and
-  node manager run in it; so does the Tune driver) and, for Ray, its raylet, GCS and the other processes
-  ``ray.init`` started (their own and their reaped children's time).
+* e2e: wall-clock seconds of the tree, from launch to the last process's exit (the child's own time from
+  submitting the work to its last result is printed beside it as ``work``). ``--nm-bus-max-age`` sets
+  how long stagetree's node manager may hold worker events before publishing them (0.5 s by default).
+* cpu_s (the headline, the GPU-hours analog): user + system CPU-seconds of every process of the tree.
 
 Correctness: every trial's final metrics on stagetree equal a straight run of that trial in this process
 (``raytune_train.train_straight``, the same seed) to 1e-6; the steps stagetree's batches trained equal
@@ -42,7 +36,9 @@ the unique steps of the work (each shared prefix ran once); and Ray's final metr
 run too (so both systems did the same training).
 
 Last line: ``merge_rate=<m> cpu_s_ratio_s1=<x> e2e_ratio_s1=<y> cpu_s_ratio_s2=<x2> e2e_ratio_s2=<y2>
-exact=<true|false>``; each ratio is Ray Tune's figure over stagetree's; ``merge_rate`` is S1's.
+exact=<true|false>``; each ratio is Ray Tune's figure over stagetree's; ``merge_rate`` is S1's. The
+figures and every run go to ``tests/bench/results/vs_raytune.json``. Target: cpu_s_ratio_s1 >= 0.9 x
+merge_rate.
 """
 
 from __future__ import annotations
@@ -332,7 +328,10 @@ class RaySide:
         import ray
 
         # The actors import the trainable from this checkout (tests.bench.raytune_train).
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+        # ... and the trainer from the user's module (raytune_workloads.TRAINER)
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [str(ROOT), USERSTYLE_PATH, *filter(None, [os.environ.get("PYTHONPATH")])]
+        )
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # the legacy reporter: silent at verbose=0
         ray.init(
             num_cpus=2,
