@@ -10,7 +10,7 @@ curve) every ``curve_every_steps`` steps and at most ``curve_max_per_s`` points 
 many slots of one node manager the batch trains on, one worker process each, as one
 ``torch.distributed`` group (data parallel; 1: a plain worker). With ``snapshot_budget_bytes`` > 0 the
 worker also keeps an in-memory snapshot of the model at every step it trains (of a trainer that can be
-snapshotted, on one rank), at most that many bytes (beyond it, every k-th step), and writes them as one
+snapshotted, on one CPU rank), at most that many bytes (beyond it, every k-th step), and writes them as one
 pack when the batch ends, so a trial that arrives later and branches inside this range resumes at its
 branch point instead of training the prefix again. The JSON form is what travels in the assignment
 stream.

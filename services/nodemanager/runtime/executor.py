@@ -298,8 +298,10 @@ class BatchRun:
                 emit, clock, should_preempt = self._emit, self._clock, self._should_preempt
                 lock, point_steps, interval = self._lock, self._point_steps, self._progress_interval
                 periodic = spec.peripheral_every_steps > 0 or spec.peripheral_every_s > 0
+                # on a GPU a copy per step would wait for the device each step: CPU slots only
                 snapshots = (
                     spec.snapshot_budget_bytes > 0
+                    and self._device.type == "cpu"
                     and not self._group.distributed
                     and self._background
                     and type(trainer).snapshots_in_memory()
@@ -538,21 +540,21 @@ class BatchRun:
         self._last_ckpt_step, self._last_ckpt_time = step, self._clock()
 
     def _snapshot(self, trainer: Trainer, point: Point) -> None:
-        """Keep the model at ``point`` in memory for the pack, within the batch's snapshot budget."""
-        if self._snap_stride and (point.step - self.spec.start_step) % self._snap_stride:
+        """Keep the model at ``point`` in memory for the pack, within the batch's snapshot budget: every
+        step's, or every k-th so that they fit; none when fewer than two would (not a small model)."""
+        stride = self._snap_stride
+        if stride < 0 or (stride and (point.step - self.spec.start_step) % stride):
             return
         snap = take_snapshot(trainer, point)
-        if not self._snap_stride:  # every step's snapshot, or every k-th so that they fit the budget
+        if not stride:
             need = snapshot_bytes(snap) * self.spec.steps
-            self._snap_stride = max(1, -(-need // self.spec.snapshot_budget_bytes))
-            if self._snap_stride > 1:
-                log.info(
-                    "snapshots every %d steps: one of each would take %d bytes, the budget is %d",
-                    self._snap_stride,
-                    need,
-                    self.spec.snapshot_budget_bytes,
-                    extra=self._ids,
-                )
+            stride = self._snap_stride = max(1, -(-need // self.spec.snapshot_budget_bytes))
+            if 2 * stride > self.spec.steps:
+                self._snap_stride = -1
+                log.info("no snapshots: %d bytes a step exceed the batch's budget", need // self.spec.steps)
+                return
+            if stride > 1:
+                log.info("snapshots every %d steps: each step's would take %d bytes", stride, need, extra=self._ids)
         self._snaps[point] = snap
 
     def _write_pack(self) -> None:

@@ -143,8 +143,11 @@ async def test_preempted_batch_resumes_from_its_checkpoint_exactly(
     assert app.store.ledger.get_batch(first).state == "PREEMPTED"
     (stop,) = nm.reporter.of("batch_preempted", first)
     assert 5 <= stop["step"] < steps
-    (ckpt,) = [p for p in nm.reporter.of("checkpoint_saved", first) if p["kind"] == "peripheral"]
+    saved = [p for p in nm.reporter.of("checkpoint_saved", first) if p["kind"] == "peripheral"]
+    (ckpt,) = [p for p in saved if p["step"] == stop["step"]]
     assert ckpt["uri"] == stop["uri"] and LocalCheckpointStore(nm.checkpoint_root).exists(ckpt["uri"])
+    # the steps before it were kept in memory and written as one pack when the batch stopped
+    assert sorted(p["step"] for p in saved if p is not ckpt) == list(range(1, stop["step"]))
     resumed = [i.batch_id for i, end in nm.reporter.ends if end.status == "finished"]
     (second,) = resumed
     spec = BatchSpec.from_json(json.loads(app.store.ledger.get_batch(second).spec_json))

@@ -7,11 +7,13 @@ import dataclasses
 from typing import Any
 
 import pytest
+import torch
 
 from stagetree.core.batch import Point, Source
 from stagetree.core.sequences import MultiStep
 from stagetree.nodemanager.examples.digits import DigitsMLP, digits_batch
-from stagetree.nodemanager.runtime.executor import run_batch
+from stagetree.nodemanager.runtime.executor import new_trainer, run_batch
+from stagetree.nodemanager.runtime.state import snapshot_bytes, take_snapshot
 
 FIXED = {"dropout": 0.2, "hidden": 32}  # dropout: the RNG state must come back from the pack too
 HP: dict[str, Any] = {"lr": MultiStep(0.2, [12], 0.5), "momentum": 0.9, "bs": MultiStep(16, [15], 2)}
@@ -46,14 +48,23 @@ def test_every_step_is_a_checkpoint_and_resuming_from_one_equals_a_straight_run(
             assert tail.metrics_at(30)[k] == pytest.approx(v, abs=1e-6), (at, k)
 
 
-def test_a_budget_too_small_for_every_step_keeps_every_kth(store, make_events) -> None:
-    ev = make_events()
+def _one_snapshot_bytes(spec: Any) -> int:
+    trainer = new_trainer(DigitsMLP, spec.fixed, torch.device("cpu"))
+    trainer.setup({"lr": 0.1, "momentum": 0.9, "bs": 16})
+    trainer.train()
+    return snapshot_bytes(take_snapshot(trainer, Point(1, 1)))
+
+
+def test_a_budget_too_small_for_every_step_keeps_every_kth_or_none(store, make_events) -> None:
     spec = digits_batch([(1, 0, 20, HP)], fixed_values=FIXED, saves=[(1, 20)])
-    _finished(dataclasses.replace(spec, snapshot_budget_bytes=60_000), store, ev)
+    each = _one_snapshot_bytes(spec)
+    ev = make_events()
+    _finished(dataclasses.replace(spec, snapshot_budget_bytes=each * 20 // 4), store, ev)
     steps = [e["step"] for e in ev.of("checkpoint_saved") if e["step"] < 20]
-    assert steps and len(steps) < 19
-    stride = steps[1] - steps[0]
-    assert stride > 1 and steps == list(range(steps[0], 20, stride))
+    assert steps == [1, 4, 8, 12, 16]  # the first (it measures the size), then every 4th
+    ev = make_events()
+    _finished(dataclasses.replace(spec, snapshot_budget_bytes=each, batch_id=2), store, ev)  # not a small model
+    assert [e["step"] for e in ev.of("checkpoint_saved")] == [20]
 
 
 def test_no_budget_no_pack(store, make_events) -> None:
