@@ -4,7 +4,8 @@ This module owns starting the compose topology (``deploy/compose/``) without Doc
 Kafka-protocol broker, a fresh Postgres database migrated by the one-shot ``stagetree master db upgrade``,
 the master (gRPC + REST), N aggregators and N CPU node managers, each started the way a user starts it
 (``python -m stagetree.cli <group> ...`` with its ``STAGETREE_*`` variables), its stdout and stderr in
-``<root>/logs/<name>.log``. It waits on readiness the way an operator would: the master's REST health,
+``<root>/logs/<name>.log``, by ``stagetree.child`` (never a fork of this process, which may hold gRPC
+channels; SIGTERM-ed when it dies). It waits on readiness the way an operator would: the master's REST health,
 the node manager's "registered with the master" log line, the aggregator's "owns N partitions" line.
 
 Several clusters can run at once against the same Postgres and Redis: each gets its own database
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
-from stagetree import logs
+from stagetree import child, logs
 from stagetree.tls import ClientTls, IssuedFiles, issue_certificates
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,6 @@ PG_ADMIN_URL = "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
 REDIS_URL = "redis://127.0.0.1:6379"
 CLAIM_KEY = "stagetree:cluster:owner"
 OWNER = "alice"  # the one user the process cluster knows (its token is printed by `cluster up`)
-_PR_SET_PDEATHSIG = 1
 MASTER, AGGREGATOR, NODE_MANAGER = "master", "aggregator", "nodemanager"
 
 
@@ -452,7 +451,7 @@ class ProcessCluster:
             svc.starts += 1
             f.write(f"==== {time.strftime('%H:%M:%S')} start #{svc.starts}: {' '.join(svc.argv[2:])}\n".encode())
             f.flush()
-            svc.process = subprocess.Popen(
+            svc.process = child.popen(
                 svc.argv,
                 env=svc.env,
                 cwd=self.root,
@@ -460,7 +459,6 @@ class ProcessCluster:
                 stdout=f,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # a Ctrl-C reaches us only: we stop the services in order
-                preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,
             )
         log.info("service started", extra={"service": name, "pid": svc.process.pid})
 
@@ -570,13 +568,6 @@ class ProcessCluster:
             pid = self.pid(name)
             lines.append(f"    {name:<14} pid {pid if pid else '-':<8} {self.log_path(name)}")
         return "\n".join(lines)
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when the cluster's process dies, so an interrupted test run
-    leaves nothing behind (only set from the main thread: the signal follows the creating thread)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _children() -> dict[int, list[int]]:

@@ -1,7 +1,8 @@
 """Start and stop a throw-away Tansu broker (a Kafka-protocol broker in one binary) for tests and demos.
 
 This module owns finding the binary, picking a free loopback port, waiting until the broker answers
-Kafka requests, and stopping it. Storage is Tansu's in-memory engine, so every start is empty, unless
+Kafka requests (started by ``stagetree.child``: SIGTERM-ed when the process that started it dies), and
+stopping it. Storage is Tansu's in-memory engine, so every start is empty, unless
 the caller names a durable one (``storage="s3://bucket/"``, with the ``AWS_*`` variables in ``env``) and
 a fixed ``port``: a broker started again so keeps its log and its consumer groups' offsets.
 Tansu speaks the standard Kafka protocol; the cluster mode runs Apache Kafka, so nothing here is needed
@@ -14,16 +15,12 @@ package (``$CALF_TANSU_BIN`` overrides that one), then ``tansu`` on ``PATH``.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,12 +28,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+from stagetree import child
 from stagetree.core.errors import FailedPrecondition, Unavailable
 
 logger = logging.getLogger(__name__)
 
 ENV_BINARY = "STAGETREE_TANSU_BIN"
-_PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
 
 
 def find_tansu_binary() -> str | None:
@@ -139,7 +136,7 @@ def _launch(exe: str, port: int, storage: str, env: dict[str, str] | None, host:
     url = f"tcp://{host}:{port}"
     fd, log_name = tempfile.mkstemp(prefix="tansu-", suffix=".log")
     with os.fdopen(fd, "wb") as log:
-        process = subprocess.Popen(
+        process = child.popen(
             [exe, "broker", "--listener-url", url, "--advertised-listener-url", url, "--storage-engine", storage],
             env={**os.environ, **env} if env else None,
             stdin=subprocess.DEVNULL,
@@ -147,22 +144,8 @@ def _launch(exe: str, port: int, storage: str, env: dict[str, str] | None, host:
             stderr=subprocess.STDOUT,
             # Its own process group: a Ctrl-C in the test terminal should not race our stop().
             start_new_session=True,
-            # only from the main thread: the signal follows the creating thread (a pool thread's exit
-            # would kill the broker), and a fork of a threaded process may not run Python code safely
-            preexec_fn=_die_with_parent if sys.platform == "linux" and _on_main_thread() else None,
         )
     return TansuBroker(process, url.removeprefix("tcp://"), Path(log_name))
-
-
-def _on_main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM the broker when the process that started it dies,
-    so a test run killed before its teardown does not leave brokers behind."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _wait_ready(broker: TansuBroker, timeout_s: float) -> bool:

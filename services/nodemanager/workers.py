@@ -21,6 +21,14 @@ exits, so that it never takes the cores a batch is training on.
   (a process forked after that could not use it), so its children make their own contexts: ``auto``
   uses it on GPU machines too. On an H100 a Python started per batch cost some 5 s a batch, where the
   batches of a shared-prefix study train for a fraction of a second (``tests.bench.gpu``, docs/gpu.md).
+
+What each process holds when it forks. The node manager (gRPC channels and their threads, an event
+loop, pool threads) never forks with Python to run in the copy: ``ExecLauncher``'s workers and the fork
+server itself start by ``vfork`` and ``exec`` (asyncio's subprocess, ``multiprocessing``'s
+``spawnv_passfds``: no ``preexec_fn``), so no fork handler of gRPC runs. The fork server is one thread
+holding the worker runtime, torch and ``preload`` imported, and nothing else: never gRPC (its threads and
+fork handlers do not survive a fork) and never a CUDA context. ``ForkserverLauncher.start`` checks that
+in the first process it forks (``fork_server_holds``) and refuses a server that holds either.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from stagetree.core.batch import BatchSpec
-from stagetree.core.errors import InvalidArgument, StagetreeError
+from stagetree.core.errors import FailedPrecondition, InvalidArgument, StagetreeError
 from stagetree.core.slots import SlotInfo
 from stagetree.nodemanager.runtime.events import decode_event
 from stagetree.nodemanager.slots import worker_env
@@ -445,11 +453,23 @@ class ForkserverLauncher(WorkerLauncher):
             # Only our modules: the default would import the node manager's __main__ in the server.
             self._ctx.set_forkserver_preload([WORKER_MODULE, *self.preload])
             forkserver.ensure_running()
-            # The server imports its preload (torch: seconds) after it starts: fork one no-op child and
-            # wait for it, so that time is spent here and not by the first batch.
-            warm = _WorkerForkProcess(target=_noop, name="forkserver-warmup", daemon=True)
-            warm.start()
-            warm.join(timeout=120)
+            # The server imports its preload (torch: seconds) after it starts: fork one child and wait
+            # for it, so that time is spent here and not by the first batch. The child holds what the
+            # server held when it forked: it says whether that is safe to fork.
+            answer, ask = self._ctx.Pipe(duplex=False)
+            warm = _WorkerForkProcess(target=_report_holdings, args=(ask,), name="forkserver-warmup", daemon=True)
+            try:
+                warm.start()
+                ask.close()
+                warm.join(timeout=120)
+                held: list[str] = answer.recv() if answer.poll(0) else []
+            finally:
+                answer.close()
+            if held:
+                raise FailedPrecondition(
+                    f"the worker fork server holds {' and '.join(held)} (preload {self.preload}), which a forked "
+                    "worker cannot use: keep them out of the modules it preloads, or set worker_start=exec"
+                )
 
         await asyncio.to_thread(ensure)
         await super().start(slots)
@@ -487,8 +507,20 @@ class ForkserverLauncher(WorkerLauncher):
         return _ForkedWorker(proc, slot, log_path, reader, writer)
 
 
-def _noop() -> None:
-    pass
+def fork_server_holds() -> list[str]:
+    """What this process holds that a process forked from it cannot use: gRPC (imported: its threads
+    and fork handlers are not a fork's to run) and an initialized CUDA context. Run in a child of the
+    fork server, it describes the server (a fork copies every module)."""
+    held = [m for m in ("grpc",) if m in sys.modules]
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        held.append("a CUDA context")
+    return held
+
+
+def _report_holdings(conn: Connection) -> None:
+    conn.send(fork_server_holds())
+    conn.close()
 
 
 _LAUNCHING = threading.Lock()  # one worker launch at a time replaces get_preparation_data
