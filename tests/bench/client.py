@@ -46,6 +46,7 @@ from stagetree.master.settings import AuthSettings, LimitSettings, MasterSetting
 from stagetree.master.store.schema import upgrade
 from stagetree.master.store.store import make_engine
 from tests.bench import refs
+from tests.bench.record import record
 from tests.integration.client.harness import in_process_master, metrics_of_values
 
 TOKEN = "bench-token"
@@ -198,7 +199,7 @@ def main() -> None:
     parser.add_argument("--points", type=int, default=10, help="eval points per trial (200 trials)")
     parser.add_argument("--platform", choices=sorted(PLATFORMS), default=None, help="default: the PLATFORM line")
     ns = parser.parse_args()
-    print(asyncio.run(bench(ns.points, PLATFORMS[ns.platform] if ns.platform else PLATFORM)))
+    print(record("client", asyncio.run(bench(ns.points, PLATFORMS[ns.platform] if ns.platform else PLATFORM))))
 
 
 if __name__ == "__main__":

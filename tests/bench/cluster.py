@@ -46,6 +46,7 @@ from stagetree.client.tuners import SHA
 from stagetree.client.tuners.base import Action, Event, Result
 from stagetree.cluster import ClusterConfig, ProcessCluster
 from stagetree.nodemanager.examples.faults import ENTRY_POINT
+from tests.bench.record import record
 
 log = logging.getLogger("bench.cluster")
 
@@ -252,8 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     recoveries = [f.recovery_s for f in faults if f.recovery_s is not None]
     p50 = f"{statistics.median(recoveries):.2f}" if recoveries else "nan"
     print(
-        f"faults_survived={survived}/{len(faults)} results_lost={lost} "
-        f"results_duplicated={duplicated} recovery_s_p50={p50}"
+        record(
+            "cluster",
+            f"faults_survived={survived}/{len(faults)} results_lost={lost} "
+            f"results_duplicated={duplicated} recovery_s_p50={p50}",
+        )
     )
     return 0 if survived == len(faults) and lost == 0 and duplicated == 0 else 1
 

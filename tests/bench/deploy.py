@@ -31,6 +31,7 @@ from pathlib import Path
 from stagetree.client.sdk import connect
 from stagetree.cluster import ClusterConfig, ProcessCluster
 from tests import deploy_checks as checks
+from tests.bench.record import record
 from tests.e2e.helpers import new_study
 
 log = logging.getLogger("bench.deploy")
@@ -118,8 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     root = ns.root or Path(tempfile.mkdtemp(prefix="stagetree-bench-deploy-"))
     ok, overhead, leaks = asyncio.run(studies(root, ns.rounds))
     print(
-        f"overlays={overlays} manifests_checked={manifests} problems={len(problems)} "
-        f"tls_study_ok={'true' if ok else 'false'} tls_overhead={overhead:.3f} tokens_in_logs={leaks}"
+        record(
+            "deploy",
+            f"overlays={overlays} manifests_checked={manifests} problems={len(problems)} "
+            f"tls_study_ok={'true' if ok else 'false'} tls_overhead={overhead:.3f} tokens_in_logs={leaks}",
+        )
     )
     good = overlays >= 2 and not problems and ok and overhead <= 1.05 and leaks == 0
     return 0 if good else 1

@@ -40,6 +40,7 @@ from stagetree.master.store.schema import upgrade
 from stagetree.master.store.store import Store, make_engine
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
 from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
+from tests.bench.record import record
 from tests.status_tables import count_status_tables
 from tests.unit.aggregator.helpers import BRANCH, World, make_world
 
@@ -228,7 +229,12 @@ def main() -> None:
     lines, where = max_class_lines(ROOT / "services" / "master" / "store")
     print(f"largest store class: {where} ({lines} lines)")
     tables = count_status_tables(ROOT / "services")
-    print(f"same_state={str(same).lower()} report_paths=2 store_max_class_lines={lines} status_tables={tables}")
+    print(
+        record(
+            "ledger",
+            f"same_state={str(same).lower()} report_paths=2 store_max_class_lines={lines} status_tables={tables}",
+        )
+    )
 
 
 async def _report(stub: Any, req: pb.ReportBatchRequest, md: Any) -> Any:

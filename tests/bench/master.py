@@ -32,6 +32,7 @@ from stagetree.master.store.store import make_engine
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
 from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
 from tests.bench import refs
+from tests.bench.record import record
 
 ADMIN_URL = os.environ.get("STAGETREE_BENCH_PG_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
 TOKEN = "bench-token"
@@ -169,7 +170,7 @@ def main() -> None:
         with admin.connect() as c:
             c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
-    print(line)
+    print(record("master", line))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ import pydantic
 from pydantic import ConfigDict, Field, StrictFloat, StrictInt, StrictStr, TypeAdapter
 
 from stagetree.bus import messages as m
+from tests.bench.record import record
 
 BATCHES, STEPS, PER_RECORD = 16, 250, 100
 
@@ -360,7 +361,12 @@ def main() -> None:
         print(f"{name:12s} messages={n} " + " ".join(f"{p}_us={v:.2f}" for p, v in parts.items()), flush=True)
     if native:
         print(f"msgspec native JSON decode (no NaN/Infinity on the wire): decode_us={statistics.median(native):.2f}")
-    print(" ".join(f"{name}_us={totals.get(name, math.nan):.2f}" for name in ("stagetree", "typeadapter", "msgspec")))
+    print(
+        record(
+            "messages",
+            " ".join(f"{name}_us={totals.get(name, math.nan):.2f}" for name in ("stagetree", "typeadapter", "msgspec")),
+        )
+    )
 
 
 if __name__ == "__main__":

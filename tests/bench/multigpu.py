@@ -55,6 +55,7 @@ from stagetree.nodemanager.reporting import GrpcReporter
 from stagetree.nodemanager.runtime.checkpoints import LocalCheckpointStore
 from stagetree.nodemanager.runtime.torch_trainer import TorchTrainer
 from stagetree.nodemanager.workers import ForkserverLauncher
+from tests.bench.record import record
 from tests.unit.nodemanager.fakes import FakeLink
 from tests.unit.runtime.ranks import RanksRun, run_ranks
 
@@ -225,8 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         f"one_rank_step_ms={one * 1e3:.1f} two_rank_step_ms={two * 1e3:.1f}"
     )
     print(
-        f"ranks=2 resume_exact={str(exact).lower()} metrics_vs_one_rank_maxdiff={maxdiff:.2e} "
-        f"speedup_2_vs_1={speedup:.2f} killed_rank_cleanup={str(cleanup).lower()} oom_doubled={str(doubled).lower()}"
+        record(
+            "multigpu",
+            f"ranks=2 resume_exact={str(exact).lower()} metrics_vs_one_rank_maxdiff={maxdiff:.2e} "
+            f"speedup_2_vs_1={speedup:.2f} killed_rank_cleanup={str(cleanup).lower()} "
+            f"oom_doubled={str(doubled).lower()}",
+        )
     )
     return 0
 

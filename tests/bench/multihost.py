@@ -49,6 +49,7 @@ from stagetree.cluster import ProcessCluster
 from stagetree.nodemanager.examples.faults import ENTRY_POINT
 from stagetree.nodemanager.runtime.checkpoints import CheckpointStore, LocalCheckpointStore, open_checkpoint_store
 from tests.bench.cluster import ETA, FAULT_AFTER, MAX_STEP, MIN_STEP, SLEEP_S, search_space
+from tests.bench.record import record
 from tests.e2e import netns
 from tests.e2e.multihost import HEARTBEAT_TTL_S, MultiHost, multihost
 from tests.s3server import CREDENTIALS
@@ -247,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in CREDENTIALS.items():  # moto takes any; this process times the s3 store itself
         os.environ.setdefault(k, v)
     line = asyncio.run(bench(root, ns.hosts, ns.ckpt_mb, ns.repeats, ns.scenarios.split(",")))
-    print(line)
+    print(record("multihost", line))
     return 0
 
 

@@ -54,6 +54,7 @@ from stagetree.master.store.records import NewNode, NewRequest
 from stagetree.master.store.schema import upgrade
 from stagetree.master.store.store import Store, make_engine
 from tests.bench import refs
+from tests.bench.record import record
 
 ADMIN_URL = os.environ.get("STAGETREE_BENCH_PG_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
 GROUP = "bench-aggregators"
@@ -423,8 +424,11 @@ def main() -> None:
         raise SystemExit(f"the embedded run failed (exit status {child.returncode})")
     print("\n".join(lines[:-1]), flush=True)
     print(
-        f"ingest_points_per_s={steady.per_s:.0f} dup_applied={steady.dup_applied + crash.dup_applied} "
-        f"lost={steady.lost + crash.lost} {lines[-1]} ingest_vs_bare_kafka={steady.per_s / kafka_ref:.3f}"
+        record(
+            "pipeline",
+            f"ingest_points_per_s={steady.per_s:.0f} dup_applied={steady.dup_applied + crash.dup_applied} "
+            f"lost={steady.lost + crash.lost} {lines[-1]} ingest_vs_bare_kafka={steady.per_s / kafka_ref:.3f}",
+        )
     )
 
 

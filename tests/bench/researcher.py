@@ -43,6 +43,7 @@ from stagetree.core.config import Config
 from stagetree.core.sequences import Constant, Cosine, Exponential, MultiStep, Warmup
 from stagetree.embedded import Embedded, EmbeddedSettings
 from stagetree.master.store import models as m
+from tests.bench.record import record
 
 MODULE = "bench_cancer_trainer"
 BAD_MODULE = "bench_failing_trainer"
@@ -249,8 +250,12 @@ def main() -> None:
         ratio, public, note = asyncio.run(grid_sharing(root))
         print(f"(c) grid: {note}", flush=True)
     print(
-        f"stale_after_edit={str(stale).lower()} traceback_shown={str(shown).lower()} "
-        f"user_error_attempts={attempts} executed_vs_unique_by_value={ratio:.3f} stats_public={str(public).lower()}"
+        record(
+            "researcher",
+            f"stale_after_edit={str(stale).lower()} traceback_shown={str(shown).lower()} "
+            f"user_error_attempts={attempts} executed_vs_unique_by_value={ratio:.3f} "
+            f"stats_public={str(public).lower()}",
+        )
     )
 
 

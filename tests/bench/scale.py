@@ -93,6 +93,7 @@ from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
 from tests.bench import refs
 from tests.bench.master import trial
 from tests.bench.pipeline import fresh_database
+from tests.bench.record import record
 
 TOKEN = "bench-token"
 MD = (("authorization", f"Bearer {TOKEN}"),)
@@ -837,9 +838,12 @@ def main() -> None:
     nan = float("nan")
     occupancy, assign = lv.get("occupancy", nan), lv.get("assign_ms_p99", nan)
     print(
-        f"slots={slots} studies={ns.studies} requests={lv.get('requests', 0)} occupancy={occupancy:.3f}"
-        f" assign_ms_p99={assign:.0f} round_ms_p99_100k={r99:.0f} round_growth_exp={exp:.2f}"
-        f" master_rss_mb={lv.get('master_rss_mb', nan):.0f} submit_vs_raw_insert={ratio:.2f}"
+        record(
+            "scale",
+            f"slots={slots} studies={ns.studies} requests={lv.get('requests', 0)} occupancy={occupancy:.3f}"
+            f" assign_ms_p99={assign:.0f} round_ms_p99_100k={r99:.0f} round_growth_exp={exp:.2f}"
+            f" master_rss_mb={lv.get('master_rss_mb', nan):.0f} submit_vs_raw_insert={ratio:.2f}",
+        )
     )
 
 

@@ -25,6 +25,7 @@ from stagetree.core.simulator import ASHADriver, GridDriver, SimReport, simulate
 from stagetree.core.slots import Slot
 from stagetree.core.stagetree import build_stage_tree
 from tests.bench import refs
+from tests.bench.record import record
 
 POLICIES = ("critical_path", "bfs", "most_children")
 WORKERS = (8, 40)
@@ -133,9 +134,12 @@ def main() -> None:
     loop_rate = refs.python_rate()
     print(f"reference (same run): python_loop_per_s={loop_rate:.0f}")
     print(
-        f"merge_rate={grid_merge:.2f} critical_vs_lower_bound={worst_bound:.3f} critical_vs_bfs={vs_bfs:.3f} "
-        f"critical_vs_most_children={vs_most:.3f} round_ms_10k={rms:.1f} "
-        f"round_10k_x_loop_rate={rms * loop_rate / 1000:.0f}"
+        record(
+            "scheduler",
+            f"merge_rate={grid_merge:.2f} critical_vs_lower_bound={worst_bound:.3f} critical_vs_bfs={vs_bfs:.3f} "
+            f"critical_vs_most_children={vs_most:.3f} round_ms_10k={rms:.1f} "
+            f"round_10k_x_loop_rate={rms * loop_rate / 1000:.0f}",
+        )
     )
 
 
