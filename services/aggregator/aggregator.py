@@ -82,8 +82,10 @@ class AggregatorStats:
     malformed: int = 0  # records that did not decode (bad bytes, unknown type or version): skipped
     applied: int = 0  # messages whose effects were written
     duplicates: int = 0  # messages applied before (redelivered): skipped
-    ignored: int = 0  # messages with no database effect (progress, telemetry)
+    ignored: int = 0  # messages with no database effect (telemetry)
     started: int = 0  # batch_started messages (their attempts' start times)
+    progress: int = 0  # progress messages (their attempts' furthest step)
+    timings: int = 0  # batch_timing messages (where their workers' time went)
     rejected: int = 0  # messages that can never apply (unknown batch/node): logged, skipped
     poison: int = 0  # messages the database refused: logged, skipped
     points: int = 0  # metric points written
@@ -334,6 +336,8 @@ class Aggregator:
         s.duplicates += result.duplicates
         s.ignored += result.ignored
         s.started += result.started
+        s.progress += result.progress
+        s.timings += result.timings
         s.rejected += result.rejected
         s.points += result.points
         s.completed += len(result.completed)

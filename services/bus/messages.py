@@ -1,7 +1,7 @@
 """The versioned messages that travel on the metric/event bus, and their JSON wire form.
 
 This module owns the schema (version 1) of everything a node manager publishes and an aggregator
-consumes: the eight batch events the worker runtime emits, GPU telemetry, which topic each kind goes
+consumes: the nine batch events the worker runtime emits, GPU telemetry, which topic each kind goes
 to, the key that keeps one batch's messages ordered, and validation. Validation runs on both ends:
 constructing a message (and so encoding it) checks every field, and decoding checks the bytes the same
 way, so a bad emitter fails at its own call site and a foreign or corrupt record never reaches the
@@ -21,8 +21,9 @@ Topics and order: a topic per audience, every record keyed by batch id (telemetr
 
 - the metrics topic carries everything that decides a batch's outcome, in the order the batch produced
   it: ``progress``, ``metrics``, ``curve`` (learning-curve points), ``checkpoint_saved``, ``rescaled``
-  (the batch resumed a checkpoint written by another number of ranks: the plan's path change) and the
-  terminal ``batch_finished`` / ``batch_preempted`` / ``batch_failed``. Kafka keeps order within one
+  (the batch resumed a checkpoint written by another number of ranks: the plan's path change),
+  ``batch_timing`` (where its worker's time went) and the terminal ``batch_finished`` /
+  ``batch_preempted`` / ``batch_failed``. Kafka keeps order within one
   partition only, and one key is one partition, so an aggregator always applies a batch's last
   ``metrics`` before (or in the same database transaction as) its ``batch_finished``. Were they on two
   topics, two aggregators could apply the finish first, and the finish would send the requests still
@@ -241,6 +242,25 @@ class Rescaled(BatchMessage):
             raise MalformedMessage(f"rescaled: from_ranks and to_ranks are both {self.to_ranks}: nothing changed")
 
 
+Seconds = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+
+
+@pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=_SCHEMA)
+class BatchTiming(BatchMessage):
+    """Where the attempt's worker spent its time (``core.lifecycle.AttemptTiming``), as it measured it: on
+    the metrics topic just ahead of the attempt's terminal event. Added within version 1: an aggregator of
+    before it counts it malformed and skips it, and the study's stats then count the attempt from its
+    worker's start to its end."""
+
+    TYPE: ClassVar[str] = "batch_timing"
+    TOPIC: ClassVar[str] = TOPIC_METRICS
+
+    given_at: Seconds  # epoch seconds, the worker's host clock
+    startup_s: Seconds
+    checkpoint_s: Seconds
+    train_s: Seconds
+
+
 @pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=_SCHEMA)
 class BatchFinished(BatchMessage):
     TYPE: ClassVar[str] = "batch_finished"
@@ -307,6 +327,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         Curve,
         CheckpointSaved,
         Rescaled,
+        BatchTiming,
         BatchFinished,
         BatchPreempted,
         BatchFailed,

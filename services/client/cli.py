@@ -209,6 +209,9 @@ def format_stats(stats: Mapping[str, Any]) -> str:
             f"merge rate          {stats['merge_rate']:.2f}  (trial-by-trial / unique)",
             f"steps saved         {stats['saved_steps']}",
             f"compute seconds     {stats['compute_seconds']:.1f} used, {stats['saved_seconds']:.1f} saved",
+            f"other seconds       {stats.get('queue_seconds', 0.0):.1f} queued, "
+            f"{stats.get('startup_seconds', 0.0):.1f} starting workers, "
+            f"{stats.get('checkpoint_seconds', 0.0):.1f} checkpoint I/O",
         ]
     )
 

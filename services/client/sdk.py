@@ -652,11 +652,19 @@ class Study:
         return int(r.requests_deleted)
 
     async def stats(self) -> SharingStats:
-        """What sharing bought this study: steps executed, unique and trial-by-trial, the merge rate, and
-        compute seconds used and saved (``stagetree.core.sharing``)."""
+        """What sharing bought this study: steps executed, unique and trial-by-trial, the merge rate,
+        compute seconds used and saved, and the seconds its batches spent queued, starting up and on
+        checkpoint I/O, apart from the compute (``stagetree.core.sharing``)."""
         r = await self.client.call("GetStudyStats", pb.GetStudyStatsRequest(study_id=self.id), idempotent=True)
         return SharingStats(
-            dict(r.requests), r.steps_executed, r.unique_steps, r.trial_by_trial_steps, r.compute_seconds
+            dict(r.requests),
+            r.steps_executed,
+            r.unique_steps,
+            r.trial_by_trial_steps,
+            r.compute_seconds,
+            queue_seconds=r.queue_seconds,
+            startup_seconds=r.startup_seconds,
+            checkpoint_seconds=r.checkpoint_seconds,
         )
 
     async def forget_plan(self, plan_key: str = "") -> dict[str, int]:

@@ -180,6 +180,20 @@ class Rescaled:
 
 
 @dataclass(frozen=True)
+class AttemptTiming:
+    """Where a batch attempt's worker spent its time, as the worker measured it: it was handed the batch at
+    ``given_at`` (epoch seconds, its host's clock: its process start, or the spec's arrival for a worker
+    started ahead), then ``startup_s`` before it could train (process start, imports, the trainer's init),
+    ``checkpoint_s`` of checkpoint I/O that held training up (the restore, saves it waited for) and
+    ``train_s`` training (steps and evaluations; none of the former)."""
+
+    given_at: float
+    startup_s: float
+    checkpoint_s: float
+    train_s: float
+
+
+@dataclass(frozen=True)
 class AttemptReport:
     """What one batch attempt produced and how it ended: the domain's one report type (the node
     manager's gRPC report and, message by message, its bus events carry the same facts)."""
@@ -192,6 +206,16 @@ class AttemptReport:
     error: str = ""
     curve: Sequence[MetricPoint] = ()  # the learning curve's sampled step metrics
     rescaled: Rescaled | None = None  # it resumed a checkpoint written by another number of ranks
+    reached_step: int | None = None  # the furthest step its worker said it trained to (None: not said)
+    timing: AttemptTiming | None = None  # its worker's measure of its time (None: not reported)
+
+    @property
+    def reached(self) -> int | None:
+        """The furthest step the report shows the attempt trained to (None: it shows none)."""
+        steps = [p.step for p in self.metrics] + [c.step for c in self.checkpoints] + [p.step for p in self.curve]
+        if self.reached_step is not None:
+            steps.append(self.reached_step)
+        return max(steps, default=None)
 
     @property
     def end(self) -> AttemptEnd:

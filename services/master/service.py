@@ -597,4 +597,5 @@ class MasterService:
         if rescaled is not None:
             p = self.plans.canonical(plan_id, Point(rescaled.node, check_step(rescaled.step)))
             rescaled = replace(rescaled, node=p.node, step=p.step)
-        return replace(r, metrics=points, checkpoints=ckpts, curve=curve, rescaled=rescaled)
+        reached = None if r.reached_step is None else check_step(r.reached_step)
+        return replace(r, metrics=points, checkpoints=ckpts, curve=curve, rescaled=rescaled, reached_step=reached)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import grpc
 
 from stagetree.core import errors
-from stagetree.core.lifecycle import CheckpointPoint, MetricPoint, Rescaled  # the domain's own point types
+from stagetree.core.lifecycle import AttemptTiming, CheckpointPoint, MetricPoint, Rescaled  # the domain's own types
 from stagetree.core.slots import SlotInfo
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
 from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
@@ -63,6 +63,8 @@ class BatchReport:
     user_error: bool = False  # the trainer's own code raised
     curve: tuple[MetricPoint, ...] = ()  # the learning curve's sampled points
     rescaled: Rescaled | None = None  # it resumed a checkpoint written by another number of ranks
+    reached_step: int = 0  # the furthest step its worker said it trained to (0: not said)
+    timing: AttemptTiming | None = None  # where its worker's time went (None: not measured)
 
 
 class MasterLink(ABC):
@@ -237,6 +239,8 @@ class GrpcMasterLink(MasterLink):
             user_error=report.user_error,
             curve=[pb.MetricPoint(node=m.node, step=m.step, values=m.values) for m in report.curve],
             rescaled=_rescaled_pb(report.rescaled),
+            reached_step=report.reached_step,
+            timing=_timing_pb(report.timing),
         )
         try:
             resp = await self._get_stub().ReportBatch(req, metadata=self._metadata, timeout=self._timeout)
@@ -248,6 +252,12 @@ class GrpcMasterLink(MasterLink):
         if self._channel is not None:
             await self._channel.close()
         self._channel = self._stub = None
+
+
+def _timing_pb(t: AttemptTiming | None) -> pb.AttemptTiming | None:
+    if t is None:
+        return None
+    return pb.AttemptTiming(given_at=t.given_at, startup_s=t.startup_s, checkpoint_s=t.checkpoint_s, train_s=t.train_s)
 
 
 def _rescaled_pb(r: Rescaled | None) -> pb.Rescaled | None:

@@ -10,8 +10,8 @@ crash, or an out-of-memory) or aborted.
   come from each message's ``route()``, never from this module. GPU telemetry goes the same way.
 * ``GrpcReporter`` (the direct path, no bus): collects an attempt's metrics and checkpoints and sends
   one ``ReportBatch`` through the ``MasterLink`` when it ends, retrying while the master is away.
-  Learning curves (``curve`` events) and a resume on another number of ranks (``rescaled``) go in the
-  same report.
+  Learning curves (``curve`` events), a resume on another number of ranks (``rescaled``), the furthest
+  step its progress reached and its worker's timing (``batch_timing``) go in the same report.
 
 An aborted attempt publishes nothing more on the bus (the master already ended it); the direct path
 still reports it (not ok) so the checkpoints and metrics it produced are recorded, which the master
@@ -37,6 +37,7 @@ from stagetree.bus.messages import (
     BatchMessage,
     BatchPreempted,
     BatchStarted,
+    BatchTiming,
     CheckpointSaved,
     Curve,
     GpuProcess,
@@ -48,7 +49,7 @@ from stagetree.bus.messages import (
     make_msg_id,
 )
 from stagetree.core.errors import ResourceExhausted, StagetreeError
-from stagetree.core.lifecycle import CheckpointPoint, MetricPoint
+from stagetree.core.lifecycle import AttemptTiming, CheckpointPoint, MetricPoint
 from stagetree.core.lifecycle import Rescaled as RescaledPoint
 from stagetree.nodemanager.gpu import GpuSample
 from stagetree.nodemanager.link import BatchReport, MasterLink
@@ -158,6 +159,7 @@ _BUS_TYPES: dict[str, type[BatchMessage]] = {
     "curve": Curve,
     "checkpoint_saved": CheckpointSaved,
     "rescaled": Rescaled,
+    "batch_timing": BatchTiming,
     "batch_finished": BatchFinished,
     "batch_preempted": BatchPreempted,
     "batch_failed": BatchFailed,
@@ -300,6 +302,8 @@ class _Collected:
     checkpoints: list[CheckpointPoint] = field(default_factory=list)
     curve: list[MetricPoint] = field(default_factory=list)
     rescaled: RescaledPoint | None = None
+    reached: int = 0
+    timing: AttemptTiming | None = None
 
 
 class GrpcReporter(BatchReporter):
@@ -349,6 +353,15 @@ class GrpcReporter(BatchReporter):
             node = int(payload["node"])
             for step, values in payload["points"]:
                 got.curve.append(MetricPoint(node, int(step), {str(k): float(v) for k, v in values.items()}))
+        elif kind == "progress":
+            got.reached = max(got.reached, int(payload["step"]))
+        elif kind == "batch_timing":
+            got.timing = AttemptTiming(
+                float(payload["given_at"]),
+                float(payload["startup_s"]),
+                float(payload["checkpoint_s"]),
+                float(payload["train_s"]),
+            )
 
     def report_of(self, info: AttemptInfo, end: AttemptEnd) -> BatchReport:
         got = self._collected.pop(info.key, _Collected())
@@ -367,6 +380,8 @@ class GrpcReporter(BatchReporter):
             user_error=end.user_error and end.status == "failed",
             curve=tuple(got.curve),
             rescaled=got.rescaled,
+            reached_step=got.reached,
+            timing=got.timing,
         )
 
     async def _finish(self, info: AttemptInfo, end: AttemptEnd) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -18,6 +19,7 @@ from stagetree.core.errors import InvalidArgument, StagetreeError
 from stagetree.core.lifecycle import (
     FINISHED_REQUEST_STATES,
     AttemptReport,
+    AttemptTiming,
     CheckpointPoint,
     MetricPoint,
     Outcome,
@@ -87,6 +89,9 @@ def stats_pb(st: SharingStats) -> pb.StudyStats:
         saved_steps=st.saved_steps,
         compute_seconds=st.compute_seconds,
         saved_seconds=st.saved_seconds,
+        queue_seconds=st.queue_seconds,
+        startup_seconds=st.startup_seconds,
+        checkpoint_seconds=st.checkpoint_seconds,
     )
 
 
@@ -103,7 +108,17 @@ def _report_of(request: pb.ReportBatchRequest) -> AttemptReport:
         error=request.error,
         curve=[MetricPoint(m.node, m.step, dict(m.values)) for m in request.curve],
         rescaled=_rescaled(request.rescaled) if request.HasField("rescaled") else None,
+        reached_step=request.reached_step or None,
+        timing=_timing(request.timing) if request.HasField("timing") else None,
     )
+
+
+def _timing(t: pb.AttemptTiming) -> AttemptTiming:
+    values = {"given_at": t.given_at, "startup_s": t.startup_s, "checkpoint_s": t.checkpoint_s, "train_s": t.train_s}
+    bad = {k: v for k, v in values.items() if not (math.isfinite(v) and v >= 0)}
+    if bad:
+        raise InvalidArgument(f"timing: every field must be a finite number >= 0, got {bad}")
+    return AttemptTiming(t.given_at, t.startup_s, t.checkpoint_s, t.train_s)
 
 
 def _rescaled(r: pb.Rescaled) -> Rescaled:

@@ -20,7 +20,13 @@ through the same store roles as the master's direct path (``BatchLedger.report_b
   never later than now) (``BatchLedger.mark_started_in``; the first word wins, so it needs no claim
   below): a batch sent ahead of its slot's end waits on the node manager; the cost estimator must learn
   from the run alone, and the scheduler estimates when a slot frees from it;
-- ``progress`` and ``gpu_telemetry`` have no database effect (counted, dropped).
+- ``progress``, ``checkpoint_saved`` and ``batch_preempted``: the furthest step the attempt trained to
+  (``BatchLedger.mark_reached_in``, a maximum: no claim needed), so the stats count what an attempt that
+  did not run to its end trained; not written for an attempt that finishes in the same apply (all its
+  steps count then);
+- ``batch_timing``: the worker's measure of the attempt's time (``BatchLedger.record_timing_in``; the
+  same values again on a redelivery, so no claim either);
+- ``gpu_telemetry`` has no database effect (counted, dropped).
 
 Idempotence: every message with an effect inserts its ``msg_id`` into ``applied_messages`` in the same
 transaction as its effect, insert-or-ignore returning the ids that were new, so a redelivered message
@@ -51,15 +57,17 @@ from stagetree.bus.messages import (
     BatchMessage,
     BatchPreempted,
     BatchStarted,
+    BatchTiming,
     CheckpointSaved,
     Curve,
     Message,
     Metrics,
+    Progress,
     Rescaled,
 )
 from stagetree.core.batch import Point
 from stagetree.core.errors import InvalidArgument, NotFound
-from stagetree.core.lifecycle import AttemptEnd, Outcome, RetryPolicy
+from stagetree.core.lifecycle import AttemptEnd, AttemptTiming, Outcome, RetryPolicy
 from stagetree.core.lifecycle import Rescaled as RescaledPoint
 from stagetree.core.searchplan import SearchPlan
 from stagetree.master.plans import PlanCache
@@ -87,8 +95,10 @@ class IngestResult:
 
     applied: int = 0  # messages whose effects were applied now
     duplicates: int = 0  # already applied earlier (or twice in this list): skipped
-    ignored: int = 0  # kinds with no database effect (progress, telemetry)
+    ignored: int = 0  # kinds with no database effect (telemetry)
     started: int = 0  # batch_started messages (their attempts' started_at, where not set yet)
+    progress: int = 0  # progress messages (their attempts' furthest step)
+    timings: int = 0  # batch_timing messages (their workers' measure of their time)
     rejected: int = 0  # can never apply (unknown batch/node, bad point): logged and skipped
     points: int = 0  # metrics messages applied
     curve_points: int = 0  # learning-curve points offered by the curve messages applied
@@ -112,7 +122,10 @@ class IngestResult:
 
     def merge(self, other: IngestResult) -> None:
         """Add ``other``'s counts and ids to this one (for applies split in parts)."""
-        counts = ("applied", "duplicates", "ignored", "started", "rejected", "points", "curve_points", "checkpoints")
+        counts = (
+            *("applied", "duplicates", "ignored", "started", "progress", "timings"),
+            *("rejected", "points", "curve_points", "checkpoints"),
+        )
         for name in (*counts, "stale", "path_changes"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("completed", "failed_requests", "finished", "requeued"):
@@ -155,26 +168,52 @@ class Ingestor:
         out = IngestResult()
         candidates: dict[str, BatchMessage] = {}
         started: list[tuple[int, int, float | None]] = []
+        reached: list[tuple[int, int, int]] = []
+        timings: list[tuple[int, int, AttemptTiming]] = []
+        finishing: set[tuple[int, int]] = set()
         for msg in messages:
+            if isinstance(msg, BatchMessage) and msg.batch_id > MAX_INT64:
+                pass  # can never apply: an effectful kind is rejected below, the others dropped here
+            elif isinstance(msg, (Progress, CheckpointSaved, BatchPreempted)) and msg.step <= MAX_INT32:
+                reached.append((msg.batch_id, msg.attempt, msg.step))
+            elif isinstance(msg, BatchTiming):
+                timings.append(
+                    (
+                        msg.batch_id,
+                        msg.attempt,
+                        AttemptTiming(msg.given_at, msg.startup_s, msg.checkpoint_s, msg.train_s),
+                    )
+                )
+            elif isinstance(msg, BatchFinished):
+                finishing.add((msg.batch_id, msg.attempt))
             if isinstance(msg, BatchStarted):
                 if msg.batch_id <= MAX_INT64:
                     started.append((msg.batch_id, msg.attempt, msg.started_at))
                 out.started += 1
+            elif isinstance(msg, Progress):
+                out.progress += 1
+            elif isinstance(msg, BatchTiming):
+                out.timings += 1
             elif type(msg) not in _EFFECTFUL:
                 out.ignored += 1
             elif msg.msg_id in candidates:
                 out.duplicates += 1
             else:
                 candidates[msg.msg_id] = msg  # type: ignore[assignment]  # an effectful kind is a BatchMessage
+        reached = [r for r in reached if (r[0], r[1]) not in finishing]  # all its steps count
         now = time.time()
         if not candidates:
-            if started:
-                with self.db.tx("record batch starts") as s:
+            if started or reached or timings:
+                with self.db.tx("record batch starts and progress") as s:
                     self.ledger.mark_started_in(s, started, now)
+                    self.ledger.mark_reached_in(s, reached)
+                    self.ledger.record_timing_in(s, timings)
             return out
         placed, rejected_ids, curves = self._place(list(candidates.values()))
         with self.db.tx("apply bus messages") as s:
             self.ledger.mark_started_in(s, started, now)
+            self.ledger.mark_reached_in(s, reached)
+            self.ledger.record_timing_in(s, timings)
             new = self._claim(s, sorted(candidates), now)
             out.duplicates += len(candidates) - len(new)
             out.rejected += sum(1 for i in rejected_ids if i in new)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Container, Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import bindparam, case, func, insert, select, text, tuple_, update
+from sqlalchemy import bindparam, case, func, insert, or_, select, text, tuple_, update
 from sqlalchemy.orm import Session
 
 from stagetree.core.errors import NotFound, StagetreeError
@@ -23,6 +23,7 @@ from stagetree.core.lifecycle import (
     AttemptDecision,
     AttemptEnd,
     AttemptReport,
+    AttemptTiming,
     BatchHead,
     BatchState,
     CarriedRequest,
@@ -32,6 +33,7 @@ from stagetree.core.lifecycle import (
     after,
     end_attempt,
 )
+from stagetree.core.sharing import EndedAttempt
 from stagetree.master.store import models as m
 from stagetree.master.store.checkpoints import CheckpointCatalog
 from stagetree.master.store.curves import CurveStore
@@ -48,6 +50,7 @@ Completed = list[int]  # request ids a report completed
 Requeued = list[int]  # request ids a report sent back to NOT_SCHED
 
 _B, _A, _R = table(m.Batch), table(m.BatchAttempt), table(m.Request)
+_RQ = table(m.RequeuedRequest)
 _HEADS = (
     select(_B.c.id, _B.c.attempt, _B.c.state)
     .where(_B.c.id.in_(bindparam("ids", expanding=True)))
@@ -100,6 +103,25 @@ _STARTED = (
     .where(_A.c.batch_id == bindparam("b"), _A.c.attempt == bindparam("a"), _A.c.started_at.is_(None))
     .values(started_at=bindparam("t"))
 )
+_REACHED = (
+    update(_A)
+    .where(
+        _A.c.batch_id == bindparam("b"),
+        _A.c.attempt == bindparam("a"),
+        or_(_A.c.reached_step.is_(None), _A.c.reached_step < bindparam("s")),
+    )
+    .values(reached_step=bindparam("s"))
+)
+_TIMING = (
+    update(_A)
+    .where(_A.c.batch_id == bindparam("b"), _A.c.attempt == bindparam("a"))
+    .values(
+        given_at=bindparam("given"),
+        startup_s=bindparam("startup"),
+        checkpoint_s=bindparam("ckpt"),
+        train_s=bindparam("train"),
+    )
+)
 _RUNNING = select(
     _B.c.id, _B.c.plan_id, _B.c.state, _B.c.attempt, _B.c.spec_json, _B.c.node_manager_id, _B.c.slot_id
 ).where(_B.c.state == BatchState.RUNNING)
@@ -133,6 +155,35 @@ class BatchLedger:
             rows.setdefault((b, a), now if t is None else min(t, now))
         if rows:
             s.connection().execute(_STARTED, [{"b": b, "a": a, "t": t} for (b, a), t in sorted(rows.items())])
+
+    def mark_reached_in(self, s: Session, reached: Sequence[tuple[int, int, int]]) -> None:
+        """Record the furthest step these (batch, attempt, step) attempts said they trained to (a step
+        below what is recorded changes nothing, so any order and any redelivery give the same row)."""
+        furthest: dict[tuple[int, int], int] = {}
+        for b, a, step in reached:
+            furthest[(b, a)] = max(step, furthest.get((b, a), step))
+        if furthest:
+            s.connection().execute(_REACHED, [{"b": b, "a": a, "s": st} for (b, a), st in sorted(furthest.items())])
+
+    def record_timing_in(self, s: Session, timings: Sequence[tuple[int, int, AttemptTiming]]) -> None:
+        """Record these (batch, attempt)'s workers' measure of their time (the last word wins: an attempt
+        reports it once, a redelivery says the same)."""
+        rows = {(b, a): t for b, a, t in timings}
+        if rows:
+            s.connection().execute(
+                _TIMING,
+                [
+                    {
+                        "b": b,
+                        "a": a,
+                        "given": t.given_at,
+                        "startup": t.startup_s,
+                        "ckpt": t.checkpoint_s,
+                        "train": t.train_s,
+                    }
+                    for (b, a), t in sorted(rows.items())
+                ],
+            )
 
     def end_attempts_in(
         self,
@@ -177,6 +228,7 @@ class BatchLedger:
         by_error: dict[str, list[int]] = {}
         failed: list[int] = []
         requeued: list[int] = []
+        carried_before: list[tuple[int, int]] = []  # (request, batch) of the requests requeued
         for d in decisions:
             if d.stale:
                 log.info("stale batch report ignored", extra={"batch_id": d.batch_id, "attempt": d.attempt})
@@ -198,12 +250,16 @@ class BatchLedger:
                 by_error.setdefault(d.error, []).extend(d.counted)
             failed.extend(d.failed)
             requeued.extend(d.requeued)
+            carried_before.extend((r, d.batch_id) for r in d.requeued)
         for error, ids in by_error.items():
             c.execute(_COUNT_FAILURE, {"ids": sorted(ids), "error": error})
         if failed:
             c.execute(_FAIL, {"ids": sorted(failed), "t": now})
         if requeued:
             c.execute(_REQUEUE, {"ids": sorted(requeued)})
+            self.db.bulk_insert_ignore(
+                s, _RQ, ("request_id", "batch_id"), sorted(carried_before), ("request_id", "batch_id")
+            )
         for state, ids in ended.items():
             c.execute(_END_BATCHES, {"ids": ids, "st": state, "t": now})
             c.execute(_END_ATTEMPTS, {"ids": ids, "st": state, "t": now})
@@ -229,6 +285,8 @@ class BatchLedger:
                 s, [(p.node, p.step, dict(p.values)) for r in known for p in r.metrics], now
             )
             self.curves.record_in(s, [(p.node, p.step, dict(p.values)) for r in known for p in r.curve], now)
+            self.mark_reached_in(s, [(r.batch_id, r.attempt, st) for r in known if (st := r.reached) is not None])
+            self.record_timing_in(s, [(r.batch_id, r.attempt, r.timing) for r in known if r.timing is not None])
             decisions = iter(self.end_attempts_in(s, [r.end for r in known], policy, now, heads))
         out: list[tuple[Completed, Requeued] | StagetreeError] = []
         for r in reports:
@@ -443,13 +501,23 @@ class BatchLedger:
             return [(_batch_record(b), float(t), studies.get(int(b.id), [])) for b, t in rows]
 
     def executed_steps(self, plan_id: int | None = None) -> int:
-        """Training steps of every batch that ran to its end (of one plan, or all): what the platform
-        actually trained, to compare with the unique steps of the plans."""
+        """Training steps of every ended batch attempt (of one plan, or all): all of a batch's when it ran
+        to its end, else up to the furthest step its worker reported (``core.sharing.EndedAttempt``): what
+        the platform actually trained, to compare with the unique steps of the plans."""
         with self.db.tx("executed steps") as s:
-            q = select(_B.c.spec_json).where(_B.c.state == BatchState.DONE)
+            q = (
+                select(_A.c.state, _B.c.spec_json, _A.c.reached_step)
+                .join(_B, _B.c.id == _A.c.batch_id)
+                .where(_A.c.state != BatchState.RUNNING)
+            )
             if plan_id is not None:
                 q = q.where(_B.c.plan_id == plan_id)
-            return sum(int(st["end"]) - int(st["start"]) for spec in s.scalars(q) for st in json.loads(spec)["stages"])
+            total = 0
+            for state, spec, reached in s.execute(q):
+                stages = json.loads(spec)["stages"]
+                start, steps = int(stages[0]["start"]), sum(int(st["end"]) - int(st["start"]) for st in stages)
+                total += EndedAttempt(BatchState(state), start, steps, reached, 0.0, None, 0.0).trained
+            return total
 
     def finished_attempts(
         self,

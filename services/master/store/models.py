@@ -138,6 +138,16 @@ class BatchAttempt(Base):
     # never later); NULL: not heard, see migration 0013
     started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     finished_at: Mapped[float | None] = mapped_column(Float, nullable=True, index=True)
+    # the furthest step its worker said it trained to (progress, metrics, checkpoints): what an attempt that
+    # did not run to its end trained; NULL: nothing heard (see migration 0014)
+    reached_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # where its worker's time went, as the worker measured it (its batch_timing event; NULL: not reported):
+    # handed the batch at (the node manager's host clock), then start-up (process, imports, trainer init),
+    # checkpoint I/O that held training up (restore, saves waited for) and training (steps, evaluations)
+    given_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    startup_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    checkpoint_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    train_s: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class Request(Base):
@@ -161,6 +171,17 @@ class Request(Base):
     done_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     failures: Mapped[int] = mapped_column(Integer, default=0)  # failed batch attempts that carried it
     error: Mapped[str | None] = mapped_column(Text, nullable=True)  # the last failure, shown when FAILED
+
+
+class RequeuedRequest(Base):
+    """A batch that carried a request which went back to the queue when the batch's attempt ended without
+    running to its end (lost, preempted, failed and retried): the request's ``batch_id`` moves on to the
+    next batch, and this row keeps what the earlier one trained counted in the study's stats."""
+
+    __tablename__ = "requeued_requests"
+
+    request_id: Mapped[int] = mapped_column(ForeignKey("requests.id"), primary_key=True)
+    batch_id: Mapped[int] = mapped_column(ForeignKey("batches.id"), primary_key=True)
 
 
 class Checkpoint(Base):

@@ -1,7 +1,8 @@
 """What deleting a study or forgetting a plan removes, each in one transaction.
 
-- ``delete_study``: the study, its requests and its policy state. Its plans stay: they belong to the
-  scope (the owner or the team), and other studies of that scope may use them; ``forget_plan`` frees them.
+- ``delete_study``: the study, its requests (with the record of the batches that carried them before a
+  requeue) and its policy state. Its plans stay: they belong to the scope (the owner or the team), and
+  other studies of that scope may use them; ``forget_plan`` frees them.
 - ``forget_plan``: what a plan computed, i.e. its checkpoints (their files are deleted by the live node
   managers, through the outbox), its metrics and learning curves, the path changes recorded on it (they
   say how what is forgotten was computed), and the finished requests those metrics answered. The plan
@@ -46,6 +47,8 @@ class Retention:
             if s.get(m.Study, study_id, with_for_update=True) is None:
                 raise NotFound(f"study {study_id!r} does not exist")
             _refuse_live(s, m.Request.study_id == study_id, f"study {study_id!r}")
+            ids = select(m.Request.id).where(m.Request.study_id == study_id).scalar_subquery()
+            s.execute(delete(m.RequeuedRequest).where(m.RequeuedRequest.request_id.in_(ids)))
             n = _count(s.execute(delete(m.Request).where(m.Request.study_id == study_id)))
             s.execute(delete(m.PolicyState).where(m.PolicyState.study_id == study_id))
             s.execute(delete(m.Study).where(m.Study.id == study_id))
@@ -66,6 +69,8 @@ class Retention:
             metrics = _count(s.execute(delete(m.Metric).where(m.Metric.node_id.in_(nodes))))
             s.execute(delete(m.CurvePoint).where(m.CurvePoint.node_id.in_(nodes)))
             s.execute(delete(m.PathChange).where(m.PathChange.node_id.in_(nodes)))
+            ids = select(m.Request.id).where(m.Request.plan_id == plan_id).scalar_subquery()
+            s.execute(delete(m.RequeuedRequest).where(m.RequeuedRequest.request_id.in_(ids)))
             requests = _count(s.execute(delete(m.Request).where(m.Request.plan_id == plan_id)))
             return Forgotten(len(ckpts), sum(int(b) for _, b in ckpts), metrics, requests)
 

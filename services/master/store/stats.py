@@ -1,19 +1,23 @@
-"""What sharing bought a study (``core.sharing``), read in one transaction."""
+"""What sharing bought a study (``core.sharing``: steps and seconds of every ended attempt of the batches
+that carried its requests), read in one transaction; and the installation at a glance."""
 
 from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, union
 
-from stagetree.core.lifecycle import BatchState, NodeManagerState, RequestState
-from stagetree.core.sharing import SharingStats, trial_by_trial_steps, unique_steps
+from stagetree.core.lifecycle import AttemptTiming, BatchState, NodeManagerState, RequestState
+from stagetree.core.sharing import EndedAttempt, SharingStats, trial_by_trial_steps, unique_steps, work_of
 from stagetree.master.store import models as m
 from stagetree.master.store.database import Database, table
 
 _R, _N, _B, _A = table(m.Request), table(m.Node), table(m.Batch), table(m.BatchAttempt)
+_RQ = table(m.RequeuedRequest)
 
 
 @dataclass(frozen=True)
@@ -50,26 +54,73 @@ class StatsReader:
     def study_stats(self, study_id: str) -> SharingStats:
         with self.db.tx("study stats") as s:
             reqs = s.execute(
-                select(_R.c.state, _R.c.label, _R.c.node_id, _R.c.step, _R.c.batch_id).where(_R.c.study_id == study_id)
+                select(_R.c.state, _R.c.label, _R.c.node_id, _R.c.step).where(_R.c.study_id == study_id)
             ).all()
             plans = select(_R.c.plan_id).where(_R.c.study_id == study_id).distinct()
             nodes = {
                 int(i): (None if p is None else int(p), int(st))
                 for i, p, st in s.execute(select(_N.c.id, _N.c.parent_id, _N.c.start).where(_N.c.plan_id.in_(plans)))
             }
-            done = [r for r in reqs if r.state == RequestState.DONE]
-            batch_ids = sorted({int(r.batch_id) for r in done if r.batch_id is not None})
-            specs = s.scalars(select(_B.c.spec_json).where(_B.c.id.in_(batch_ids), _B.c.state == BatchState.DONE))
-            executed = sum(int(st["end"]) - int(st["start"]) for spec in specs for st in json.loads(spec)["stages"])
-            seconds = s.scalar(
+            # the batches that carried its requests: each one's latest, and those it went back to the queue from
+            carried = union(
+                select(_R.c.batch_id.label("b")).where(_R.c.study_id == study_id, _R.c.batch_id.is_not(None)),
+                select(_RQ.c.batch_id.label("b"))
+                .join(_R, _R.c.id == _RQ.c.request_id)
+                .where(_R.c.study_id == study_id),
+            ).subquery()
+            rows = s.execute(
                 select(
-                    func.coalesce(func.sum(_A.c.finished_at - func.coalesce(_A.c.sent_at, _A.c.dispatched_at)), 0.0)
-                ).where(_A.c.batch_id.in_(batch_ids), _A.c.state == BatchState.DONE)
-            )
+                    _A.c.state,
+                    _B.c.spec_json,
+                    _A.c.reached_step,
+                    _A.c.dispatched_at,
+                    _A.c.started_at,
+                    _A.c.finished_at,
+                    _A.c.given_at,
+                    _A.c.startup_s,
+                    _A.c.checkpoint_s,
+                    _A.c.train_s,
+                )
+                .join(_B, _B.c.id == _A.c.batch_id)
+                .where(_A.c.batch_id.in_(select(carried.c.b)), _A.c.finished_at.is_not(None))
+            ).all()
+        done = [r for r in reqs if r.state == RequestState.DONE]
+        work = work_of(a for row in rows if (a := _ended(row)) is not None)
         return SharingStats(
             requests=dict(Counter(str(r.state) for r in reqs)),
-            steps_executed=executed,
+            steps_executed=work.steps,
             unique_steps=unique_steps(nodes, ((int(r.node_id), int(r.step)) for r in done)),
             trial_by_trial_steps=trial_by_trial_steps((r.label or "", int(r.step)) for r in done),
-            compute_seconds=float(seconds or 0.0),
+            compute_seconds=work.compute_seconds,
+            queue_seconds=work.queue_seconds,
+            startup_seconds=work.startup_seconds,
+            checkpoint_seconds=work.checkpoint_seconds,
         )
+
+
+def _ended(row: Sequence[Any]) -> EndedAttempt | None:
+    """An ended attempt's row as the core counts it (None: its state or spec does not read, or it has
+    not ended)."""
+    state, spec_json, reached, dispatched, started, finished, given, startup, ckpt, train = row
+    try:
+        st = BatchState(state)
+        stages = json.loads(spec_json)["stages"]
+        start = int(stages[0]["start"])
+        steps = sum(int(x["end"]) - int(x["start"]) for x in stages)
+    except (ValueError, KeyError, TypeError, IndexError):
+        return None
+    if not st.is_finished():
+        return None
+    timing = None
+    if given is not None and startup is not None and ckpt is not None and train is not None:
+        timing = AttemptTiming(float(given), float(startup), float(ckpt), float(train))
+    return EndedAttempt(
+        st,
+        start,
+        steps,
+        None if reached is None else int(reached),
+        float(dispatched),
+        None if started is None else float(started),
+        float(finished),
+        timing,
+    )

@@ -28,6 +28,9 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
     # the batch resumed the checkpoint at (node, step) written by ``from_ranks`` ranks on ``to_ranks``
     # (its trainer is ``rescalable``): the master records it as the plan's path change
     "rescaled": frozenset({"batch_id", "attempt", "node", "step", "uri", "from_ranks", "to_ranks"}),
+    # where the attempt's time went, just ahead of its terminal event (``executor._Times``): when the worker
+    # was handed the batch (epoch seconds), its start-up, checkpoint I/O and training (seconds)
+    "batch_timing": frozenset({"batch_id", "attempt", "given_at", "startup_s", "checkpoint_s", "train_s"}),
     "batch_finished": frozenset({"batch_id", "attempt", "steps"}),
     "batch_preempted": frozenset({"batch_id", "attempt", "node", "step", "uri", "ranks"}),
     "batch_failed": frozenset({"batch_id", "attempt", "error", "traceback", "oom", "user_error"}),

@@ -18,7 +18,11 @@ every step would not fit the budget), and the snapshots are written as one pack 
 is preempted, each of its points reported as a peripheral ``checkpoint_saved`` of the pack's uri: a
 trial that arrives later and branches inside this batch's range resumes at its branch point.
 
-Everything the master learns goes through ``emit(kind, payload)`` (see ``events.EVENT_FIELDS``).
+Everything the master learns goes through ``emit(kind, payload)`` (see ``events.EVENT_FIELDS``). Just
+ahead of its terminal event an attempt emits ``batch_timing``, where its time went (``_Times``): start-up
+from when the worker was handed the batch (``given_at``) to when it could train, the trainer's init
+included; checkpoint I/O that held training up (the restore, saves and the writes it waited for); and
+training, steps and evaluations, less that I/O. A study's stats count training time from it alone.
 A failure becomes ``batch_failed``: its ``error`` is what was raised and the last ``TRACEBACK_LINES``
 lines of the traceback (the whole traceback goes to the worker's log). It is flagged ``user_error``
 when the user's code raised (a frame of the trainer's own files is on the traceback, or a metric came
@@ -92,6 +96,28 @@ class BatchOutcome:
     error: str | None = None
     oom: bool = False
     user_error: bool = False
+
+
+@dataclass
+class _Times:
+    """Where an attempt's time goes (monotonic seconds, but ``given_at``: epoch seconds)."""
+
+    given_at: float  # when the worker was handed the batch
+    before_run: float  # from then to the start of ``run`` (process start-up, imports, reading the spec)
+    init: float = 0.0  # building the trainer (0 when it was built ahead)
+    restore: float = 0.0  # loading the source checkpoint
+    saves: float = 0.0  # saving checkpoints, and waiting for their writes
+    train_from: float | None = None  # when training began (after the restore)
+    saves_before: float = 0.0  # ``saves`` by then
+
+    def payload(self, now: float) -> dict[str, float]:
+        train = 0.0 if self.train_from is None else now - self.train_from - (self.saves - self.saves_before)
+        return {
+            "given_at": self.given_at,
+            "startup_s": max(0.0, self.before_run + self.init),
+            "checkpoint_s": max(0.0, self.restore + self.saves),
+            "train_s": max(0.0, train),
+        }
 
 
 @dataclass
@@ -224,7 +250,10 @@ class BatchRun:
         clock: Callable[[], float] = time.monotonic,
         prepared: Trainer | None = None,
         group: RankGroup = SINGLE_RANK,
+        given_at: float | None = None,
     ) -> None:
+        """``given_at``: when this worker was handed the batch (epoch seconds; None: when ``run`` starts),
+        from which its start-up is counted."""
         self.spec = spec
         self._group = group
         self._factory = trainer_factory
@@ -258,6 +287,8 @@ class BatchRun:
         self._curve_rate = CurveRate(spec.curve_max_per_s)
         self._snaps: dict[Point, Snapshot] = {}  # in-memory snapshots of this batch's steps, packed at its end
         self._snap_stride = 0  # a snapshot every this many steps (0: not decided until the first one)
+        self._given_at = given_at
+        self._times = _Times(0.0, 0.0)
 
     # -- control ------------------------------------------------------------------------------
 
@@ -280,6 +311,9 @@ class BatchRun:
 
     def run(self) -> BatchOutcome:
         spec = self.spec
+        now = time.time()
+        given = now if self._given_at is None else min(self._given_at, now)
+        self._times = _Times(given, now - given)
         self._emit("batch_started", dict(self._ids))
         step = spec.start_step
         trained = 0
@@ -287,6 +321,7 @@ class BatchRun:
             with ThreadPoolExecutor(1, thread_name_prefix=f"ckpt-b{spec.batch_id}") as pool:
                 self._pool = pool
                 trainer = self._start()
+                self._times.train_from, self._times.saves_before = time.monotonic(), self._times.saves
                 trainer.step = step
                 applied = self._setup(trainer, spec.stages[0].config.values_at(step), {})
                 self._handle_points(trainer, step, initial=True)
@@ -383,6 +418,7 @@ class BatchRun:
                 self._flush_curve(self._curve_node)
                 self._write_pack()
                 self._drain(block=True)
+            self._emit("batch_timing", {**self._ids, **self._times.payload(time.monotonic())})
             self._emit("batch_finished", {**self._ids, "steps": trained})
             return BatchOutcome("finished", step, trained)
         except Exception as e:
@@ -450,6 +486,7 @@ class BatchRun:
                 extra={"batch_id": spec.batch_id},
             )
         now = time.monotonic()
+        self._times.init, self._times.restore = t_init - t0, now - t_init
         log.info(
             "batch ready to train: init %.3f s%s, restore %.3f s",
             t_init - t0,
@@ -516,6 +553,13 @@ class BatchRun:
         return f"{plan}/n{node}/s{step}-{kind}-b{spec.batch_id}a{spec.attempt}"
 
     def _save(self, trainer: Trainer, points: tuple[Point, ...], kind: CheckpointKind, step: int) -> None:
+        t0 = time.monotonic()
+        try:
+            self._save_now(trainer, points, kind, step)
+        finally:
+            self._times.saves += time.monotonic() - t0
+
+    def _save_now(self, trainer: Trainer, points: tuple[Point, ...], kind: CheckpointKind, step: int) -> None:
         point = Point(points[0].node, step)
         self._last_save_step = step
         rng_ranks = None
@@ -545,7 +589,9 @@ class BatchRun:
         stride = self._snap_stride
         if stride < 0 or (stride and (point.step - self.spec.start_step) % stride):
             return
+        t0 = time.monotonic()
         snap = take_snapshot(trainer, point)
+        self._times.saves += time.monotonic() - t0  # a copy that holds training up, as a save does
         if not stride:
             need = snapshot_bytes(snap) * self.spec.steps
             stride = self._snap_stride = max(1, -(-need // self.spec.snapshot_budget_bytes))
@@ -575,7 +621,11 @@ class BatchRun:
         points share its uri, each with its share of the bytes."""
         while self._pending and (block or self._pending[0].future.done()):
             record = self._pending.popleft()
-            stored = record.future.result()
+            t0 = time.monotonic()
+            try:
+                stored = record.future.result()
+            finally:
+                self._times.saves += time.monotonic() - t0
             nbytes = stored.bytes // len(record.points) if record.pack else stored.bytes
             for p in record.points:
                 self._emit(
@@ -604,6 +654,7 @@ class BatchRun:
         uri = record.future.result().uri
         at = record.points[0].node
         ranks = self._group.info.world_size
+        self._emit("batch_timing", {**self._ids, **self._times.payload(time.monotonic())})
         self._emit("batch_preempted", {**self._ids, "node": at, "step": step, "uri": uri, "ranks": ranks})
         log.info("batch preempted", extra={"batch_id": self.spec.batch_id, "step": step, "uri": uri})
         return BatchOutcome("preempted", step, trained, uri=uri)
@@ -633,6 +684,7 @@ class BatchRun:
             tb.rstrip(),
             extra={**self._ids, "step": step, "oom": oom, "user_error": user},
         )
+        self._emit("batch_timing", {**self._ids, **self._times.payload(time.monotonic())})
         self._emit("batch_failed", {**self._ids, "error": error, "traceback": tb, "oom": oom, "user_error": user})
         return BatchOutcome("failed", step, trained, error=error, oom=oom, user_error=user)
 

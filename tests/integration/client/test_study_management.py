@@ -61,6 +61,10 @@ async def test_labels_loading_by_name_best_and_stats(http_platform: Platform) ->
     assert status == 200 and sorted(r["label"] for r in reqs) == ["trial-0", "trial-0", "trial-1", "trial-2"]
     status, rest_stats = rest(p, "GET", f"/studies/{study.id}/stats")
     assert status == 200 and rest_stats["merge_rate"] == 1.5 and rest_stats["unique_steps"] == 20
+    times = ("compute_seconds", "queue_seconds", "startup_seconds", "checkpoint_seconds")
+    assert {k: rest_stats[k] for k in times} == {k: round(getattr(stats, k), 3) for k in times}  # as gRPC says
+    shown_stats = await asyncio.to_thread(cli.run, cli._parser().parse_args(["study", "stats", study.id]), _rest(p))
+    assert "queued" in shown_stats[1] and "checkpoint I/O" in shown_stats[1]
     shown = await asyncio.to_thread(cli.run, cli._parser().parse_args(["study", "show", study.id]), _rest(p))
     assert sorted((t["label"], t["evals"], t["last_step"]) for t in shown[0]["trials"]) == [
         ("trial-0", 2, 10),

@@ -75,6 +75,10 @@ async def test_requests_complete_with_the_metrics_of_a_straight_run(
         assert rec.metrics == reference_metrics(tmp_path, fixed, {"lr": 0.1, "bs": 32}, 12)
         ((_, end),) = nm.reporter.ends
         assert end.status == "finished" and end.by_worker
+        # the worker's measure of its time came with the report: 12 steps of training, apart from the rest
+        stats = app.service.study_stats(ALICE, study)
+        assert stats.steps_executed == 12 and stats.compute_seconds > 0 and stats.startup_seconds > 0
+        assert stats.checkpoint_seconds > 0  # the end's checkpoint, waited for
     finally:
         await nm.close()
 

@@ -15,6 +15,7 @@ from stagetree.bus.messages import (
     BatchFinished,
     BatchPreempted,
     BatchStarted,
+    BatchTiming,
     CheckpointSaved,
     Curve,
     Metrics,
@@ -112,6 +113,17 @@ class World:
             uri=f"file:///ckpt/{node}/{step}",
             from_ranks=from_ranks,
             to_ranks=to_ranks,
+        )
+
+    def timing(
+        self, batch_id: int, given_at: float, startup_s: float, checkpoint_s: float, train_s: float, attempt: int = 1
+    ) -> BatchTiming:
+        return BatchTiming(
+            **self._common(batch_id, attempt),
+            given_at=given_at,
+            startup_s=startup_s,
+            checkpoint_s=checkpoint_s,
+            train_s=train_s,
         )
 
     def finished(self, batch_id: int, steps: int = 0, attempt: int = 1) -> BatchFinished:

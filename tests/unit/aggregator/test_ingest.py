@@ -172,15 +172,50 @@ def test_messages_that_can_never_apply_are_rejected_and_the_rest_is_applied(worl
 
 
 def test_kinds_without_a_database_effect_are_counted_and_leave_no_trace(world: World) -> None:
-    batch, (_r,) = world.dispatch([(world.root, 10)])
+    world.dispatch([(world.root, 10)])
     telemetry = GpuTelemetry(
         msg_id="t-1", node_manager=world.nm, gpu_index=0, utilization=50, memory_used=1, memory_total=2, ts=1.0
     )
     before = world.state()
-    res = Ingestor(world.store).apply([world.progress(batch.id, world.root, 5), telemetry])
-    assert (res.ignored, res.applied) == (2, 0)
+    res = Ingestor(world.store).apply([telemetry])
+    assert (res.ignored, res.applied) == (1, 0)
     assert world.state() == before
     assert applied_count(world.store) == 0
+
+
+def _attempt_work(store: Store, batch_id: int) -> tuple[Any, ...]:
+    a = m.BatchAttempt
+    with store.db.tx("read") as s:
+        row = s.execute(
+            select(a.reached_step, a.given_at, a.startup_s, a.checkpoint_s, a.train_s).where(a.batch_id == batch_id)
+        ).one()
+    return tuple(row)
+
+
+def test_progress_and_checkpoints_record_the_furthest_step_an_attempt_trained_to_in_any_order(world: World) -> None:
+    batch, _ = world.dispatch([(world.root, 40)])
+    ing = Ingestor(world.store)
+    res = ing.apply([world.progress(batch.id, world.root, 5), world.checkpoint(batch.id, world.root, 12)])
+    assert (res.progress, res.ignored) == (1, 0)
+    assert _attempt_work(world.store, batch.id)[0] == 12
+    ing.apply([world.progress(batch.id, world.root, 9)])  # late, or redelivered: the furthest stays
+    assert _attempt_work(world.store, batch.id)[0] == 12
+    ing.apply([world.progress(batch.id, world.root, 17)])  # progress alone: no claim, no other effect
+    assert _attempt_work(world.store, batch.id)[0] == 17
+    assert applied_count(world.store) == 1  # the checkpoint's
+    other, _ = world.dispatch([(world.root, 30)])
+    ing.apply([world.progress(other.id, world.root, 29), world.finished(other.id, 30)])
+    assert _attempt_work(world.store, other.id)[0] is None  # it ran to its end: all its steps count anyway
+
+
+def test_a_workers_measure_of_its_time_is_recorded_on_its_attempt(world: World) -> None:
+    batch, _ = world.dispatch([(world.root, 10)])
+    ing = Ingestor(world.store)
+    res = ing.apply([world.timing(batch.id, 1234.5, 2.0, 0.5, 7.25), world.finished(batch.id, 10)])
+    assert res.timings == 1
+    assert _attempt_work(world.store, batch.id)[1:] == (1234.5, 2.0, 0.5, 7.25)
+    ing.apply([world.timing(batch.id, 1234.5, 2.0, 0.5, 7.25)])  # a redelivery says the same
+    assert _attempt_work(world.store, batch.id)[1:] == (1234.5, 2.0, 0.5, 7.25)
 
 
 def test_a_batch_start_is_recorded_once_and_the_cost_estimator_learns_from_it(world: World) -> None:

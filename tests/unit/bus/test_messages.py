@@ -20,6 +20,7 @@ from stagetree.bus.messages import (
     BatchFinished,
     BatchPreempted,
     BatchStarted,
+    BatchTiming,
     CheckpointSaved,
     Curve,
     GpuProcess,
@@ -82,6 +83,14 @@ messages: st.SearchStrategy[Message] = st.one_of(
             Curve, **batch_fields, node=counts, steps=st.just([s for s, _ in pts]), values=st.just([v for _, v in pts])
         )
     ),
+    st.builds(
+        BatchTiming,
+        **batch_fields,
+        given_at=st.floats(0, 4e9),
+        startup_s=st.floats(0, 1e6),
+        checkpoint_s=st.floats(0, 1e6),
+        train_s=st.floats(0, 1e6),
+    ),
     st.builds(BatchFinished, **batch_fields, steps=counts),
     st.builds(BatchPreempted, **batch_fields, **at, uri=ids, ranks=st.integers(1, 64)),
     st.builds(BatchFailed, **batch_fields, error=st.text(), traceback=st.text(), oom=st.booleans()),
@@ -120,7 +129,7 @@ def test_a_message_is_keyed_by_its_batch_or_its_node_manager(message: Message) -
 
 def test_everything_that_decides_a_batch_outcome_shares_one_topic_so_one_partition_orders_it() -> None:
     # A finish applied before that batch's last metrics would requeue work that is already done.
-    outcome = {Metrics, CheckpointSaved, Rescaled, BatchFinished, BatchPreempted, BatchFailed}
+    outcome = {Metrics, CheckpointSaved, Rescaled, BatchTiming, BatchFinished, BatchPreempted, BatchFailed}
     assert {cls.TOPIC for cls in outcome} == {TOPIC_METRICS}
     assert [cls.TYPE for cls in MESSAGE_TYPES.values() if cls.TOPIC == TOPIC_EVENTS] == ["batch_started"]
 
@@ -282,7 +291,7 @@ def test_plan_key_is_optional_on_the_wire() -> None:
     assert decode(json.dumps(obj).encode()).plan_key is None  # type: ignore[attr-defined]
 
 
-def test_the_registry_has_the_ten_kinds() -> None:
+def test_the_registry_has_the_eleven_kinds() -> None:
     assert sorted(MESSAGE_TYPES) == sorted(
         [
             "batch_started",
@@ -291,6 +300,7 @@ def test_the_registry_has_the_ten_kinds() -> None:
             "curve",
             "checkpoint_saved",
             "rescaled",
+            "batch_timing",
             "batch_finished",
             "batch_preempted",
             "batch_failed",

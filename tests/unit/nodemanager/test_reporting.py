@@ -20,11 +20,13 @@ from stagetree.bus.messages import (
     BatchFinished,
     BatchMessage,
     BatchPreempted,
+    BatchTiming,
     CheckpointSaved,
     Curve,
     GpuTelemetry,
     Message,
     Metrics,
+    Progress,
     Rescaled,
 )
 from stagetree.core.errors import InvalidArgument, Unavailable
@@ -56,6 +58,8 @@ class Facts:
     error: str = ""
     oom: bool = False
     terminals: int = 0
+    reached: int = 0  # the furthest step its progress said
+    timing: tuple[float, float, float, float] | None = None  # its worker's measure of its time
 
 
 @dataclass
@@ -81,6 +85,10 @@ def _bus_facts(consumer: BusConsumer, seen: list[Message]) -> Callable[[], Facts
                 out.rescaled.append((m.node, m.step, m.uri, m.from_ranks, m.to_ranks))
             elif isinstance(m, Curve):
                 out.curve.extend((m.node, s, dict(v)) for s, v in zip(m.steps, m.values, strict=True))
+            elif isinstance(m, Progress):
+                out.reached = max(out.reached, m.step)
+            elif isinstance(m, BatchTiming):
+                out.timing = (m.given_at, m.startup_s, m.checkpoint_s, m.train_s)
             elif isinstance(m, BatchFinished | BatchPreempted | BatchFailed):
                 out.terminals += 1
                 out.status = {BatchFinished: "finished", BatchPreempted: "preempted", BatchFailed: "failed"}[type(m)]
@@ -106,6 +114,9 @@ def _grpc_facts(link: FakeLink) -> Callable[[], Facts]:
             out.rescaled = [] if rs is None else [(rs.node, rs.step, rs.uri, rs.from_ranks, rs.to_ranks)]
             out.curve = [(m.node, m.step, m.values) for m in r.curve]
             out.error, out.oom = r.error, r.oom
+            out.reached = r.reached_step
+            t = r.timing
+            out.timing = None if t is None else (t.given_at, t.startup_s, t.checkpoint_s, t.train_s)
         return out
 
     return facts
@@ -151,6 +162,20 @@ async def test_a_finished_attempt_carries_its_metrics_checkpoints_and_curve(adap
     assert facts.metrics == [(1, 5, {"loss": 0.5, "accuracy": 0.9})]
     assert facts.checkpoints == [(1, 5, URI, "central")]
     assert facts.curve == [(1, 1, {"loss": 2.0}), (1, 2, {"loss": 1.5, "lr": 0.1}), (1, 4, {"loss": 0.75})]
+
+
+async def test_how_far_an_attempt_trained_and_where_its_time_went_reach_the_master(adapter: Adapter) -> None:
+    r = adapter.reporter
+    await r.event(INFO, "batch_started", ids())
+    for step in (1, 4, 3):
+        await r.event(INFO, "progress", ids(node=1, step=step))
+    timing = {"given_at": 1700000000.5, "startup_s": 1.5, "checkpoint_s": 0.25, "train_s": 3.0}
+    await r.event(INFO, "batch_timing", ids(**timing))
+    await r.event(INFO, "batch_failed", ids(error="boom", traceback="Traceback ...", oom=False, user_error=True))
+    await r.finish(INFO, AttemptEnd("failed", error="boom", traceback="Traceback ...", user_error=True))
+    facts = await _settled(adapter)
+    assert facts.reached == 4
+    assert facts.timing == (1700000000.5, 1.5, 0.25, 3.0)
 
 
 async def test_a_resume_on_another_number_of_ranks_and_the_ranks_of_each_checkpoint_reach_the_master(

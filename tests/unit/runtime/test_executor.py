@@ -318,6 +318,7 @@ def test_event_order_of_a_finished_batch(store, make_events) -> None:
         "progress",
         "metrics",
         "checkpoint_saved",
+        "batch_timing",
         "batch_finished",
     ]
     assert [p["step"] for p in events.of("progress")] == [1, 2, 3]
@@ -342,3 +343,48 @@ def test_constant_until_never_skips_a_change(hps: dict[str, Any]) -> None:
             assert config.values_at(t) == config.values_at(s), (s, t, until)
         if until < 45:
             assert config.values_at(int(until)) != config.values_at(s) or until == s + 1
+
+
+class _SlowSteps(DigitsMLP):
+    """Slow to build and to step, so where the time went shows above the machine's noise."""
+
+    def init(self) -> None:
+        time.sleep(0.3)
+        super().init()
+
+    def train(self) -> Any:
+        time.sleep(0.05)
+        return super().train()
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_the_attempts_time_is_split_into_start_up_checkpoint_io_and_training_without_overlap(
+    store: LocalCheckpointStore, make_events: Any, background: bool
+) -> None:
+    slow = _SlowStore(store, delay_s=0.3)
+    events = make_events()
+    spec = digits_batch([(1, 0, 6, HP)], fixed_values=FIXED, saves=[(1, 3), (1, 6)], evals=[(1, 6)])
+    given = time.time() - 0.5  # handed the batch half a second ago (the process start-up, say)
+    _run(spec, slow, events, _SlowSteps, given_at=given, background_saves=background)
+    ended = time.time()
+    (t,) = events.of("batch_timing")
+    assert events.kinds()[-2:] == ["batch_timing", "batch_finished"]
+    assert t["given_at"] == given
+    assert t["startup_s"] >= 0.5 + 0.3  # before the run, and the trainer's init
+    assert t["checkpoint_s"] >= 0.3  # the last save was waited for (both, when written inline)
+    if not background:
+        assert t["checkpoint_s"] >= 2 * 0.3
+    assert t["train_s"] >= 6 * 0.05
+    # no second is counted twice: the parts fit in the attempt's life
+    assert t["startup_s"] + t["checkpoint_s"] + t["train_s"] <= ended - given + 0.05
+
+
+def test_a_failed_or_preempted_attempt_reports_its_time_before_it_ends(store, make_events) -> None:
+    failed = make_events()
+    spec = digits_batch([(1, 0, 5, HP)], trainer=FAULTY, fixed_values={"fault": "raise", "fault_step": 2})
+    outcome = run_batch(spec, FaultyDigits, store, failed)
+    assert outcome.status == "failed" and failed.kinds()[-2:] == ["batch_timing", "batch_failed"]
+    preempted = make_events()
+    outcome = run_batch(digits_batch([(1, 0, 50, HP)]), DigitsMLP, store, preempted, lambda: True)
+    assert outcome.status == "preempted" and preempted.kinds()[-2:] == ["batch_timing", "batch_preempted"]
+    assert preempted.of("batch_timing")[0]["train_s"] > 0

@@ -95,7 +95,7 @@ class GetStudyStatsRequest(_message.Message):
     def __init__(self, study_id: _Optional[str] = ...) -> None: ...
 
 class StudyStats(_message.Message):
-    __slots__ = ("requests", "steps_executed", "unique_steps", "trial_by_trial_steps", "merge_rate", "saved_steps", "compute_seconds", "saved_seconds")
+    __slots__ = ("requests", "steps_executed", "unique_steps", "trial_by_trial_steps", "merge_rate", "saved_steps", "compute_seconds", "saved_seconds", "queue_seconds", "startup_seconds", "checkpoint_seconds")
     class RequestsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,9 @@ class StudyStats(_message.Message):
     SAVED_STEPS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SAVED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     requests: _containers.ScalarMap[str, int]
     steps_executed: int
     unique_steps: int
@@ -119,7 +122,10 @@ class StudyStats(_message.Message):
     saved_steps: int
     compute_seconds: float
     saved_seconds: float
-    def __init__(self, requests: _Optional[_Mapping[str, int]] = ..., steps_executed: _Optional[int] = ..., unique_steps: _Optional[int] = ..., trial_by_trial_steps: _Optional[int] = ..., merge_rate: _Optional[float] = ..., saved_steps: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., saved_seconds: _Optional[float] = ...) -> None: ...
+    queue_seconds: float
+    startup_seconds: float
+    checkpoint_seconds: float
+    def __init__(self, requests: _Optional[_Mapping[str, int]] = ..., steps_executed: _Optional[int] = ..., unique_steps: _Optional[int] = ..., trial_by_trial_steps: _Optional[int] = ..., merge_rate: _Optional[float] = ..., saved_steps: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., saved_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., startup_seconds: _Optional[float] = ..., checkpoint_seconds: _Optional[float] = ...) -> None: ...
 
 class ListStudiesRequest(_message.Message):
     __slots__ = ()
@@ -436,7 +442,7 @@ class Rescaled(_message.Message):
     def __init__(self, node: _Optional[int] = ..., step: _Optional[int] = ..., uri: _Optional[str] = ..., from_ranks: _Optional[int] = ..., to_ranks: _Optional[int] = ...) -> None: ...
 
 class ReportBatchRequest(_message.Message):
-    __slots__ = ("batch_id", "attempt", "ok", "metrics", "checkpoints", "error", "oom", "preempted", "user_error", "curve", "rescaled")
+    __slots__ = ("batch_id", "attempt", "ok", "metrics", "checkpoints", "error", "oom", "preempted", "user_error", "curve", "rescaled", "reached_step", "timing")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
@@ -448,6 +454,8 @@ class ReportBatchRequest(_message.Message):
     USER_ERROR_FIELD_NUMBER: _ClassVar[int]
     CURVE_FIELD_NUMBER: _ClassVar[int]
     RESCALED_FIELD_NUMBER: _ClassVar[int]
+    REACHED_STEP_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     attempt: int
     ok: bool
@@ -459,7 +467,21 @@ class ReportBatchRequest(_message.Message):
     user_error: bool
     curve: _containers.RepeatedCompositeFieldContainer[MetricPoint]
     rescaled: Rescaled
-    def __init__(self, batch_id: _Optional[int] = ..., attempt: _Optional[int] = ..., ok: _Optional[bool] = ..., metrics: _Optional[_Iterable[_Union[MetricPoint, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointPoint, _Mapping]]] = ..., error: _Optional[str] = ..., oom: _Optional[bool] = ..., preempted: _Optional[bool] = ..., user_error: _Optional[bool] = ..., curve: _Optional[_Iterable[_Union[MetricPoint, _Mapping]]] = ..., rescaled: _Optional[_Union[Rescaled, _Mapping]] = ...) -> None: ...
+    reached_step: int
+    timing: AttemptTiming
+    def __init__(self, batch_id: _Optional[int] = ..., attempt: _Optional[int] = ..., ok: _Optional[bool] = ..., metrics: _Optional[_Iterable[_Union[MetricPoint, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointPoint, _Mapping]]] = ..., error: _Optional[str] = ..., oom: _Optional[bool] = ..., preempted: _Optional[bool] = ..., user_error: _Optional[bool] = ..., curve: _Optional[_Iterable[_Union[MetricPoint, _Mapping]]] = ..., rescaled: _Optional[_Union[Rescaled, _Mapping]] = ..., reached_step: _Optional[int] = ..., timing: _Optional[_Union[AttemptTiming, _Mapping]] = ...) -> None: ...
+
+class AttemptTiming(_message.Message):
+    __slots__ = ("given_at", "startup_s", "checkpoint_s", "train_s")
+    GIVEN_AT_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_S_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_S_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_S_FIELD_NUMBER: _ClassVar[int]
+    given_at: float
+    startup_s: float
+    checkpoint_s: float
+    train_s: float
+    def __init__(self, given_at: _Optional[float] = ..., startup_s: _Optional[float] = ..., checkpoint_s: _Optional[float] = ..., train_s: _Optional[float] = ...) -> None: ...
 
 class ReportBatchResponse(_message.Message):
     __slots__ = ("completed_request_ids",)
