@@ -76,6 +76,8 @@ BENCHES = (
           ("ingest_points_per_s >= 20000", "dup_applied == 0", "lost == 0", "embedded_overhead <= 1.15")),
     Bench("embedded", "the demo's study in embedded mode against an ideal platform's makespan",
           ("embedded_steps_vs_unique == 1.0", "embedded_overhead <= 1.15")),
+    Bench("sqlite_rows", "the embedded store's SQLite reads as one JSON array against SQLAlchemy's row by row",
+          ("same_rows", "speedup >= 1.5")),
     Bench("messages", "the bus messages' codec per message, against pydantic's TypeAdapter and msgspec"),
     Bench("client", "2,000 concurrent evaluations from one asyncio client",
           ("evals_per_s >= 1000", "rpcs_per_eval <= 0.1", "asha_promotions_ok")),
