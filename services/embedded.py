@@ -10,7 +10,9 @@ in its own thread. Clients talk gRPC to it exactly as to a cluster's master::
         async with stagetree.connect(cluster.target, token=cluster.token) as client:
             ...
 
-``stagetree up`` runs it in the foreground until Ctrl-C and prints the address and token.
+``stagetree up`` runs it in the foreground until Ctrl-C and prints the address and token. One master per
+home: a second ``Embedded`` or ``stagetree up`` on a home in use is refused, naming the process that uses
+it (``stagetree.homelock``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from types import TracebackType
 from typing import Any, Self, TextIO
 
 from stagetree import logs
+from stagetree.core.errors import FailedPrecondition
+from stagetree.homelock import HomeLock
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +117,7 @@ class Embedded:
         self.aggregator: Any = None
         self.node_manager: Any = None
         self.bus: Any = None
+        self._home_lock: HomeLock | None = None
 
     @property
     def token(self) -> str:
@@ -138,7 +143,7 @@ class Embedded:
         from stagetree.nodemanager.settings import NodeManagerSettings
 
         s = self.settings
-        s.home.mkdir(parents=True, exist_ok=True)
+        self._home_lock = HomeLock.acquire(s.home)  # one master per home (stagetree.homelock)
         engine = make_engine(s.database_url)
         try:
             upgrade(engine)  # the embedded database is ours: bring it to the current schema
@@ -168,6 +173,7 @@ class Embedded:
         app.service.trainer_check = functools.partial(trainer_import_problem, path=list(s.user_path))
         self._server, port = await app.start_grpc(port=s.grpc_port)
         self.target = f"127.0.0.1:{port}"
+        self._home_lock.note(target=self.target)  # a second master on this home is told where this one is
         if s.http_port is not None:
             await self._start_http()
         self._tasks.append(asyncio.create_task(app.scheduler.run(self._stop), name="stagetree-scheduler"))
@@ -257,6 +263,9 @@ class Embedded:
             self.bus.close()
         if self.app is not None:
             self.app.close()
+        if self._home_lock is not None:
+            self._home_lock.release()
+            self._home_lock = None
 
     async def __aenter__(self) -> Self:
         try:
@@ -334,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         asyncio.run(run())
+    except FailedPrecondition as e:  # another master runs on this home
+        print(f"error: {e.message}", file=sys.stderr)
+        return 1
     except OSError as e:
         print(f"error: {e}; is another stagetree using port {ns.port}? pass --port 0", file=sys.stderr)
         return 1
