@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -94,14 +94,32 @@ def test_the_sweeper_runs_while_streams_are_open_and_one_look_serves_them_all(mo
     async def go() -> None:
         box = Outbox()
         hub = AssignmentHub(InProcessCoordination(), box.take_many, box.with_unsent)
+        sweeps = 0
+        sweep_once = hub.sweep_once
+
+        async def counted() -> list[str]:
+            nonlocal sweeps
+            sweeps += 1
+            return await sweep_once()
+
+        hub.sweep_once = counted  # type: ignore[method-assign]
         for i in range(200):
             hub.opened(f"nm{i}")
-        await asyncio.sleep(0.2)
-        looks = box.looks
-        assert 2 <= looks <= 15  # one look per sweep for 200 streams, not 200
+        await until(lambda: sweeps >= 3)
+        assert sweeps - 1 <= box.looks <= sweeps  # one look per sweep for 200 streams, not 200
         for i in range(200):
             hub.closed(f"nm{i}")
-        await asyncio.sleep(0.1)
-        assert box.looks <= looks + 2  # no stream open: the sweeper stops
+        sweeper = hub._sweeper
+        assert sweeper is not None
+        await until(sweeper.done)  # no stream open: the sweeper stops
+        assert box.looks == sweeps
 
     asyncio.run(go())
+
+
+async def until(cond: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not cond():
+        assert loop.time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
