@@ -1,0 +1,31 @@
+"""The figures of ``tests.bench.vs_optuna`` from its three sides' counted runs (no run here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.bench.proctree import TreeUsage
+from tests.bench.vs_optuna import figures, last_line
+
+
+def _usage(cpu: float, wall: float, t_launch: float = 100.0) -> TreeUsage:
+    return TreeUsage(cpu, wall, 0, 3, {"python": 3}, 0, t_launch)
+
+
+def test_figures_are_optunas_over_stagetrees_with_startup_and_the_steps_trained_twice() -> None:
+    st_out = {"best": 0.91, "merge_rate": 2.5, "steps_executed": 210, "unique_steps": 200, "first_result_at": 104.0}
+    runs = {
+        "optuna": [(_usage(30.0, 60.0), {"best": 0.90})],
+        "stagetree": [(_usage(20.0, 40.0), st_out)],
+        "stagetree_no_sharing": [(_usage(40.0, 80.0), {**st_out, "merge_rate": 1.0})],
+    }
+    f = figures(runs)
+    assert f["cpu_s_ratio"] == pytest.approx(1.5)
+    assert f["e2e_ratio"] == pytest.approx(1.5)
+    assert f["cpu_s_ratio_no_sharing"] == pytest.approx(0.75)
+    assert f["first_trial_s"] == pytest.approx(4.0)
+    assert f["steps_trained_twice"] == 10
+    assert last_line(f) == (
+        "optuna_best=0.9000 stagetree_best=0.9100 merge_rate=2.50 cpu_s_ratio=1.50 e2e_ratio=1.50 "
+        "cpu_s_ratio_no_sharing=0.75 first_trial_s=4.0 steps_trained_twice=10"
+    )
