@@ -27,8 +27,8 @@ Figures (Optuna's over stagetree's for the ratios; medians over ``--runs``, the 
 * ``steps_trained_twice``: steps stagetree's batches trained beyond the unique steps (the sharing run).
 
 Last line: ``optuna_best=<a> stagetree_best=<a> merge_rate=<m> cpu_s_ratio=<r> e2e_ratio=<r>
-cpu_s_ratio_no_sharing=<r> first_trial_s=<s> steps_trained_twice=<n>``, also written to
-``tests/bench/results/vs_optuna.json``. Targets: stagetree_best >= optuna_best - 0.005,
+cpu_s_ratio_no_sharing=<r> first_trial_s=<s> steps_trained_twice=<n>``, kept with every run's figures in
+``tests/bench/results/vs_optuna.json`` (``tests.bench.record``). Targets: stagetree_best >= optuna_best - 0.005,
 cpu_s_ratio >= 0.9 x merge_rate, cpu_s_ratio_no_sharing >= 0.9, e2e_ratio >= 1.0, first_trial_s <= 5,
 steps_trained_twice == 0.
 """
@@ -42,14 +42,13 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from tests.bench.proctree import TreeUsage, run_counted, summary
+from tests.bench.record import record
 
 USERSTYLE = Path(__file__).resolve().parent / "userstyle"
-RESULTS = Path(__file__).resolve().parent / "results"
 TIMEOUT_S = 3600.0
 SIDES = ("optuna", "stagetree", "stagetree_no_sharing")
 
@@ -112,7 +111,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grid", type=int, default=4, help="points per float in the sharing run")
     p.add_argument("--minibatches", type=int, default=40, help="batches per step (the cost of a step)")
     p.add_argument("--runs", type=int, default=1, help="runs of each side, the order rotating; medians")
-    p.add_argument("--results", type=Path, default=RESULTS / "vs_optuna.json")
     ns = p.parse_args(argv)
     print(
         f"vs_optuna: {ns.trials} TPE trials + median pruner, tabular MLP ({ns.minibatches} minibatches/step, "
@@ -140,15 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             shutil.rmtree(work, ignore_errors=True)
     f = figures(runs)
-    ns.results.parent.mkdir(parents=True, exist_ok=True)
-    record = {
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "args": {k: v for k, v in vars(ns).items() if k != "results"},
-        "figures": {k: round(v, 4) for k, v in f.items()},
-        "runs": {s: [{"usage": vars(u), "out": o} for u, o in r] for s, r in runs.items()},
+    details = {
+        "args": {k: v for k, v in vars(ns).items()},
+        "runs": {side: [{"usage": vars(u), "out": o} for u, o in r] for side, r in runs.items()},
     }
-    ns.results.write_text(json.dumps(record, indent=1) + "\n")
-    print(last_line(f))
+    print(record("vs_optuna", last_line(f), extra=details))
     return 0
 
 

@@ -37,8 +37,8 @@ run too (so both systems did the same training).
 
 Last line: ``merge_rate=<m> cpu_s_ratio_s1=<x> e2e_ratio_s1=<y> cpu_s_ratio_s2=<x2> e2e_ratio_s2=<y2>
 exact=<true|false>``; each ratio is Ray Tune's figure over stagetree's; ``merge_rate`` is S1's. The
-figures and every run go to ``tests/bench/results/vs_raytune.json``. Target: cpu_s_ratio_s1 >= 0.9 x
-merge_rate.
+figures and every run are kept in ``tests/bench/results/vs_raytune.json`` (``tests.bench.record``).
+Target: cpu_s_ratio_s1 >= 0.9 x merge_rate.
 """
 
 from __future__ import annotations
@@ -76,11 +76,11 @@ from tests.bench.raytune_workloads import (
     trial_steps,
     unique_steps,
 )
+from tests.bench.record import record
 
 ROOT = Path(__file__).resolve().parents[2]
 USERSTYLE = Path(__file__).resolve().parent / "userstyle"  # the user's trainer module (raytune_workloads.TRAINER)
 USERSTYLE_PATH = str(USERSTYLE)
-RESULTS = Path(__file__).resolve().parent / "results"
 INSTALL = 'pip install ".[bench]"   (or: pip install "ray[tune]==2.60.0")'
 TOLERANCE = 1e-6
 TIMEOUT_S = 1800.0
@@ -647,22 +647,15 @@ def bench(ns: argparse.Namespace, home: Path) -> int:
         f"cpu_s_ratio_s2={ratios[('S2', 'cpu_s')]:.2f} e2e_ratio_s2={ratios[('S2', 'e2e')]:.2f} "
         f"exact={'true' if exact else 'false'}"
     )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    record = {
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "args": {k: v for k, v in vars(ns).items() if k not in ("home", "child", "work", "out")},
-        "merge_rate_s1": round(m1, 4),
+    details = {
         "merge_rate_s2": round(m2, 4),
-        "ratios": {f"{k[1]}_ratio_{k[0].lower()}": round(v, 4) for k, v in ratios.items()},
-        "exact": exact,
         "runs": [
             {"workload": w, "system": f.system, "e2e_s": f.e2e_s, "cpu_s": f.cpu_s, "executed": f.executed} | f.notes
             for (w, _), figs in runs.items()
             for f in figs
         ],
     }
-    (RESULTS / "vs_raytune.json").write_text(json.dumps(record, indent=1) + "\n")
-    print(line)
+    print(record("vs_raytune", line, extra=details))
     return 0
 
 
