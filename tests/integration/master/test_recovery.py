@@ -47,15 +47,19 @@ def test_registration_listing_known_attempts_requeues_only_the_others(app: Maste
 def test_a_new_leader_gives_silent_node_managers_one_ttl_before_requeueing(app: MasterApp) -> None:
     nm = unique("nm")
     app.service.register_node_manager(ADMIN, nm, "local", [("g0", "cpu")])
-    app.coordination.heartbeat(nm, 0.2)
+    app.coordination.heartbeat(nm, 3.0)  # alive while work is dispatched to it, however slow the machine
     (bid,) = _dispatched(app, nm, 1)
-    time.sleep(0.3)  # its key lapsed while (say) the master was down
-    settings = SchedulingSettings(heartbeat_ttl_s=0.8)
+    while app.coordination.alive([nm]):  # its key lapses while (say) the master is down
+        time.sleep(0.1)
+    settings = SchedulingSettings(heartbeat_ttl_s=3.0)  # seconds: the next line may come late under load
     restarted = SchedulingLoop(app.store, app.scheduler.plans, app.coordination, settings, "master-2")
     assert restarted.requeue_lost() == []  # within the grace period
     assert app.store.ledger.get_batch(bid).state == "RUNNING"
-    time.sleep(0.9)
-    assert restarted.requeue_lost() == [nm]
+    deadline = time.monotonic() + 60
+    while (lost := restarted.requeue_lost()) == []:
+        assert time.monotonic() < deadline, "never requeued after the grace period"
+        time.sleep(0.1)
+    assert lost == [nm]
     assert app.store.ledger.get_batch(bid).state == "LOST"
 
 
