@@ -34,7 +34,9 @@ args=("$@")
 [ ${#args[@]} -eq 0 ] && args=(tests/integration tests/e2e)
 
 start=$(date +%s)
-"$PY" -m pytest -q -p no:cacheprovider --junitxml="$REPORT" "${args[@]}"
+# --tb=native: pytest's own traceback style parses the test's source with ast, which on CPython 3.11 can
+# fail with "AST constructor recursion depth mismatch" and end the whole session (an INTERNALERROR)
+"$PY" -m pytest -q -p no:cacheprovider --tb=native --junitxml="$REPORT" "${args[@]}"
 status=$?
 end=$(date +%s)
 stop_hogs

@@ -103,7 +103,7 @@ def _publish(bus: MetricBus, topic: str, messages: list[Message]) -> None:
     bus.flush()
 
 
-def _join(*consumers: BusConsumer, timeout_s: float = 15.0, expect_records: bool = False) -> list[Record]:
+def _join(*consumers: BusConsumer, timeout_s: float = 60.0, expect_records: bool = False) -> list[Record]:
     """Poll until every consumer owns partitions and the group is settled (no overlap); returns the
     records polled meanwhile (there must be none unless ``expect_records``).
 
@@ -138,7 +138,7 @@ def _join(*consumers: BusConsumer, timeout_s: float = 15.0, expect_records: bool
     return leaked
 
 
-def _poll_until(consumers: list[BusConsumer], count: int, timeout_s: float = 15.0) -> list[list[Record]]:
+def _poll_until(consumers: list[BusConsumer], count: int, timeout_s: float = 60.0) -> list[list[Record]]:
     """Poll all consumers until they returned ``count`` records between them."""
     got: list[list[Record]] = [[] for _ in consumers]
     deadline = time.monotonic() + timeout_s

@@ -21,8 +21,8 @@ def test_no_input_reaches_a_server_error_or_an_answer_outside_the_spec(app: Mast
     assert http.post(f"/studies/{study}/requests", json={"items": [item]}, headers=alice).status_code == 200
     base = str(http.base_url).removesuffix("/api/v1/").removesuffix("/api/v1")
 
-    # the budget has a margin: on a loaded machine 300 requests took more than 90 s
-    report = fuzz(base, TOKENS["alice"], ADMIN_TOKEN, study, examples_per_operation=20, budget_s=150)
+    # the budget only caps a stuck run: at load 15 on two cores 300 requests took more than 150 s
+    report = fuzz(base, TOKENS["alice"], ADMIN_TOKEN, study, examples_per_operation=20, budget_s=420)
 
     assert report.requests >= 300, report
     assert report.server_errors == 0 and report.spec_violations == 0, report

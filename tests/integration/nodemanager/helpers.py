@@ -45,7 +45,7 @@ def config_json(fixed: Mapping[str, Any], **tuned: Any) -> str:
     return json.dumps({"fixed": dict(fixed), "tuned": tuned})
 
 
-async def until(cond: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+async def until(cond: Callable[[], Any], timeout: float = 120.0, what: str = "condition") -> Any:
     """Poll ``cond`` (sync, cheap) until it returns something truthy."""
     deadline = time.monotonic() + timeout
     while True:
@@ -66,7 +66,7 @@ async def submit(app: MasterApp, items: list[tuple[str, int]], study: str | None
     return study, [r.id for r in recs]
 
 
-async def finished(app: MasterApp, study: str, ids: list[int], timeout: float = 40.0) -> list[RequestRecord]:
+async def finished(app: MasterApp, study: str, ids: list[int], timeout: float = 180.0) -> list[RequestRecord]:
     """Wait until every request is DONE, FAILED or CANCELLED; the records in ``ids`` order."""
 
     def check() -> list[RequestRecord] | None:

@@ -20,7 +20,7 @@ from stagetree.master.app import MasterApp
 from tests.integration.nodemanager.helpers import config_json, finished, fixed_part, start_node_manager, submit
 from tests.s3server import S3Server
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.parametrize("fresh_db_url", ["sqlite"], indirect=True)]
+pytestmark = [pytest.mark.timeout(600), pytest.mark.parametrize("fresh_db_url", ["sqlite"], indirect=True)]
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ from stagetree.nodemanager.settings import BusSettings
 from tests.integration.nodemanager.helpers import nm_settings, until
 from tests.unit.nodemanager.fakes import FakeLink
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(600)
 
 
 async def test_batch_events_reach_kafka_keyed_by_batch_and_in_order(tansu_broker: TansuBroker, tmp_path: Path) -> None:

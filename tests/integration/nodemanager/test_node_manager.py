@@ -33,7 +33,7 @@ from tests.integration.nodemanager.helpers import (
     until,
 )
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(600)
 
 
 def reference_metrics(tmp: Path, fixed: dict[str, Any], tuned: dict[str, Any], steps: int) -> dict[str, float]:

@@ -28,7 +28,7 @@ from tests.integration.nodemanager.helpers import (
     until,
 )
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(600)
 
 
 class NodeManagerProcess:
@@ -66,7 +66,7 @@ class NodeManagerProcess:
     def saw(self, text: str) -> bool:
         return any(text in line for line in self.lines)
 
-    async def wait(self, timeout: float = 30) -> int:
+    async def wait(self, timeout: float = 120) -> int:
         rc = await asyncio.wait_for(self.proc.wait(), timeout)
         await asyncio.wait_for(self._reader, 5)
         return rc
@@ -86,9 +86,9 @@ async def test_node_manager_process_runs_batches_and_stops_on_sigterm(
     (project / f"{module}.py").write_text("from stagetree.nodemanager.examples.digits import DigitsMLP as Net\n")
     nm = await NodeManagerProcess.start(grpc_target, tmp_path, cwd=project)
     try:
-        await until(lambda: nm.saw("registered with the master") or nm.proc.returncode is not None, 60, "register")
+        await until(lambda: nm.saw("registered with the master") or nm.proc.returncode is not None, 180, "register")
         study, ids = await submit(scheduling, [(config_json(fixed_part(f"{module}:Net", seed=9), lr=0.1), 8)])
-        (rec,) = await finished(scheduling, study, ids, timeout=60)
+        (rec,) = await finished(scheduling, study, ids, timeout=240)
         assert rec.state == "DONE" and set(rec.metrics or {}) == {"accuracy", "loss"}, rec.error
         nm.proc.send_signal(signal.SIGTERM)
         assert await nm.wait() == 0, "".join(nm.lines)

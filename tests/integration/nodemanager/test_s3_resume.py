@@ -25,7 +25,7 @@ from tests.integration.nodemanager.helpers import (
 from tests.integration.nodemanager.test_node_manager import reference_metrics
 from tests.s3server import S3Server
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(600)
 
 
 def _cached(cache_dir: Path, uri: str) -> bool:
