@@ -151,14 +151,27 @@ def _draw(value: Any, rng: random.Random) -> Any:
 
 @dataclass(frozen=True)
 class Choice(Distribution):
-    """One of ``options``, uniformly; an option that is itself a distribution is sampled in turn."""
+    """One of ``options``, uniformly; an option that is itself a distribution is sampled in turn.
+    ``options`` may be a mapping of label to option (``Choice({"cosine": Family(Cosine, ...), ...})``):
+    the labels name the options where a tool shows them (Optuna's categorical values and parameter names)."""
 
     options: tuple[Any, ...]
+    labels: tuple[str, ...] | None = None
 
-    def __init__(self, options: list[Any] | tuple[Any, ...]) -> None:
+    def __init__(self, options: list[Any] | tuple[Any, ...] | Mapping[str, Any]) -> None:
+        labels: tuple[str, ...] | None = None
+        if isinstance(options, Mapping):
+            labels = tuple(options)
+            bad = [k for k in labels if not isinstance(k, str) or not k.strip()]
+            if bad:
+                raise InvalidArgument(f"Choice: labels: must be non-empty strings, got {bad!r}")
+            options = tuple(options.values())
         if not isinstance(options, list | tuple) or not options:
-            raise InvalidArgument(f"Choice: options: must be a non-empty list, got {options!r}")
+            raise InvalidArgument(
+                f"Choice: options: must be a non-empty list (or a mapping of label to option), got {options!r}"
+            )
         object.__setattr__(self, "options", tuple(options))
+        object.__setattr__(self, "labels", labels)
 
     def sample(self, rng: random.Random) -> Any:
         picked = self.options[rng.randrange(len(self.options))]

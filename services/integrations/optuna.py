@@ -56,12 +56,25 @@ Promotions = Literal["asha", "hyperband", "pruner", "none"]
 PROMOTIONS: tuple[str, ...] = ("asha", "hyperband", "pruner", "none")
 
 
-def _labels(options: Iterable[Any]) -> list[str]:
-    """Categorical choices for Optuna: a family's class name when that tells the options apart, else
-    each option's text (a value or a sequence)."""
-    opts = list(options)
+# user attributes of each Optuna trial the tuner asks: the values that trained (a grid point, not the
+# proposal), and the stagetree trial it became (``trial-<id>``, the label of its requests)
+TRAINED_PARAMS = "stagetree.params"
+STAGETREE_TRIAL = "stagetree.trial"
+LABEL_CHARS = 40  # an option's text longer than this is shortened in its label (and in parameter names)
+
+
+def _labels(choice: Choice) -> list[str]:
+    """Categorical choices for Optuna: the ``Choice``'s own labels when it has them (a mapping), else a
+    family's class name when that tells the options apart, else each option's text; a text longer than
+    ``LABEL_CHARS`` is cut and numbered (``#2 Warmup(0.01, 5, then=Cos…``) so parameter names stay short."""
+    if choice.labels is not None:
+        return list(choice.labels)
+    opts = list(choice.options)
     short = [o.cls.__name__ if isinstance(o, Family) else repr(o) for o in opts]
-    return short if len(set(short)) == len(short) else [repr(o) for o in opts]
+    texts = short if len(set(short)) == len(short) else [repr(o) for o in opts]
+    if all(len(s) <= LABEL_CHARS for s in texts):
+        return texts
+    return [s if len(s) <= LABEL_CHARS else f"#{i} {s[: LABEL_CHARS - 4]}…" for i, s in enumerate(texts)]
 
 
 class OptunaSpace:
@@ -82,42 +95,46 @@ class OptunaSpace:
                 raise InvalidArgument(f"OptunaSpace: {name}: a list is ambiguous; write Choice([...])")
             self.params[name] = spec if isinstance(spec, Distribution) else as_sequence(spec, field=name)
         for c in _choices(self.params.values()):
-            labels = _labels(c.options)
+            labels = _labels(c)
             if len(set(labels)) != len(labels):
                 raise InvalidArgument(f"OptunaSpace: Choice {labels}: options must differ")
 
     def suggest(self, trial: optuna.Trial) -> TrialConfig:
-        """The configuration ``trial`` proposes (each distribution becomes a ``suggest_*`` call)."""
+        """The configuration ``trial`` proposes (each distribution becomes a ``suggest_*`` call). With a
+        grid, what trains is each float's grid point, not the proposal Optuna keeps in ``trial.params``:
+        the trial's user attribute ``TRAINED_PARAMS`` holds the values that trained, by parameter name."""
         out: TrialConfig = {}
+        trained: dict[str, Any] = {}
         for name, spec in self.params.items():
-            value = self._draw(trial, name, spec)
+            value = self._draw(trial, name, spec, trained)
             out[name] = as_sequence(value, field=name)
+        trial.set_user_attr(TRAINED_PARAMS, trained)
         return out
 
-    def _draw(self, trial: optuna.Trial, name: str, spec: Any) -> Any:
+    def _draw(self, trial: optuna.Trial, name: str, spec: Any, trained: dict[str, Any]) -> Any:
         if not isinstance(spec, Distribution):
             return spec
         if isinstance(spec, Choice):
-            labels = _labels(spec.options)
-            label = str(trial.suggest_categorical(name, labels))
+            labels = _labels(spec)
+            label = trained[name] = str(trial.suggest_categorical(name, labels))
             picked = spec.options[labels.index(label)]
             if isinstance(picked, Distribution):
-                return self._draw(trial, f"{name}[{label}]", picked)
+                return self._draw(trial, f"{name}[{label}]", picked, trained)
             return list(picked) if isinstance(picked, list) else picked
         if isinstance(spec, Family):
-            drawn = {p: self._draw(trial, f"{name}.{p}", v) for p, v in spec.params.items()}
+            drawn = {p: self._draw(trial, f"{name}.{p}", v, trained) for p, v in spec.params.items()}
             try:
                 return spec.cls(**drawn)
             except (TypeError, ValueError) as e:
                 raise InvalidArgument(f"OptunaSpace: {name}: {e} (drawn parameters {drawn})") from e
         if isinstance(spec, IntUniform):
-            return trial.suggest_int(name, spec.lo, spec.hi)
-        if isinstance(spec, Uniform):
-            x = trial.suggest_float(name, spec.lo, spec.hi)
-            return x if self.grid is None else _snap(x, spec.lo, spec.hi, self.grid, log=False)
-        if isinstance(spec, LogUniform):
-            x = trial.suggest_float(name, spec.lo, spec.hi, log=True)
-            return x if self.grid is None else _snap(x, spec.lo, spec.hi, self.grid, log=True)
+            trained[name] = trial.suggest_int(name, spec.lo, spec.hi)
+            return trained[name]
+        if isinstance(spec, Uniform | LogUniform):
+            log = isinstance(spec, LogUniform)
+            x = trial.suggest_float(name, spec.lo, spec.hi, log=log)
+            trained[name] = x if self.grid is None else _snap(x, spec.lo, spec.hi, self.grid, log=log)
+            return trained[name]
         raise InvalidArgument(f"OptunaSpace: {name}: {type(spec).__name__} has no Optuna counterpart")
 
 
@@ -242,6 +259,13 @@ class OptunaTuner(Tuner):
         check_int("OptunaTuner", "max_concurrent", max_concurrent, 1)
         self.max_step = check_int("OptunaTuner", "max_step", max_step, 1)
         self.steps = rung_steps("OptunaTuner", min_step or max_step, max_step, eta)
+        if self.steps[-1] != max_step and promotions != "none":
+            top = self.steps[-1]
+            raise InvalidArgument(
+                f"OptunaTuner: max_step={max_step} is not a rung of min_step={self.steps[0]}, eta={eta} "
+                f"(rungs {self.steps}): no trial would train past {top} and each would be COMPLETE there; "
+                f"use max_step={top} or {top * eta}, or a min_step that reaches {max_step} by factors of {eta}"
+            )
         self.promotions = promotions
         directions = [_direction(m) for m in self.modes]
         if study is None:
@@ -266,6 +290,12 @@ class OptunaTuner(Tuner):
         self._outer: dict[int, Trial] = {}  # inner trial id -> this tuner's trial
         self._inner: dict[int, int] = {}  # this tuner's trial id -> inner trial id
         self.records: dict[int, _Record] = {}  # this tuner's trial id -> its Optuna side
+
+    def best_params(self) -> dict[str, Any]:
+        """The values the Optuna study's best trial trained with. ``study.best_trial.params`` holds the
+        sampler's proposals, which a grid moves to its points; these are the points."""
+        best = self.study.best_trial
+        return dict(best.user_attrs.get(TRAINED_PARAMS, best.params))
 
     # -- events in -------------------------------------------------------------------------------
 
@@ -344,8 +374,10 @@ class OptunaTuner(Tuner):
                     outer = self._new_trial(a.config)
                     self._outer[a.trial_id], self._inner[outer.trial_id] = outer, a.trial_id
                     self.records[outer.trial_id] = _Record(self._source.asked[id(a.config)])
+                    self.records[outer.trial_id].trial.set_user_attr(STAGETREE_TRIAL, f"trial-{outer.trial_id}")
                 elif self.records[outer.trial_id].told:
                     self.records[outer.trial_id] = self._resume_record(outer, self.records[outer.trial_id])
+                    self.records[outer.trial_id].trial.set_user_attr(STAGETREE_TRIAL, f"trial-{outer.trial_id}")
                 if outer.pending is None:
                     out.append(self._submit(outer, a.step))
             elif isinstance(a, Stop):

@@ -164,3 +164,45 @@ def test_export_writes_an_optuna_study_that_optuna_reads_back(tmp_path: Path) ->
 
     assert len(_get_intermediate_plot_info(loaded).trial_infos) == 2
     assert isinstance(trials[0], TrialRecord) and trials[0].flat_config()["lr"] == repr(cfg_a["lr"])
+
+
+def test_max_step_that_is_not_a_rung_is_refused_naming_the_rungs() -> None:
+    with pytest.raises(
+        InvalidArgument, match=r"max_step=50 is not a rung .* \(rungs \[2, 6, 18\]\).* max_step=18 or 54"
+    ):
+        OptunaTuner(space(), metric="acc", n_trials=4, min_step=2, max_step=50, eta=3)
+    OptunaTuner(space(), metric="acc", n_trials=4, max_step=50, promotions="none")  # one step: any is fine
+
+
+def test_labelled_choices_and_long_options_give_short_parameter_names() -> None:
+    long_options = [Warmup(0.01, 5, Cosine(x, 0.001, 40)) for x in (0.1, 0.05)]
+    labelled = OptunaSpace({
+        "lr": Choice({"cosine": Family(Cosine, init=LogUniform(0.01, 0.3), min_value=0.001, period=40),
+                      "expo": Family(Exponential, init=LogUniform(0.01, 0.3), gamma=0.95)}),
+        "warm": Choice(long_options),
+    })  # fmt: skip
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    names: set[str] = set()
+    for _ in range(12):
+        t = study.ask()
+        labelled.suggest(t)
+        names |= set(t.params)
+        assert t.params["lr"] in ("cosine", "expo") and len(t.params["warm"]) <= 40
+    assert names >= {"lr", "lr[cosine].init", "lr[expo].init", "warm"}
+    assert max(len(n) for n in names) <= 40
+    with pytest.raises(InvalidArgument, match="labels"):
+        Choice({"": 1})
+
+
+def test_the_trained_values_and_the_stagetree_trial_are_on_each_optuna_trial() -> None:
+    tuner = OptunaTuner(space(grid=3), optuna.samplers.TPESampler(seed=0, n_startup_trials=4), metric="acc",
+                        n_trials=9, min_step=10, max_step=90, eta=3, max_concurrent=3)  # fmt: skip
+    simulate(tuner, curve, workers=3)
+    for t in tuner.study.trials:
+        trained = t.user_attrs["stagetree.params"]
+        assert trained["momentum"] in (0.5, 0.7, 0.9)  # the grid point, where t.params has the proposal
+        label = t.user_attrs["stagetree.trial"]
+        mine = tuner.trials[int(label.removeprefix("trial-"))]
+        assert float(mine.config["momentum"].value(0)) == trained["momentum"]
+    best = tuner.best_params()
+    assert best == tuner.study.best_trial.user_attrs["stagetree.params"] and best["momentum"] in (0.5, 0.7, 0.9)
