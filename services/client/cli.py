@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from stagetree.core.errors import ALL_ERRORS, InvalidArgument, NotFound, StagetreeError, Unavailable
+from stagetree.core.seqforms import config_text
 from stagetree.filevars import env_or_file, read_secret_file
 from stagetree.tls import ENV_CLIENT_PREFIX, ClientTls
 
@@ -281,15 +282,14 @@ def format_best(result: Mapping[str, Any]) -> str:
         "metrics   " + ", ".join(f"{k}={_num(v)}" for k, v in sorted(r["metrics"].items())),
     ]
     if result.get("config"):
-        lines.append(
-            f"config    {describe_config(result['config'], 0, r['step'])}  (as trained up to step {r['step']})"
-        )
+        lines.append(f"config    {config_text(result['config'])}")
     return "\n".join(lines)
 
 
 def format_plan(plan: Mapping[str, Any]) -> str:
-    """The search plan as a tree: each node with the hyper-parameters that change at its start, its
-    requests by state, and the steps holding checkpoints and metrics."""
+    """The search plan as a tree: each node (``#id @start``) with the schedules of the hyper-parameters
+    that change at its start (in the printed form, ``core.seqforms``), its requests by state, and the steps
+    holding checkpoints and metrics."""
     nodes = {n["id"]: n for n in plan["nodes"]}
     kids: dict[int | None, list[int]] = {}
     for n in plan["nodes"]:
@@ -311,15 +311,17 @@ def format_plan(plan: Mapping[str, Any]) -> str:
     def label(n: Mapping[str, Any]) -> str:
         start = int(n["start"])
         parent = nodes.get(n.get("parent") or -1)
-        cfg = n["config"]
+        segs = n.get("segments", n["config"])
         if parent is None:
-            hp = describe_config(cfg, start, None)
+            hp = config_text(segs)
         else:
-            pcfg = parent["config"]
+            psegs = parent.get("segments", parent["config"])
             changed = {
-                k: v for k, v in cfg.items() if describe_sequence(v, start) != describe_sequence(pcfg.get(k, []), start)
+                k: v
+                for k, v in segs.items()
+                if describe_sequence(v, start) != describe_sequence(psegs.get(k, []), start)
             }
-            hp = describe_config(changed, start, None) or "(same as parent)"
+            hp = config_text(changed) or "(same as parent)"
         reqs = n.get("requests") or {}
         bits = [f"#{n['id']} @{start} {hp}"]
         if reqs:
@@ -455,7 +457,7 @@ def run(ns: argparse.Namespace, rest: RestClient) -> tuple[Any, str, int]:
 
 
 def _node_config(rest: RestClient, study_id: str, node: int) -> dict[str, Any] | None:
-    """The canonical config of a plan node (None when the study uses several plans)."""
+    """The config of a plan node in the family form (None when the study uses several plans)."""
     try:
         plan = rest.get(f"/studies/{_quote(study_id)}/plan")
     except InvalidArgument:

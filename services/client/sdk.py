@@ -60,6 +60,7 @@ from stagetree.core.errors import (
 )
 from stagetree.core.lifecycle import FINISHED_REQUEST_STATES
 from stagetree.core.searchplan import check_step
+from stagetree.core.seqforms import config_family_json
 from stagetree.core.sequences import Sequence, as_sequence
 from stagetree.core.sharing import SharingStats
 from stagetree.filevars import env_or_file
@@ -156,6 +157,10 @@ class EvalResult:
     config: dict[str, Sequence] | None = None  # None when another client submitted it
     error: str = ""
     label: str = ""  # the trial it belongs to, as the tuner named it
+    # the trainer code version of the plan it is on, and that plan's key: a study loaded by edited code
+    # keeps its old results, marked with the old version (``Study.create(..., load_if_exists=True)``)
+    code_version: str = ""
+    plan_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -241,6 +246,8 @@ class Evaluation:
             self.config,
             r.error,
             r.label,
+            r.code_version or self.study.code_version,
+            r.plan_key,
         )
         if self._future.done():
             return None
@@ -515,10 +522,17 @@ class Study:
     latest checkpoint on that prefix.
     """
 
-    def __init__(self, client: Client, info: StudyInfo, tuned: tuple[str, ...] | None) -> None:
+    def __init__(
+        self, client: Client, info: StudyInfo, tuned: tuple[str, ...] | None, code_version: str | None = None
+    ) -> None:
         self.client = client
         self.info = info
         self.tuned = tuned
+        # the fixed part this object's evals carry when the caller's code differs from the study's own
+        # (a study loaded by edited code): they go to that version's plan, never the old one's
+        self._fixed_override: FixedPart | None = None
+        if info.fixed is not None and code_version is not None and code_version != info.fixed.code_version:
+            self._fixed_override = replace(info.fixed, code_version=code_version)
         self._buffer: list[Evaluation] = []
         self._flusher: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -542,7 +556,14 @@ class Study:
 
     @property
     def fixed(self) -> FixedPart | None:
-        return self.info.fixed
+        """The fixed part this object's evals use: the study's, with this caller's code version."""
+        return self._fixed_override or self.info.fixed
+
+    @property
+    def code_version(self) -> str:
+        """The trainer code version this object's evals are trained with (and ``best`` looks at)."""
+        fixed = self.fixed
+        return fixed.code_version if fixed is not None else ""
 
     def __repr__(self) -> str:
         return f"Study(id={self.id!r}, name={self.name!r}, tuned={self.tuned!r})"
@@ -577,7 +598,11 @@ class Study:
         module source and of the files and directories in ``code`` (``client.codeversion``); an edit gives
         a new plan, so nothing computed by the old code is reused. Pass an explicit ``code_version`` (a
         git commit) when the trainer lives only on the cluster. With ``load_if_exists``, a study of that
-        name that exists already is loaded instead (its fixed part is the one it was created with).
+        name that exists already is loaded instead (its fixed part is the one it was created with, except
+        the code version): when this caller's code version differs from the one the study was created
+        with, the loaded study's evals go to the plan of this caller's code, so no result or checkpoint of
+        the old code is reused, and ``best`` looks at this code's results; the old results stay in the study,
+        marked with their ``code_version``.
 
         An eval whose trainer raised fails at once with the traceback (``EvalFailed``): a retry would
         raise again. ``retry_user_errors`` retries those too (up to the master's attempt limit), for
@@ -627,8 +652,19 @@ class Study:
         except AlreadyExists:
             if not load_if_exists:
                 raise
-        info = await client.call("GetStudy", pb.GetStudyRequest(name=name), idempotent=True)
-        return cls(client, _study_info(info), names)
+        info = _study_info(await client.call("GetStudy", pb.GetStudyRequest(name=name), idempotent=True))
+        study = cls(client, info, names, code_version)
+        if info.fixed is not None and study._fixed_override is not None:
+            log.warning(
+                "study %r was created by trainer code %s and this run's code is %s: its evals train on a new plan "
+                "for the new code (nothing the old code computed is reused); the old results stay in the study, "
+                "marked with their code version",
+                name,
+                info.fixed.code_version or "(unversioned)",
+                code_version or "(unversioned)",
+                extra={"study_id": info.id},
+            )
+        return study
 
     @classmethod
     async def load(cls, client: Client, study: str, *, tuned: Iterable[str] | None = None) -> Study:
@@ -651,11 +687,15 @@ class Study:
         r = await self.client.call("DeleteStudy", pb.DeleteStudyRequest(study_id=self.id), idempotent=True)
         return int(r.requests_deleted)
 
-    async def stats(self) -> SharingStats:
+    async def stats(self, *, all_versions: bool = False) -> SharingStats:
         """What sharing bought this study: steps executed, unique and trial-by-trial, the merge rate,
         compute seconds used and saved, and the seconds its batches spent queued, starting up and on
-        checkpoint I/O, apart from the compute (``stagetree.core.sharing``)."""
-        r = await self.client.call("GetStudyStats", pb.GetStudyStatsRequest(study_id=self.id), idempotent=True)
+        checkpoint I/O, apart from the compute (``stagetree.core.sharing``); over the requests of this
+        object's trainer code version (a study loaded by edited code holds the old version's too), or over
+        every request of the study with ``all_versions``."""
+        one = not all_versions and self.fixed is not None
+        req = pb.GetStudyStatsRequest(study_id=self.id, code_version=self.code_version if one else None)
+        r = await self.client.call("GetStudyStats", req, idempotent=True)
         return SharingStats(
             dict(r.requests),
             r.steps_executed,
@@ -700,7 +740,10 @@ class Study:
             clash = sorted(set(seqs) & set(self.fixed.values))
             if clash:
                 raise InvalidArgument(f"config: {clash} are fixed values of study {self.name!r}; they cannot be tuned")
-        text = json.dumps({"tuned": {n: s.to_json() for n, s in sorted(seqs.items())}}, separators=(",", ":"))
+        obj: dict[str, Any] = {"tuned": {n: s.to_json() for n, s in sorted(seqs.items())}}
+        if self._fixed_override is not None:
+            obj["fixed"] = self._fixed_override.to_json()
+        text = json.dumps(obj, separators=(",", ":"))
         if len(text) > MAX_CONFIG_BYTES:
             raise InvalidArgument(f"config: {len(text)} bytes of JSON is over the {MAX_CONFIG_BYTES}-byte limit")
         return seqs, text, step
@@ -765,39 +808,52 @@ class Study:
         finally:
             self._listeners.discard(q)
 
-    async def best(self, metric: str, mode: str = "max") -> EvalResult | None:
-        """The study's finished request with the best ``metric`` (``mode`` "max" or "min"), ties to the
-        earliest; None when none reported it. Asks the master (``ListRequests``), so it covers every
-        request of the study, also on a loaded study; the config comes from the plan when another
-        client submitted it."""
+    async def best(
+        self, metric: str, mode: str = "max", *, scope: str = "completed", all_versions: bool = False
+    ) -> EvalResult | None:
+        """The study's best finished eval by ``metric`` (``mode`` "max" or "min"), ties to the earliest; None
+        when none reported it. Asks the master (``ListRequests``), so it covers every request of the study,
+        also on a loaded study; the config comes from the plan when another client submitted it.
+
+        ``scope="completed"`` (the default) compares the trials that reached the study's last step (the
+        furthest step any of its evals asked for, e.g. ASHA's top rung), as Optuna's ``best_trial`` compares
+        completed trials; ``scope="any"`` compares every finished eval at any step, so a trial stopped at a
+        lower rung may win (Ray Tune's ``scope="all"``). Only the results of this object's trainer code
+        version count, unless ``all_versions``."""
         if mode not in ("max", "min"):
             raise InvalidArgument(f"mode: must be 'max' or 'min', got {mode!r}")
+        if scope not in ("completed", "any"):
+            raise InvalidArgument(f"scope: must be 'completed' or 'any', got {scope!r}")
         resp = await self.client.call("ListRequests", pb.ListRequestsRequest(study_id=self.id), idempotent=True)
+        one = not all_versions and self.fixed is not None
+        mine = [r for r in resp.results if not one or r.code_version == self.code_version]
+        last = max((r.step for r in mine), default=0)
         best: pb.RequestResult | None = None
         key = -math.inf
-        for r in resp.results:
+        for r in mine:
             v = r.metrics.get(metric)
-            if _state_name(r.state) != "DONE" or v is None or math.isnan(v):
+            if _state_name(r.state) != "DONE" or v is None or math.isnan(v) or (scope == "completed" and r.step < last):
                 continue
             k = v if mode == "max" else -v
             if best is None or k > key:
                 best, key = r, k
         if best is None:
             return None
-        mine = next((c for c in self._completed if c.request_id == best.request_id and c.config), None)
-        if mine is not None:
-            return mine
-        return replace(self._result_of(best), config=await self._config_at(best.node))
+        known = next((c for c in self._completed if c.request_id == best.request_id and c.config), None)
+        if known is not None:
+            return replace(known, code_version=best.code_version, plan_key=best.plan_key)
+        return replace(self._result_of(best), config=await self._config_at(best.node, best.plan_key))
 
-    async def _config_at(self, node: int) -> dict[str, Sequence] | None:
-        """The config of a plan node (as sequences), from the plan this study uses."""
+    async def _config_at(self, node: int, plan_key: str = "") -> dict[str, Sequence] | None:
+        """The config of a plan node (as the families that build its schedules), from the plan ``plan_key``
+        (default: the one this study uses)."""
         try:
-            plan = await self.plan()
-        except InvalidArgument:  # several plans: the request's node is in one of them, not named here
+            plan = await self.plan(plan_key)
+        except InvalidArgument:  # several plans and none named: the node is in one of them
             return None
         for n in plan["nodes"]:
             if n["id"] == node:
-                cfg = Config.from_json(n["config"])
+                cfg = Config.from_json(n["segments"])
                 return {name: cfg.sequence(name) for name in cfg.names()}
         return None
 
@@ -829,7 +885,8 @@ class Study:
 
     async def plan(self, plan_key: str = "") -> dict[str, Any]:
         """The search plan this study uses, in the REST API's JSON shape: ``{"key", "fixed", "nodes": [{"id",
-        "parent", "start", "config", "requests", "checkpoint_steps", "metric_steps"}]}``."""
+        "parent", "start", "config", "segments", "requests", "checkpoint_steps", "metric_steps"}]}``; a node's
+        ``config`` is in the family form (``core.seqforms``), ``segments`` its canonical segments."""
         p = await self.client.call("GetPlan", pb.GetPlanRequest(study_id=self.id, plan_key=plan_key), idempotent=True)
         return {
             "key": p.key,
@@ -839,7 +896,8 @@ class Study:
                     "id": n.id,
                     "parent": n.parent or None,
                     "start": n.start,
-                    "config": json.loads(n.config_json),
+                    "config": config_family_json(json.loads(n.config_json)),
+                    "segments": json.loads(n.config_json),
                     "requests": dict(n.requests),
                     "checkpoint_steps": list(n.checkpoint_steps),
                     "metric_steps": list(n.metric_steps),
@@ -992,6 +1050,8 @@ class Study:
             None,
             r.error,
             r.label,
+            r.code_version,
+            r.plan_key,
         )
 
     def _deliver(self, r: pb.RequestResult) -> EvalResult | None:
@@ -1010,6 +1070,7 @@ class Study:
             dict(r.metrics),
             e.config,
             getattr(r, "error", ""),
+            code_version=self.code_version,
         )
         self._completed.append(res)
         for q in self._listeners:

@@ -182,9 +182,12 @@ class Config:
         return {k: v for k, v in now.items() if before[k] != v or type(before[k]) is not type(v)}
 
     def sequence(self, name: str) -> Sequence:
+        """The hyper-parameter's schedule as the family that builds it (``seqforms.family_of``)."""
+        from stagetree.core.seqforms import family_of  # it imports sequences, as this module does
+
         for n, segs in self.items:
             if n == name:
-                return as_sequence({"kind": "segments", "segments": segments_to_json(segs)})
+                return family_of(segs)
         raise InvalidArgument(f"config has no hyper-parameter {name!r}; it has {list(self.names())}")
 
 

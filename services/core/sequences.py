@@ -36,7 +36,7 @@ import math
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeAlias
 
 from stagetree.core.errors import SequenceError
@@ -184,7 +184,7 @@ def _degenerate(seg: Segment) -> Segment:
         return seg._replace(kind="const", params=(d, _const_val(d, p[1])))
     if seg.end is not None and seg.end - seg.start == 1 and k != "const":
         # A one-step piece is a constant: same values, and a unique normal form.
-        return seg._replace(kind="const", params=(d, segment_value(seg, seg.start)))
+        return seg._replace(kind="const", params=(d, _const_val(d, segment_value(seg, seg.start))))
     return seg
 
 
@@ -283,18 +283,12 @@ class Sequence(ABC):
         return hash(self.segments())
 
     def __repr__(self) -> str:
-        """As the constructor call that builds it: ``Warmup(0.02, 5, then=Exponential(0.2, 0.98))``.
-        Required parameters by position (a nested schedule by name), optional ones only when set."""
-        args = []
-        for f in fields(self):  # type: ignore[arg-type]
-            v = getattr(self, f.name)
-            if isinstance(v, tuple):
-                v = list(v)
-            if f.default is MISSING and f.default_factory is MISSING:
-                args.append(f"{f.name}={v!r}" if isinstance(v, Sequence) else repr(v))
-            elif v != f.default:
-                args.append(f"{f.name}={v!r}")
-        return f"{type(self).__name__}({', '.join(args)})"
+        """The printed form (``stagetree.core.seqforms``): the call of the family that builds it, e.g.
+        ``Warmup(0.02, 5, then=Exponential(0.2, 0.98))``, a constant as its value; equal schedules print
+        the same, however they were written."""
+        from stagetree.core.seqforms import to_text  # it builds families from this module
+
+        return to_text(self)
 
     __str__ = __repr__
 
@@ -582,11 +576,6 @@ class _FromSegments(Sequence):
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "segments", "segments": [s.to_json() for s in self.segments()]}
-
-    def __repr__(self) -> str:
-        return f"Segments({[s.to_json() for s in self.segments()]!r})"
-
-    __str__ = __repr__
 
 
 # ---------------------------------------------------------------------------------------------

@@ -453,7 +453,8 @@ def export_to_optuna(
         batch.append(
             optuna.trial.create_trial(
                 state=state, values=vals, params=params, distributions=dists, intermediate_values=inter,
-                user_attrs={"stagetree_label": rec.label, "steps": sorted(rec.points)},
+                user_attrs={"stagetree_label": rec.label, "stagetree_code_version": rec.code_version,
+                            "steps": sorted(rec.points)},
             )
         )  # fmt: skip
     study.add_trials(batch)

@@ -20,14 +20,16 @@ from typing import Any
 from stagetree.client.sdk import EvalResult, Study
 from stagetree.core.config import Config
 from stagetree.core.errors import InvalidArgument
-from stagetree.core.sequences import Sequence
+from stagetree.core.seqforms import family_of, to_text
+from stagetree.core.sequences import Constant, Sequence
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
 
 
 @dataclass
 class TrialRecord:
     """One trial: its label, its configuration (None when the plan could not be read) and the metrics of
-    every finished evaluation, by step; ``failed`` holds the errors of its failed evaluations."""
+    every finished evaluation, by step; ``failed`` holds the errors of its failed evaluations. Labels repeat
+    across code versions (each run of a tuner counts from trial 0): a trial is one label of one version."""
 
     label: str
     config: dict[str, Sequence] | None
@@ -35,6 +37,7 @@ class TrialRecord:
     failed: list[str] = field(default_factory=list)
     curve: list[tuple[int, dict[str, float]]] = field(default_factory=list)  # step metrics, when asked for
     last_request: int | None = None  # the finished request at its furthest step
+    code_version: str = ""  # the trainer code that trained it
 
     def last_step(self) -> int | None:
         return max(self.points) if self.points else None
@@ -48,10 +51,12 @@ class TrialRecord:
         return None
 
     def flat_config(self) -> dict[str, Any]:
-        """The configuration as plain loggable values: a constant as its value, a schedule as its repr."""
+        """The configuration as plain loggable values: a constant as its value, a schedule as its printed
+        form (``core.seqforms``, the same text the SDK, the CLI and REST show)."""
         out: dict[str, Any] = {}
         for name, seq in sorted((self.config or {}).items()):
-            out[name] = seq.value(0) if type(seq).__name__ == "Constant" else repr(seq)
+            family = family_of(seq)
+            out[name] = family.value(0) if isinstance(family, Constant) else to_text(family)
         return out
 
 
@@ -61,9 +66,11 @@ def group_results(results: Iterable[EvalResult], configs: Mapping[int, dict[str,
     trials: dict[str, TrialRecord] = {}
     for r in sorted(results, key=lambda r: r.request_id):
         label = r.label or f"request-{r.request_id}"
-        rec = trials.get(label)
+        rec = trials.get(f"{r.code_version}/{label}")
         if rec is None:
-            rec = trials[label] = TrialRecord(label, r.config or configs.get(r.node))
+            rec = trials[f"{r.code_version}/{label}"] = TrialRecord(
+                label, r.config or configs.get(r.node), code_version=r.code_version
+            )
         if r.state == "DONE" and (not rec.points or r.step >= max(rec.points)):
             rec.config = r.config or configs.get(r.node) or rec.config  # the deepest node knows the most
             rec.last_request = r.request_id
@@ -97,20 +104,23 @@ async def study_trials(
             None,
             r.error,
             r.label,
+            r.code_version,
+            r.plan_key,
         )
         for r in resp.results
     ]
     nodes: dict[int, dict[str, Sequence]] = {}
-    try:
-        plan = await study.plan()
-    except InvalidArgument:  # several plans: configs then come only from this client's own results
-        plan = {"nodes": []}
-    for n in plan["nodes"]:
-        cfg = Config.from_json(n["config"])
-        nodes[int(n["id"])] = {name: cfg.sequence(name) for name in cfg.names()}
+    for key in sorted({r.plan_key for r in results}):  # each code version's plan (node ids are unique)
+        try:
+            plan = await study.plan(key)
+        except InvalidArgument:  # a master that does not name plans: configs come from the tuner's
+            continue
+        for n in plan["nodes"]:
+            cfg = Config.from_json(n["segments"])
+            nodes[int(n["id"])] = {name: cfg.sequence(name) for name in cfg.names()}
     out = group_results(results, nodes)
     for rec in out:
-        if configs and rec.label in configs:
+        if configs and rec.label in configs and rec.code_version == study.code_version:
             rec.config = dict(configs[rec.label])
         if curves and rec.last_request is not None:
             rec.curve = await study.curve(rec.last_request)

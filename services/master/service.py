@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -124,6 +124,7 @@ class MasterService:
         # where the master can see the workers' code (embedded mode): trainer entry point -> why it does
         # not import (None: it does), checked at study creation instead of at the first batch
         self.trainer_check: Callable[[str], str | None] | None = None
+        self._plan_versions: dict[int, tuple[str, str]] = {}  # plan_versions' memory (plans are immutable)
 
     # -- studies --------------------------------------------------------------------------------
 
@@ -208,9 +209,15 @@ class MasterService:
         who.require_admin()
         return self.store.stats.overview()
 
-    def study_stats(self, who: Principal, study_id: str) -> SharingStats:
+    def study_stats(self, who: Principal, study_id: str, code_version: str | None = None) -> SharingStats:
+        """What sharing bought the study; with ``code_version``, over the requests of that trainer code
+        version's plans only (a study loaded by edited code holds both versions' requests)."""
         study = self.get_study(who, study_id)
-        return self.store.stats.study_stats(study.id)
+        if code_version is None:
+            return self.store.stats.study_stats(study.id)
+        check_text(code_version, "code_version", MAX_ID_LEN, empty=True)
+        plans = self.plan_versions(self.store.plans.study_plan_ids(study.id))
+        return self.store.stats.study_stats(study.id, [p for p, (_, v) in plans.items() if v == code_version])
 
     def _scope(self, study: StudyRecord) -> str:
         return scope_of(study.owner, self.teams.get(study.owner, ""))
@@ -334,6 +341,19 @@ class MasterService:
             check_id(rid, "request_ids")
         study = self.get_study(who, study_id)
         return self.store.requests.get_requests(study.id, request_ids)
+
+    def plan_versions(self, plan_ids: Iterable[int]) -> dict[int, tuple[str, str]]:
+        """Plan id -> (plan key, trainer code version) for the plans of listed requests; a plan's key and
+        fixed part never change, so they are kept once read."""
+        out: dict[int, tuple[str, str]] = {}
+        for pid in plan_ids:
+            known = self._plan_versions.get(pid)
+            if known is None:
+                key, fixed_json = self.store.plans.plan_fixed(pid)
+                version = str(json.loads(fixed_json).get("code_version", "")) if fixed_json else ""
+                known = self._plan_versions[pid] = (key, version)
+            out[pid] = known
+        return out
 
     def finished(self, who: Principal, study_id: str, request_ids: Sequence[int]) -> list[RequestRecord]:
         for rid in request_ids:

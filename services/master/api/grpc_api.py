@@ -66,7 +66,8 @@ def study_pb(s: StudyRecord) -> pb.Study:
     )
 
 
-def result_pb(r: RequestRecord) -> pb.RequestResult:
+def result_pb(r: RequestRecord, plan: tuple[str, str] = ("", "")) -> pb.RequestResult:
+    """A request's result; ``plan``: its plan's key and code version, where the call lists them."""
     return pb.RequestResult(
         request_id=r.id,
         client_request_id=r.client_request_id,
@@ -76,6 +77,8 @@ def result_pb(r: RequestRecord) -> pb.RequestResult:
         step=r.step,
         error=r.error or "",
         label=r.label,
+        plan_key=plan[0],
+        code_version=plan[1],
     )
 
 
@@ -216,7 +219,8 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
         return pb.DeleteStudyResponse(requests_deleted=n)
 
     async def GetStudyStats(self, request: pb.GetStudyStatsRequest, context: Any) -> pb.StudyStats:
-        return stats_pb(await self._call(context, lambda who: self.svc.study_stats(who, request.study_id)))
+        version = request.code_version if request.HasField("code_version") else None
+        return stats_pb(await self._call(context, lambda who: self.svc.study_stats(who, request.study_id, version)))
 
     async def ListStudies(self, request: pb.ListStudiesRequest, context: Any) -> pb.ListStudiesResponse:
         recs = await self._call(context, self.svc.list_studies)
@@ -311,8 +315,13 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
 
     async def ListRequests(self, request: pb.ListRequestsRequest, context: Any) -> pb.ListRequestsResponse:
         ids = sorted(set(request.request_ids)) or None
-        recs = await self._call(context, lambda who: self.svc.get_requests(who, request.study_id, ids))
-        return pb.ListRequestsResponse(results=[result_pb(r) for r in recs])
+
+        def listed(who: Principal) -> tuple[list[RequestRecord], dict[int, tuple[str, str]]]:
+            recs = self.svc.get_requests(who, request.study_id, ids)
+            return recs, self.svc.plan_versions({r.plan_id for r in recs})
+
+        recs, plans = await self._call(context, listed)
+        return pb.ListRequestsResponse(results=[result_pb(r, plans[r.plan_id]) for r in recs])
 
     # -- node managers --------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from stagetree.core.batch import MAX_CURVE_EVERY_STEPS, MAX_CURVE_RATE
 from stagetree.core.errors import StagetreeError
 from stagetree.core.searchplan import MAX_STEP
+from stagetree.core.seqforms import config_family_json
 from stagetree.core.text import INT64_MAX
 from stagetree.master import metrics as prometheus
 from stagetree.master.api.admission import AdmissionGuard
@@ -100,6 +101,10 @@ class RequestOut(BaseModel):
     step: int
     error: str | None = None
     label: str = ""
+    plan_key: str = Field("", description="the plan the request is on (set when listing a study's requests)")
+    code_version: str = Field(
+        "", description="the trainer code version of that plan (set when listing): results of edited code differ"
+    )
 
 
 class StudyDeleted(BaseModel):
@@ -165,7 +170,15 @@ def _study(s: StudyRecord) -> StudyOut:
     )
 
 
-def _request(r: RequestRecord) -> RequestOut:
+def _node_config(config_json: str) -> dict[str, Any]:
+    """A plan node's config: ``config`` in the family form a user submits (``core.seqforms``), and
+    ``segments``, the canonical segments the plan compares (the unit of sharing)."""
+    segments = json.loads(config_json)
+    return {"config": config_family_json(segments), "segments": segments}
+
+
+def _request(r: RequestRecord, plan: tuple[str, str] = ("", "")) -> RequestOut:
+    """A request as JSON; ``plan``: its plan's key and code version, where the call lists them."""
     return RequestOut(
         request_id=r.id,
         client_request_id=r.client_request_id,
@@ -175,6 +188,8 @@ def _request(r: RequestRecord) -> RequestOut:
         step=r.step,
         error=r.error,
         label=r.label,
+        plan_key=plan[0],
+        code_version=plan[1],
     )
 
 
@@ -288,10 +303,16 @@ def create_rest_app(master: MasterApp) -> FastAPI:
         return StudyDeleted(id=study_id, requests_deleted=n, plans=KEPT_PLANS)
 
     @api.get(f"{PREFIX}/studies/{{study_id}}/stats", responses=responses(404))
-    def stats(study_id: str, who: Who) -> dict[str, Any]:
+    def stats(
+        study_id: str,
+        who: Who,
+        code_version: Annotated[
+            str | None, Query(max_length=128, description="only the requests of this trainer code version")
+        ] = None,
+    ) -> dict[str, Any]:
         """What sharing bought the study: steps executed, unique and trial-by-trial, merge rate, compute
         seconds used and saved (definitions: ``stagetree.core.sharing``)."""
-        return svc.study_stats(who, study_id).to_json()
+        return svc.study_stats(who, study_id, code_version).to_json()
 
     @api.post(f"{PREFIX}/studies/{{study_id}}/plan/forget", responses=responses(404, 412, 413))
     def forget_plan(study_id: str, who: Who, plan_key: str = "") -> dict[str, int]:
@@ -323,7 +344,8 @@ def create_rest_app(master: MasterApp) -> FastAPI:
                 recs = await asyncio.to_thread(svc.get_requests, who, study_id, ids)
                 left = deadline - time.monotonic()
                 if wakeups is None or left <= 0 or all(r.state.is_finished() for r in recs):
-                    return [_request(r) for r in recs]
+                    plans = await asyncio.to_thread(svc.plan_versions, {r.plan_id for r in recs})
+                    return [_request(r, plans[r.plan_id]) for r in recs]
                 await wakeups.wait(min(left, 1.0))
         finally:
             if wakeups is not None:
@@ -351,7 +373,7 @@ def create_rest_app(master: MasterApp) -> FastAPI:
                     "id": n.id,
                     "parent": n.parent,
                     "start": n.start,
-                    "config": json.loads(n.config_json),
+                    **_node_config(n.config_json),
                     "requests": n.requests,
                     "checkpoint_steps": n.checkpoints,
                     "metric_steps": n.metrics,

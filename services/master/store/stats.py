@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,22 +51,22 @@ class StatsReader:
             busy = sum(len(str(slot).split(",")) for slot in running)  # a batch on several slots: "a,b"
         return Overview(studies, states, slots, busy)
 
-    def study_stats(self, study_id: str) -> SharingStats:
+    def study_stats(self, study_id: str, plan_ids: Collection[int] | None = None) -> SharingStats:
+        """The study's sharing figures, over its requests on ``plan_ids`` only when given."""
+        mine = _R.c.study_id == study_id
+        if plan_ids is not None:
+            mine = mine & _R.c.plan_id.in_(list(plan_ids))
         with self.db.tx("study stats") as s:
-            reqs = s.execute(
-                select(_R.c.state, _R.c.label, _R.c.node_id, _R.c.step).where(_R.c.study_id == study_id)
-            ).all()
-            plans = select(_R.c.plan_id).where(_R.c.study_id == study_id).distinct()
+            reqs = s.execute(select(_R.c.state, _R.c.label, _R.c.node_id, _R.c.step).where(mine)).all()
+            plans = select(_R.c.plan_id).where(mine).distinct()
             nodes = {
                 int(i): (None if p is None else int(p), int(st))
                 for i, p, st in s.execute(select(_N.c.id, _N.c.parent_id, _N.c.start).where(_N.c.plan_id.in_(plans)))
             }
             # the batches that carried its requests: each one's latest, and those it went back to the queue from
             carried = union(
-                select(_R.c.batch_id.label("b")).where(_R.c.study_id == study_id, _R.c.batch_id.is_not(None)),
-                select(_RQ.c.batch_id.label("b"))
-                .join(_R, _R.c.id == _RQ.c.request_id)
-                .where(_R.c.study_id == study_id),
+                select(_R.c.batch_id.label("b")).where(mine, _R.c.batch_id.is_not(None)),
+                select(_RQ.c.batch_id.label("b")).join(_R, _R.c.id == _RQ.c.request_id).where(mine),
             ).subquery()
             rows = s.execute(
                 select(

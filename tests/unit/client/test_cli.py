@@ -11,6 +11,7 @@ import pytest
 from stagetree.client import cli
 from stagetree.core import errors as e
 from stagetree.core.config import Config
+from stagetree.core.seqforms import config_family_json
 from stagetree.core.sequences import Cosine, MultiStep, Warmup
 
 FIXED = {"trainer": "pkg.train:Net", "dataset": "cifar10", "model": "resnet20", "seed": 0, "values": {"wd": 0.0005}}
@@ -39,6 +40,7 @@ REQUESTS = [
 ROOT = Config.of({"lr": MultiStep(0.1, [10], 0.1), "bs": 32}).to_json()
 CHILD = Config.of({"lr": MultiStep(0.1, [10], 0.5), "bs": 32}).to_json()
 GRAND = Config.of({"lr": Warmup(0.0, 5, Cosine(0.1, 0.0, 20)), "bs": 32}).to_json()
+CHILD_FAMILIES = {"bs": 32, "lr": {"kind": "multistep", "init": 0.1, "milestones": [10], "gamma": 0.5}}
 PLAN = {
     "key": "k1",
     "fixed": FIXED,
@@ -47,7 +49,8 @@ PLAN = {
             "id": 1,
             "parent": None,
             "start": 0,
-            "config": ROOT,
+            "config": config_family_json(ROOT),
+            "segments": ROOT,
             "requests": {"DONE": 1},
             "checkpoint_steps": [10, 20],
             "metric_steps": [10],
@@ -56,7 +59,8 @@ PLAN = {
             "id": 2,
             "parent": 1,
             "start": 10,
-            "config": CHILD,
+            "config": config_family_json(CHILD),
+            "segments": CHILD,
             "requests": {"DONE": 1, "FAILED": 1},
             "checkpoint_steps": [],
             "metric_steps": [20],
@@ -65,7 +69,8 @@ PLAN = {
             "id": 3,
             "parent": None,
             "start": 0,
-            "config": GRAND,
+            "config": config_family_json(GRAND),
+            "segments": GRAND,
             "requests": {"DONE": 1, "NOT_SCHED": 1},
             "checkpoint_steps": [],
             "metric_steps": [20],
@@ -132,9 +137,9 @@ def test_study_list_and_show() -> None:
 
 def test_study_best_ties_go_to_the_lower_request_and_show_the_config() -> None:
     doc, text, status = _run(["study", "best", "abc123", "--metric", "acc"])
-    assert status == 0 and doc["request"]["request_id"] == 2 and doc["config"] == CHILD
+    assert status == 0 and doc["request"]["request_id"] == 2 and doc["config"] == CHILD_FAMILIES
     assert text.splitlines()[0] == "best acc (max): 0.7"
-    assert "config    bs=32 lr=0.1, @10 0.05  (as trained up to step 20)" in text
+    assert "config    bs=32 lr=MultiStep(0.1, [10], 0.5)" in text.splitlines()
     doc, _, _ = _run(["study", "best", "abc123", "--metric", "loss", "--mode", "min"])
     assert doc["request"]["request_id"] == 2
     doc, text, status = _run(["study", "best", "abc123", "--metric", "bleu"])
@@ -147,9 +152,9 @@ def test_plan_show_draws_the_tree() -> None:
     lines = text.splitlines()
     assert lines[0].startswith("plan k1  trainer=pkg.train:Net dataset=cifar10 model=resnet20 seed=0")
     assert lines[1] == "3 nodes; requests: DONE 3, FAILED 1, NOT_SCHED 1"
-    assert lines[2] == "#1 @0 bs=32 lr=0.1, @10 0.01  |  req DONE:1  |  ckpt 10,20  |  metrics 10"
-    assert lines[3] == "└─ #2 @10 lr=0.05  |  req DONE:1 FAILED:1  |  metrics 20"
-    assert lines[4].startswith("#3 @0 bs=32 lr=linear(0, 0.02/step), @5 cosine(")
+    assert lines[2] == "#1 @0 bs=32 lr=MultiStep(0.1, [10], 0.1)  |  req DONE:1  |  ckpt 10,20  |  metrics 10"
+    assert lines[3] == "└─ #2 @10 lr=MultiStep(0.1, [10], 0.5)  |  req DONE:1 FAILED:1  |  metrics 20"
+    assert lines[4].startswith("#3 @0 bs=32 lr=Warmup(0.0, 5, then=Cosine(0.1, 0.0, 20))  |")
 
 
 def test_nodes_table() -> None:

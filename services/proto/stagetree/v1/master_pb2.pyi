@@ -89,10 +89,12 @@ class DeleteStudyResponse(_message.Message):
     def __init__(self, requests_deleted: _Optional[int] = ...) -> None: ...
 
 class GetStudyStatsRequest(_message.Message):
-    __slots__ = ("study_id",)
+    __slots__ = ("study_id", "code_version")
     STUDY_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_VERSION_FIELD_NUMBER: _ClassVar[int]
     study_id: str
-    def __init__(self, study_id: _Optional[str] = ...) -> None: ...
+    code_version: str
+    def __init__(self, study_id: _Optional[str] = ..., code_version: _Optional[str] = ...) -> None: ...
 
 class StudyStats(_message.Message):
     __slots__ = ("requests", "steps_executed", "unique_steps", "trial_by_trial_steps", "merge_rate", "saved_steps", "compute_seconds", "saved_seconds", "queue_seconds", "startup_seconds", "checkpoint_seconds")
@@ -158,7 +160,7 @@ class SubmitRequestsRequest(_message.Message):
     def __init__(self, study_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[SubmitItem, _Mapping]]] = ...) -> None: ...
 
 class RequestResult(_message.Message):
-    __slots__ = ("request_id", "client_request_id", "state", "metrics", "node", "step", "error", "label")
+    __slots__ = ("request_id", "client_request_id", "state", "metrics", "node", "step", "error", "label", "plan_key", "code_version")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +176,8 @@ class RequestResult(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
+    PLAN_KEY_FIELD_NUMBER: _ClassVar[int]
+    CODE_VERSION_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     client_request_id: str
     state: RequestState
@@ -182,7 +186,9 @@ class RequestResult(_message.Message):
     step: int
     error: str
     label: str
-    def __init__(self, request_id: _Optional[int] = ..., client_request_id: _Optional[str] = ..., state: _Optional[_Union[RequestState, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., node: _Optional[int] = ..., step: _Optional[int] = ..., error: _Optional[str] = ..., label: _Optional[str] = ...) -> None: ...
+    plan_key: str
+    code_version: str
+    def __init__(self, request_id: _Optional[int] = ..., client_request_id: _Optional[str] = ..., state: _Optional[_Union[RequestState, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., node: _Optional[int] = ..., step: _Optional[int] = ..., error: _Optional[str] = ..., label: _Optional[str] = ..., plan_key: _Optional[str] = ..., code_version: _Optional[str] = ...) -> None: ...
 
 class SubmitRequestsResponse(_message.Message):
     __slots__ = ("results",)
