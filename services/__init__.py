@@ -35,6 +35,8 @@ _EXPORTS: dict[str, str] = {
     "EvalCancelled": "stagetree.client.sdk",
     "ClientTls": "stagetree.tls",
     "drive": "stagetree.client.driver",
+    "tune": "stagetree.client.tune",
+    "TuneResult": "stagetree.client.tune",
     # search spaces
     "GridSearchSpace": "stagetree.client.spaces",
     "RandomSearchSpace": "stagetree.client.spaces",
@@ -120,6 +122,7 @@ if TYPE_CHECKING:
         RandomSearchSpace,
         Uniform,
     )
+    from stagetree.client.tune import TuneResult, tune
     from stagetree.client.tuners import (
         ASHA,
         PBT,

@@ -26,6 +26,7 @@ import os
 import secrets
 import signal
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -63,6 +64,8 @@ class EmbeddedSettings:
     curve_max_per_s: float = 20.0
     # where workers import the user's trainer from: the running script's directory and the working directory
     user_path: tuple[str, ...] = field(default_factory=lambda: script_paths())
+    # say what the start does and waits for: None where a person watches (a terminal or a notebook)
+    progress: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "home", Path(self.home))  # a str is fine too
@@ -87,6 +90,7 @@ class EmbeddedSettings:
             curve_every_steps=self.curve_every_steps,
             curve_max_per_s=self.curve_max_per_s,
             user_path=self.user_path,
+            progress=self.progress,
         )
 
 
@@ -143,6 +147,9 @@ class Embedded:
         from stagetree.nodemanager.settings import NodeManagerSettings
 
         s = self.settings
+        t0 = time.monotonic()
+        slots = f"{s.workers} CPU worker slots unless it finds GPUs"
+        self._say(f"starting an embedded stagetree in {s.home} (a master and a node manager with {slots}) ...")
         self._home_lock = HomeLock.acquire(s.home)  # one master per home (stagetree.homelock)
         engine = make_engine(s.database_url)
         try:
@@ -208,12 +215,25 @@ class Embedded:
         )
         self.node_manager = build_node_manager(nm_settings, bus=bus)
         self._tasks.append(asyncio.create_task(self.node_manager.run(self._stop), name="stagetree-node-manager"))
+        self._say("waiting for the node manager to register its slots ...")
         await self._wait_registered()
         # and its workers ready to start (the fork server's imports take seconds): startup, not the
         # first study, pays for them
+        self._say("waiting for the workers to be ready (they import torch once, before the first trial) ...")
         await asyncio.wait_for(self.node_manager.workers_ready(), 120)
+        self._say(f"ready in {time.monotonic() - t0:.1f} s (gRPC {self.target})")
         log.info("embedded stagetree up", extra={"target": self.target, "home": str(s.home)})
         return self
+
+    def _say(self, message: str) -> None:
+        """One line of the start's progress: on stderr where a person watches, else in the log."""
+        from stagetree.client.progress import watching
+
+        show = watching() if self.settings.progress is None else self.settings.progress
+        if show:
+            print(f"stagetree: {message}", file=sys.stderr, flush=True)
+        else:
+            log.info(message)
 
     async def _wait_registered(self, timeout_s: float = 60.0) -> None:
         """Until the node manager has registered its slots (so the first study gets work at once)."""

@@ -15,7 +15,9 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from stagetree.core.entrypoints import check_entry_point
 from stagetree.core.errors import InvalidArgument
+from stagetree.entrypoint_source import missing_class
 
 SKIP_DIRS = frozenset({"__pycache__", ".git", ".hg", ".svn", ".mypy_cache", ".pytest_cache", ".ruff_cache"})
 PREFIX = "src-"
@@ -33,6 +35,17 @@ def trainer_source(trainer: str) -> Path | None:
     if spec is None or not spec.origin or not os.path.isfile(spec.origin):
         return None
     return Path(spec.origin)
+
+
+def check_trainer(trainer: str) -> str:
+    """The entry point, checked before any call: its form (``core.entrypoints``), and, where this process
+    sees the module's source, that the module defines the class (read, not imported)."""
+    check_entry_point(trainer, "trainer")
+    source = trainer_source(trainer)
+    problem = missing_class(source, trainer.partition(":")[2]) if source is not None else None
+    if problem is not None:
+        raise InvalidArgument(f"trainer {trainer!r}: {problem}; name a class of that module")
+    return trainer
 
 
 def code_digest(trainer: str, code: Iterable[str | os.PathLike[str]] = ()) -> str | None:

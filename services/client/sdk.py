@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from stagetree.client.codeversion import code_digest
+from stagetree.client.codeversion import check_trainer, code_digest
 from stagetree.core.batch import CurveSampling
 from stagetree.core.config import Config, FixedPart
 from stagetree.core.errors import (
@@ -617,6 +617,7 @@ class Study:
         )
         if not isinstance(name, str) or not name.strip():
             raise InvalidArgument(f"name: must be a non-empty string, got {name!r}")
+        check_trainer(trainer)
         if code_version is None:
             code_version = code_digest(trainer, code) if isinstance(trainer, str) else ""
             if code_version is None:
@@ -816,10 +817,10 @@ class Study:
         also on a loaded study; the config comes from the plan when another client submitted it.
 
         ``scope="completed"`` (the default) compares the trials that reached the study's last step (the
-        furthest step any of its evals asked for, e.g. ASHA's top rung), as Optuna's ``best_trial`` compares
-        completed trials; ``scope="any"`` compares every finished eval at any step, so a trial stopped at a
-        lower rung may win (Ray Tune's ``scope="all"``). Only the results of this object's trainer code
-        version count, unless ``all_versions``."""
+        furthest step of its finished evals: ASHA's top rung once a trial got there), as Optuna's
+        ``best_trial`` compares completed trials; ``scope="any"`` compares every finished eval at any
+        step, so a trial stopped at a lower rung may win (Ray Tune's ``scope="all"``). Only the results of
+        this object's trainer code version count, unless ``all_versions``."""
         if mode not in ("max", "min"):
             raise InvalidArgument(f"mode: must be 'max' or 'min', got {mode!r}")
         if scope not in ("completed", "any"):
@@ -827,7 +828,7 @@ class Study:
         resp = await self.client.call("ListRequests", pb.ListRequestsRequest(study_id=self.id), idempotent=True)
         one = not all_versions and self.fixed is not None
         mine = [r for r in resp.results if not one or r.code_version == self.code_version]
-        last = max((r.step for r in mine), default=0)
+        last = max((r.step for r in mine if _state_name(r.state) == "DONE"), default=0)
         best: pb.RequestResult | None = None
         key = -math.inf
         for r in mine:

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from stagetree.core.batch import CurveSampling, Point
 from stagetree.core.config import Config, FixedPart, divergence
+from stagetree.core.entrypoints import check_entry_point
 from stagetree.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, StagetreeError
 from stagetree.core.lifecycle import AssignmentKind, AttemptReport, MetricPoint, RetryPolicy
 from stagetree.core.searchplan import check_step
@@ -154,6 +155,7 @@ class MasterService:
             # a "policies" key picks the study's scheduling policies (master.policies); the rest names the plan
             fixed_obj, policies = split_policies(_json_object(fixed_json, "fixed", self.limits.max_config_bytes))
             fixed_part = FixedPart.from_json(fixed_obj)
+            check_entry_point(fixed_part.trainer, "fixed.trainer")
             problem = self.trainer_check(fixed_part.trainer) if self.trainer_check is not None else None
             if problem is not None:
                 raise InvalidArgument(f"fixed.trainer: {problem}")
@@ -237,7 +239,10 @@ class MasterService:
                 raise InvalidArgument(f"{what}: no 'fixed' part and the study has no default one")
             fixed_obj = fixed_without_policies(study.fixed_json)
         try:
-            return FixedPart.from_json(fixed_obj), Config.of(obj["tuned"])
+            fixed = FixedPart.from_json(fixed_obj)
+            if "fixed" in obj:  # a fixed part of its own names a plan the study's creation did not check
+                check_entry_point(fixed.trainer, "fixed.trainer")
+            return fixed, Config.of(obj["tuned"])
         except StagetreeError as e:
             raise InvalidArgument(f"{what}: {e.message}") from None
 

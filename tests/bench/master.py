@@ -72,7 +72,7 @@ async def submit_all(stub: pb_grpc.MasterServiceStub, studies: int, trials: int,
 
 
 async def cached_evals(app: MasterApp, stub: pb_grpc.MasterServiceStub, n: int, step: int) -> float:
-    fixed = {"trainer": "bench-cached", "dataset": "d", "model": "m", "seed": 0, "values": {}}
+    fixed = {"trainer": "bench:Cached", "dataset": "d", "model": "m", "seed": 0, "values": {}}
     st = await stub.CreateStudy(pb.CreateStudyRequest(name="cached", fixed_json=json.dumps(fixed)), metadata=MD)
     cfg = json.dumps({"tuned": trial(0)})
     first = await stub.SubmitRequests(

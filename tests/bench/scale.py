@@ -268,7 +268,7 @@ def memory(url: str, sizes: list[int], points_per_node: int) -> dict[int, tuple[
     store = app.store
     out: dict[int, tuple[float, float, int]] = {}
     try:
-        fixed = json.dumps({"trainer": "memory", "dataset": "", "model": "", "seed": 0, "values": {}})
+        fixed = json.dumps({"trainer": "memory:Net", "dataset": "", "model": "", "seed": 0, "values": {}})
         plan_id = store.plans.ensure_plan("memory-plan", fixed)
         gc.collect()
         base = rss_mb()

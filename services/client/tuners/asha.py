@@ -31,6 +31,12 @@ from stagetree.core.errors import InvalidArgument
 
 
 class ASHA(Tuner):
+    """Asynchronous successive halving (Li et al., MLSys 2020): a trial is promoted from rung k to rung
+    k + 1 (step ``min_step * eta**(early_stopping_rate + k + 1)``, up to ``max_step``) as soon as it is in
+    the top ``1/eta`` of the trials that finished rung k; a free worker (``max_concurrent`` at most) takes a
+    promotion first, else a new configuration, until ``max_trials`` were drawn (a finite space: all of
+    them by default). Trials left at a lower rung are pruned; see the module doc for the algorithm."""
+
     def __init__(
         self,
         space: SearchSpace,

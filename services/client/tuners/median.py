@@ -25,6 +25,11 @@ def checkpoints(owner: str, interval: int, max_step: int) -> list[int]:
 
 
 class MedianStopping(Tuner):
+    """Median stopping (Vizier): trials train in increments of ``interval`` steps up to ``max_step``; from
+    ``grace_period`` on, a trial whose best value so far is worse than the median of the other trials'
+    running averages at that step (when ``min_trials`` reached it) is stopped, and its place goes to a
+    new trial until ``n_trials`` were drawn; ``max_concurrent`` trials at once (all by default)."""
+
     def __init__(
         self,
         space: SearchSpace,

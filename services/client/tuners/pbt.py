@@ -29,6 +29,12 @@ from stagetree.core.sequences import Constant, Piecewise, Sequence
 
 
 class PBT(Tuner):
+    """Population based training: ``population`` trials train in generations of ``interval`` steps up to
+    ``max_step``; after each generation the bottom ``quantile`` copy a top member's schedule up to that step
+    and continue from its checkpoint (a branch of the search plan) with perturbed hyper-parameters (each
+    value times one of ``perturb_factors``, or, with ``resample_probability``, a fresh draw from a
+    ``RandomSearchSpace``); ``seed`` makes a run reproducible. See the module doc."""
+
     def __init__(
         self,
         space: SearchSpace,

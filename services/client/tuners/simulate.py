@@ -45,6 +45,7 @@ class Run:
     trace: list[TraceEntry] = field(default_factory=list)
     jobs: list[Job] = field(default_factory=list)
     makespan: float = 0.0
+    interrupted: bool = False  # a live run stopped by Ctrl-C before the tuner finished (``drive``)
 
     def submits(self) -> list[Submit]:
         return [a for _, actions in self.trace for a in actions if isinstance(a, Submit)]

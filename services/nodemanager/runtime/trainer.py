@@ -45,6 +45,7 @@ import torch
 
 from stagetree.core.errors import InvalidArgument
 from stagetree.core.sequences import Value
+from stagetree.entrypoint_source import missing_class, module_file
 from stagetree.nodemanager.slots import USER_PATH_ENV
 
 log = logging.getLogger(__name__)
@@ -169,13 +170,16 @@ def user_search_path(environ: Mapping[str, str] | None = None) -> list[str]:
 
 
 def trainer_import_problem(entry_point: str, path: Sequence[str]) -> str | None:
-    """Why the workers could not import ``entry_point``'s module from ``path`` then ``sys.path``, or None
-    (found: whether it imports cleanly is for the first batch to say). Imports nothing of the user's."""
-    module_name = entry_point.partition(":")[0]
+    """Why the workers could not import ``entry_point``'s module from ``path`` then ``sys.path``, or why
+    its source defines no such class (read, not run: ``entrypoint_source``), or None (found: whether it
+    imports cleanly is for the first batch to say). Imports nothing of the user's."""
+    module_name, _, attr = entry_point.partition(":")
     top = module_name.split(".")[0]
     search = [*path, *(p for p in sys.path if p not in path)]
     if not top or importlib.machinery.PathFinder.find_spec(top, search) is not None:
-        return None
+        source = module_file(module_name, path) if attr else None
+        missing = missing_class(source, attr) if source is not None else None
+        return None if missing is None else f"{missing}; name a class of that module"
     if top in sys.modules or importlib.util.find_spec(top) is not None:
         return None  # installed another way (a namespace or a zip): leave it to the workers
     return (

@@ -22,7 +22,7 @@ ALICE, BOB, CAROL, DAVE = TOKENS["alice"], TOKENS["bob"], TOKENS["carol"], TOKEN
 
 
 def _unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+    return f"{prefix}_{uuid.uuid4().hex[:8]}"
 
 
 async def _study(client: stagetree.Client, trainer: str | None = None, tuned: tuple[str, ...] = ("lr",)) -> Study:

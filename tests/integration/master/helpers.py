@@ -12,7 +12,8 @@ def unique(prefix: str = "t") -> str:
 
 
 def fixed(trainer: str | None = None, seed: int = 0) -> dict[str, Any]:
-    return {"trainer": trainer or unique("trainer"), "dataset": "mnist", "model": "mlp", "seed": seed, "values": {}}
+    trainer = trainer or f"pkg_{uuid.uuid4().hex[:10]}.train:Net"  # a plan of its own
+    return {"trainer": trainer, "dataset": "mnist", "model": "mlp", "seed": seed, "values": {}}
 
 
 def config_json(fixed_part: dict[str, Any], lr: Any = 0.1, bs: Any = 32) -> str:

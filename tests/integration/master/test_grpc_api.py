@@ -79,11 +79,11 @@ async def test_submit_is_idempotent_per_client_request_id(stub: pb_grpc.MasterSe
         ("{not json", 3, grpc.StatusCode.INVALID_ARGUMENT),
         (json.dumps({"tuned": {"lr": 0.1}}), 3, grpc.StatusCode.INVALID_ARGUMENT),  # no fixed part anywhere
         (
-            json.dumps({"fixed": {"trainer": "t"}, "tuned": {"lr": {"kind": "nope"}}}),
+            json.dumps({"fixed": {"trainer": "m:T"}, "tuned": {"lr": {"kind": "nope"}}}),
             3,
             grpc.StatusCode.INVALID_ARGUMENT,
         ),
-        (json.dumps({"fixed": {"trainer": "t"}, "tuned": {"lr": 0.1}}), -1, grpc.StatusCode.INVALID_ARGUMENT),
+        (json.dumps({"fixed": {"trainer": "m:T"}, "tuned": {"lr": 0.1}}), -1, grpc.StatusCode.INVALID_ARGUMENT),
     ],
 )
 async def test_bad_items_are_rejected_and_change_nothing(

@@ -31,7 +31,7 @@ POLICIES = {
 
 
 def _study(store: Store, policies: object = None) -> str:
-    fixed = json.dumps({"trainer": "t", "policies": policies}) if policies else None
+    fixed = json.dumps({"trainer": "m:T", "policies": policies}) if policies else None
     return store.studies.create_study(unique("o"), "s", fixed).id
 
 

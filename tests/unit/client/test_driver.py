@@ -4,6 +4,7 @@ events, and other errors stop the run."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import grpc
@@ -111,3 +112,50 @@ async def test_other_errors_stop_the_run() -> None:
     master.errors["SubmitRequests"].append(FakeRpcError(grpc.StatusCode.PERMISSION_DENIED, "not yours"))
     with pytest.raises(e.PermissionDenied, match="not yours"):
         await drive(study, _asha())
+
+
+async def test_progress_shows_the_run_and_each_failed_trial_once(capsys: pytest.CaptureFixture[str]) -> None:
+    master = FakeMaster()
+    master.fail_if = lambda c, step: float(c.values_at(0)["lr"]) < 0.05 and step > 1  # type: ignore[arg-type]
+    study = await _study(master)
+    tuner = _asha()
+    run = await drive(study, tuner, progress=True)
+    err = capsys.readouterr().err
+    failed = {ev.trial_id for ev, _ in run.trace if isinstance(ev, Failed)}
+    assert failed
+    for t in failed:
+        assert err.count(f"✗ trial {t} failed (lr=") == 1, err  # once each, with its config
+    assert "boom" in err
+    assert "s: trials" in err and f"/{tuner.max_trials}" in err  # the bar counts trials of the planned number
+    assert f"best acc {tuner.best().value:.4g}" in err  # type: ignore[union-attr]
+
+
+async def test_without_progress_nothing_is_drawn(capsys: pytest.CaptureFixture[str]) -> None:
+    run = await drive(await _study(FakeMaster()), _asha(), progress=False)
+    assert run.jobs and capsys.readouterr().err == ""
+
+
+async def test_ctrl_c_stops_the_run_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+    import signal
+
+    master = FakeMaster()
+    master.stuck_if = lambda _c, step: step >= 9  # the upper rungs never finish: the run is still going
+    study = await _study(master)
+    before = signal.getsignal(signal.SIGINT)
+
+    async def interrupt_once_stuck() -> None:  # Ctrl-C once work that never finishes reached the master
+        while not any(i.step >= 9 for r in master.calls["SubmitRequests"] for i in r.items):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    tuner = _asha()
+    ctrl_c = asyncio.create_task(interrupt_once_stuck())
+    run = await drive(study, tuner, progress=False)
+    await ctrl_c
+    assert run.interrupted and not any(t.status == "running" for t in tuner.trials.values())
+    assert master.calls["CancelRequest"]  # the outstanding evals were cancelled on the master
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert lines and lines[-1].startswith("stopped by Ctrl-C: cancelled ") and "To resume" in lines[-1]
+    assert signal.getsignal(signal.SIGINT) is before  # Ctrl-C is the caller's again

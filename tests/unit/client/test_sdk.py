@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+from pathlib import Path
 
 import grpc
 import pytest
@@ -286,3 +288,35 @@ async def test_one_result_stream_per_study_widened_for_new_batches() -> None:
     master.finish()
     results = await asyncio.gather(*first, *second)
     assert len(results) == 5 and study.client.rpcs["StreamResults"] == 2
+
+
+async def test_create_checks_the_trainer_entry_point_before_any_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    master = FakeMaster()
+    client = fake_client(master)
+    (tmp_path / "firsthour_trainer.py").write_text("class Net:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(e.InvalidArgument, match=re.escape("did you mean 'firsthour_trainer:Net'")):
+        await Study.create(client, "s", trainer="firsthour_trainer.Net", tuned=["lr"])
+    with pytest.raises(e.InvalidArgument, match=re.escape("defines no 'Missing'; the classes it defines: Net")):
+        await Study.create(client, "s", trainer="firsthour_trainer:Missing", tuned=["lr"])
+    with pytest.raises(e.InvalidArgument, match="__main__"):
+        await Study.create(client, "s", trainer="__main__:Local", tuned=["lr"])
+    assert not master.calls["CreateStudy"]
+    study = await Study.create(client, "s", trainer="firsthour_trainer:Net", tuned=["lr"])
+    assert study.code_version.startswith("src-")
+
+
+async def test_a_study_loaded_by_other_code_trains_on_that_code_s_plan(caplog: pytest.LogCaptureFixture) -> None:
+    master = FakeMaster()
+    master.errors["CreateStudy"].append(FakeRpcError(grpc.StatusCode.ALREADY_EXISTS, "study 's' exists"))
+    client = fake_client(master)
+    study = await Study.create(client, "s", trainer="m:T", code_version="v2", tuned=["lr"], load_if_exists=True)
+    assert study.code_version == "v2" and study.info.fixed is not None and study.info.fixed.code_version == ""
+    assert "new plan for the new code" in caplog.text
+    await study.eval({"lr": 0.1}, 3)
+    sent = json.loads(master.calls["SubmitRequests"][-1].items[0].config_json)
+    assert sent["fixed"]["code_version"] == "v2" and sent["fixed"]["trainer"] == "m:T"  # the new code's plan
+    same = await Study.create(client, "s", trainer="m:T", code_version="", tuned=["lr"], load_if_exists=True)
+    assert same.fixed == same.info.fixed  # the study's own version: its own plan, no fixed part sent

@@ -34,3 +34,10 @@ def test_a_missing_module_names_itself_the_path_and_the_fix(monkeypatch: pytest.
         load_trainer_class("nowhere_xyz.train:Net")
     text = str(err.value)
     assert "no module named 'nowhere_xyz' on the worker's search path" in text and "PYTHONPATH" in text
+
+
+def test_a_class_the_module_does_not_define_is_refused_at_creation(tmp_path: Path) -> None:
+    (tmp_path / "my_lonely_trainer2.py").write_text(TRAINER)
+    assert trainer_import_problem("my_lonely_trainer2:Mine", [str(tmp_path)]) is None
+    problem = trainer_import_problem("my_lonely_trainer2:Missing", [str(tmp_path)])
+    assert problem is not None and "defines no 'Missing'" in problem and "Mine" in problem
