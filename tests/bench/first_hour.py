@@ -14,7 +14,8 @@
    as the CLI prints it, as REST returns it and as the Optuna export writes it: how many distinct forms;
 5. every public tuner and space class: how many lack a docstring or an entry in docs/tuners.md.
 
-The last line is the figures; they go to ``tests/bench/results/first_hour.json`` with the machine and date.
+The last line is the figures; ``tests.bench.record`` keeps them in ``tests/bench/results/first_hour.json`` with
+the machine, the date and the commit.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import argparse
 import fcntl
 import json
 import os
-import platform
 import pty
 import re
 import select
@@ -37,8 +37,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.bench.record import record
+
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = Path(__file__).resolve().parent / "results"
 SCHEDULE_TEXT = "Warmup(0.01, 5, then=Cosine(0.1, 0.001, 40))"
 EDIT = ("torch.nn.Linear(30, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2)", "torch.nn.Linear(30, 2)")
 
@@ -299,29 +300,21 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(work, ignore_errors=True)
 
-    record: dict[str, Any] = {
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "machine": {"node": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},
-        "stale_after_edit_loaded": stale,
-        "trials_by_code_version": by_version,
-        "progress_shown": progress_shown,
-        "failed_trials": len(failed),
-        "failures_printed": printed,
-        "schedule_forms": len(set(forms.values())),
-        "forms": forms,
-        "undocumented_public": missing,
-        "first_result_s": round(first_result_s, 2),
-        "optuna_first_trial_s": round(optuna_first_s, 2),
-        "bench_s": round(time.monotonic() - t_start, 1),
-    }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "first_hour.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"optuna_first_trial_s={optuna_first_s:.2f} (a plain Optuna script on the same data, same run)")
-    print(
+    line = (
         f"stale_after_edit_loaded={str(stale).lower()} progress_shown={str(progress_shown).lower()} "
         f"failures_printed={printed} of {len(failed)} schedule_forms={len(set(forms.values()))} "
         f"undocumented_public={len(missing)} first_result_s={first_result_s:.2f}"
     )
+    extra: dict[str, Any] = {
+        "failed_trials": len(failed),
+        "trials_by_code_version": by_version,
+        "forms": forms,
+        "undocumented": missing,
+        "optuna_first_trial_s": round(optuna_first_s, 2),
+        "bench_s": round(time.monotonic() - t_start, 1),
+    }
+    print(record("first_hour", line, extra=extra))
     return 0
 
 
