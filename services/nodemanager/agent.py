@@ -51,6 +51,7 @@ from stagetree.core.errors import (
     Unauthenticated,
     Unavailable,
 )
+from stagetree.core.failures import log_note
 from stagetree.core.slots import SlotInfo
 from stagetree.nodemanager import metrics
 from stagetree.nodemanager.gpu import GpuProbe
@@ -558,7 +559,7 @@ class NodeManager:
             await self.reporter.event(info, kind, payload)
 
     def _log_note(self, worker: WorkerProcess) -> str:
-        return f"worker log: {worker.log_path} on node manager {self.id}"
+        return log_note(str(worker.log_path), self.id)
 
     # -- telemetry and shutdown ---------------------------------------------------------------------
 
