@@ -214,6 +214,8 @@ class Embedded:
             user_path=os.pathsep.join(s.user_path),
         )
         self.node_manager = build_node_manager(nm_settings, bus=bus)
+        launcher, nm_id = self.node_manager.launcher, s.node_manager_id
+        app.worker_logs = lambda nm, batch, attempt: launcher.batch_logs(batch, attempt) if nm == nm_id else []
         self._tasks.append(asyncio.create_task(self.node_manager.run(self._stop), name="stagetree-node-manager"))
         self._say("waiting for the node manager to register its slots ...")
         await self._wait_registered()
@@ -374,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def status_line(cluster: Embedded) -> str:
     """``studies 2 | requests 3 waiting, 1 running, 40 done, 1 failed | slots 1/2 busy``, from the
-    service layer (as the admin)."""
+    service layer (as the admin); ``slots 2/2 busy (2 sent ahead)`` when the scheduler sent batches to
+    busy slots that are about to free (they are not counted busy twice)."""
     from stagetree.master.auth import ADMIN, Principal
 
     o = cluster.app.service.overview(Principal(ADMIN, admin=True))
@@ -382,7 +385,7 @@ def status_line(cluster: Embedded) -> str:
     return (
         f"studies {o.studies} | requests {r.get('NOT_SCHED', 0)} waiting, {r.get('SCHED', 0)} running, "
         f"{r.get('DONE', 0)} done, {r.get('FAILED', 0)} failed, {r.get('CANCELLED', 0)} cancelled | "
-        f"slots {o.slots_busy}/{o.slots} busy"
+        f"slots {o.slots_busy}/{o.slots} busy" + (f" ({o.slots_sent_ahead} sent ahead)" if o.slots_sent_ahead else "")
     )
 
 

@@ -1,32 +1,44 @@
-"""What each dashboard page shows, as JSON-ready dicts built from the master's service layer.
+"""What the Studies, Study and Trial pages show, as JSON-ready dicts built from the master's service layer.
 
-Owns the pages' data, not their drawing: the studies list (state counts, best metric, merge rate,
-compute saved), a study (its trials with readable schedules, its metrics, the best trial), its stage
-tree (the plan's nodes with state, span, checkpoints, curve points, trials and path changes: resumes on
-another number of ranks), and the cluster (node managers, slots, what runs on each, recent policy
-decisions). Every read goes through
-``MasterService`` for visibility (another owner's study does not exist for the caller); the cluster
-page shows the caller's own running work in detail and other owners' only as "busy".
+Owns the pages' data, not their drawing. A *trial* is what a tuner names (the request label; an
+unlabelled request is a trial of its own), and its requests at increasing steps are its *rungs*: the
+study page lists trials with their rungs inside, each with the tuned choices its schedule stands for
+(``core.schedule_features``), and estimates how much each choice matters to each evaluation metric
+(``core.importance``). The trial page shows one trial in full: its schedule over every step, its rungs,
+its learning curve, its failure (``core.failures``: what was raised, the traceback, the worker's log),
+the batches that ran it, and which steps it shares with which other trials. Every read goes through
+``MasterService`` for visibility: another owner's study does not exist for the caller.
 """
 
 from __future__ import annotations
 
-import json
 import math
+import time
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from stagetree.client.cli import describe_config
+from stagetree.client.cli import describe_config, describe_sequence
+from stagetree.core.batch import Point
 from stagetree.core.config import Config
+from stagetree.core.errors import InvalidArgument, NotFound
+from stagetree.core.failures import parse_failure
+from stagetree.core.importance import importance
 from stagetree.core.lifecycle import RequestState
+from stagetree.core.schedule_features import study_features
+from stagetree.core.searchplan import SearchPlan
+from stagetree.core.sequences import boundaries, segments_to_json, value_at
+from stagetree.core.text import check_id
 from stagetree.master.auth import Principal
+from stagetree.master.curves import CurveService
 from stagetree.master.service import MasterService
 from stagetree.master.store.activity import ActivityReader
-from stagetree.master.store.policy_state import PolicyStateStore
 from stagetree.master.store.records import RequestRecord
 
-MAX_DECISIONS = 50
+SCHEDULE_SAMPLES = 240  # points of each hyper-parameter's schedule plot
+TRIAL_CURVE_POINTS = 4000
+SHARED_LABELS = 50  # trials named per shared piece of a trial's path (the count is always whole)
 
 
 def metric_mode(name: str) -> str:
@@ -35,38 +47,40 @@ def metric_mode(name: str) -> str:
     return "min" if any(w in low for w in ("loss", "err", "perplex", "mse", "mae", "rmse", "time")) else "max"
 
 
-def best_of(requests: Sequence[RequestRecord], metric: str | None = None) -> dict[str, Any] | None:
-    """The best finished request by ``metric`` (default: the first metric name, accuracy-like ones
-    first), ``{"metric", "mode", "value", "request_id", "label", "step"}``; None when none has it."""
-    names = sorted({k for r in requests if r.metrics for k in r.metrics})
-    if not names:
-        return None
-    if metric is None:
-        maxes = [n for n in names if metric_mode(n) == "max"]
-        metric = (maxes or names)[0]
-    mode = metric_mode(metric)
-    best: RequestRecord | None = None
-    key = -math.inf
-    for r in requests:
-        v = (r.metrics or {}).get(metric)
-        if r.state is not RequestState.DONE or v is None or math.isnan(v):
-            continue
-        k = v if mode == "max" else -v
-        if best is None or k > key:
-            best, key = r, k
-    if best is None or best.metrics is None:
-        return None
-    return {
-        "metric": metric,
-        "mode": mode,
-        "value": best.metrics[metric],
-        "request_id": best.id,
-        "label": best.label,
-        "step": best.step,
-    }
+def schedule_text(config: Config, start: int = 0, until: int | None = None) -> str:
+    """A config's schedules as the pages print them (``lr=0.1, @30 0.01 bs=32``)."""
+    return describe_config(config.to_json(), start, until)
 
 
-def _num(v: Any) -> float | None:
+def trial_key(r: RequestRecord) -> str:
+    """The trial a request belongs to: its label, or ``#<request id>`` for an unlabelled one."""
+    return r.label or f"#{r.id}"
+
+
+def trial_state(rungs: Sequence[RequestRecord]) -> RequestState:
+    """A trial is running or waiting while a rung is; otherwise it is what its last rung ended as."""
+    states = {r.state for r in rungs}
+    for live in (RequestState.SCHED, RequestState.NOT_SCHED):
+        if live in states:
+            return live
+    return max(rungs, key=lambda r: (r.step, r.id)).state
+
+
+def study_state(counts: Mapping[str, int]) -> str:
+    """The study in one word: ``empty``, ``running``, ``waiting``, ``failed`` (all its requests failed)
+    or ``done``."""
+    if not sum(counts.values()):
+        return "empty"
+    if counts.get(RequestState.SCHED.value):
+        return "running"
+    if counts.get(RequestState.NOT_SCHED.value):
+        return "waiting"
+    if counts.get(RequestState.FAILED.value) == sum(counts.values()):
+        return "failed"
+    return "done"
+
+
+def _finite(v: Any) -> float | None:
     if isinstance(v, bool):
         return float(v)
     if isinstance(v, int | float) and math.isfinite(v):
@@ -74,30 +88,111 @@ def _num(v: Any) -> float | None:
     return None
 
 
+def _metrics_json(values: Mapping[str, float] | None) -> dict[str, float | str]:
+    """Metrics as the pages take them: a non-finite value (a diverged loss) as its name, not a number."""
+    out: dict[str, float | str] = {}
+    for k, v in (values or {}).items():
+        f = _finite(v)
+        out[k] = f if f is not None else ("NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity"))
+    return out
+
+
+@dataclass
+class Trial:
+    key: str
+    rungs: list[RequestRecord]
+
+    @property
+    def last(self) -> RequestRecord:
+        return max(self.rungs, key=lambda r: (r.step, r.id))
+
+    def best_rung(self) -> RequestRecord | None:
+        """Its highest finished rung with metrics (what its metrics are)."""
+        done = [r for r in self.rungs if r.state is RequestState.DONE and r.metrics]
+        return max(done, key=lambda r: (r.step, r.id)) if done else None
+
+
+def group_trials(reqs: Sequence[RequestRecord]) -> list[Trial]:
+    """The requests as trials, in the order the trials began."""
+    by: dict[str, Trial] = {}
+    for r in sorted(reqs, key=lambda r: r.id):
+        by.setdefault(trial_key(r), Trial(trial_key(r), [])).rungs.append(r)
+    for t in by.values():
+        t.rungs.sort(key=lambda r: (r.step, r.id))
+    return list(by.values())
+
+
+def best_of(trials: Sequence[Trial], metric: str | None = None) -> dict[str, Any] | None:
+    """The best trial by ``metric`` at its highest finished rung (default: the first metric name,
+    accuracy-like ones first): ``{"metric", "mode", "value", "trial", "label", "request_id", "step"}``."""
+    names = sorted({k for t in trials for r in t.rungs if r.metrics for k in r.metrics})
+    if not names:
+        return None
+    if metric is None:
+        maxes = [n for n in names if metric_mode(n) == "max"]
+        metric = (maxes or names)[0]
+    mode = metric_mode(metric)
+    best: tuple[float, Trial, RequestRecord] | None = None
+    for t in trials:
+        r = t.best_rung()
+        v = _finite((r.metrics or {}).get(metric)) if r is not None else None
+        if r is None or v is None:
+            continue
+        k = v if mode == "max" else -v
+        if best is None or k > best[0]:
+            best = (k, t, r)
+    if best is None:
+        return None
+    _, t, r = best
+    assert r.metrics is not None
+    return {
+        "metric": metric,
+        "mode": mode,
+        "value": r.metrics[metric],
+        "trial": t.key,
+        "label": r.label,
+        "request_id": r.id,
+        "step": r.step,
+    }
+
+
 class DashboardViews:
     def __init__(self, service: MasterService) -> None:
         self.svc = service
         self.store = service.store
         self.activity = ActivityReader(service.store.db)
-        self.policy_states = PolicyStateStore(service.store.db)
+        self.curves = CurveService(service)
 
     # -- studies --------------------------------------------------------------------------------------
 
     def studies(self, who: Principal) -> list[dict[str, Any]]:
+        studies = self.svc.list_studies(who)
+        times = self.activity.study_times([s.id for s in studies])
+        now = time.time()
         out = []
-        for st in self.svc.list_studies(who):
+        for st in studies:
             reqs = self.svc.get_requests(who, st.id, None)
             stats = self.svc.study_stats(who, st.id)
             counts = Counter(str(r.state) for r in reqs)
+            state = study_state(counts)
+            t = times.get(st.id)
+            first = t.first_request_at if t is not None else None
+            end = now if state in ("running", "waiting") else (t.last_done_at if t is not None else None)
+            trials = group_trials(reqs)
             out.append(
                 {
                     "id": st.id,
                     "name": st.name,
                     "owner": st.owner,
                     "created_at": st.created_at,
+                    "state": state,
+                    "first_request_at": first,
+                    "last_done_at": t.last_done_at if t is not None else None,
+                    "duration_s": None if first is None or end is None else round(max(0.0, end - first), 1),
                     "counts": {s.value: counts.get(s.value, 0) for s in RequestState},
-                    "trials": len({r.label or f"r{r.id}" for r in reqs}),
-                    "best": best_of(reqs),
+                    "trials": len(trials),
+                    "trial_counts": dict(Counter(str(trial_state(tr.rungs)) for tr in trials)),
+                    "best": best_of(trials),
                     "merge_rate": round(stats.merge_rate, 3),
                     "steps_executed": stats.steps_executed,
                     "saved_steps": stats.saved_steps,
@@ -108,194 +203,249 @@ class DashboardViews:
 
     # -- one study ------------------------------------------------------------------------------------
 
+    def _configs(self, reqs: Sequence[RequestRecord]) -> tuple[dict[int, Config], dict[int, SearchPlan]]:
+        configs: dict[int, Config] = {}
+        plans: dict[int, SearchPlan] = {}
+        for pid in sorted({r.plan_id for r in reqs}):
+            nodes = {r.node for r in reqs if r.plan_id == pid}
+            plan = plans[pid] = self.svc.plans.ensure(pid, nodes)
+            configs.update({n: plan.nodes[n].config for n in nodes})
+        return configs, plans
+
     def study(self, who: Principal, study_id: str) -> dict[str, Any]:
         st = self.svc.get_study(who, study_id)
         reqs = self.svc.get_requests(who, study_id, None)
         stats = self.svc.study_stats(who, study_id)
-        configs: dict[int, Config] = {}
-        for pid in sorted({r.plan_id for r in reqs}):
-            plan = self.svc.plans.ensure(pid, {r.node for r in reqs if r.plan_id == pid})
-            configs.update({n: plan.nodes[n].config for n in {r.node for r in reqs if r.plan_id == pid}})
-        texts: dict[tuple[int, int], str] = {}
-        trials = []
-        hp_names: set[str] = set()
-        for r in reqs:
-            cfg = configs[r.node]
-            key = (r.node, r.step)
-            if key not in texts:
-                texts[key] = describe_config(cfg.to_json(), 0, max(1, r.step))
-            hp = {k: _num(v) for k, v in cfg.values_at(max(0, r.step - 1)).items()}
-            hp_names.update(hp)
-            trials.append(
+        times = self.activity.request_times(st.id)
+        configs, _ = self._configs(reqs)
+        trials = group_trials(reqs)
+        horizon = max((r.step for r in reqs), default=1)
+        names, feats = study_features({t.key: configs[t.last.node].items for t in trials}, horizon)
+        texts: dict[int, str] = {}
+        rows = []
+        for t in trials:
+            last = t.last
+            if last.node not in texts:
+                texts[last.node] = schedule_text(configs[last.node])
+            best = t.best_rung()
+            failed = next((r for r in reversed(t.rungs) if r.state is RequestState.FAILED and r.error), None)
+            rows.append(
                 {
-                    "request_id": r.id,
-                    "label": r.label,
-                    "state": str(r.state),
-                    "node": r.node,
-                    "step": r.step,
-                    "metrics": r.metrics or {},
-                    "error": r.error or "",
-                    "schedule": texts[key],
-                    "hp": hp,
+                    "key": t.key,
+                    "label": last.label,
+                    "request_id": t.rungs[0].id,
+                    "state": str(trial_state(t.rungs)),
+                    "node": last.node,
+                    "step": last.step,
+                    "metrics": _metrics_json(best.metrics if best is not None else None),
+                    "metric_step": best.step if best is not None else None,
+                    "rungs": [
+                        {
+                            "request_id": r.id,
+                            "step": r.step,
+                            "state": str(r.state),
+                            "metrics": _metrics_json(r.metrics),
+                            "done_at": times.get(r.id, (0.0, None))[1],
+                        }
+                        for r in t.rungs
+                    ],
+                    "schedule": texts[last.node],
+                    "features": feats[t.key],
+                    "error": parse_failure(failed.error).headline if failed is not None and failed.error else "",
+                    "started_at": times.get(t.rungs[0].id, (None, None))[0],
                 }
             )
         metrics = sorted({k for r in reqs if r.metrics for k in r.metrics})
+        counts = Counter(str(r.state) for r in reqs)
         return {
             "study": {"id": st.id, "name": st.name, "owner": st.owner, "created_at": st.created_at},
+            "state": study_state(counts),
             "stats": stats.to_json(),
-            "counts": dict(Counter(str(r.state) for r in reqs)),
+            "counts": dict(counts),
+            "trial_counts": dict(Counter(row["state"] for row in rows)),
             "metrics": metrics,
-            "hp_names": sorted(hp_names),
-            "best": best_of(reqs),
-            "trials": trials,
+            "modes": {m: metric_mode(m) for m in metrics},
+            "features": names,
+            "importance": self._importance(trials, feats, metrics),
+            "best": best_of(trials),
+            "trials": rows,
         }
 
-    # -- the stage tree -------------------------------------------------------------------------------
+    @staticmethod
+    def _importance(
+        trials: Sequence[Trial], feats: Mapping[str, Mapping[str, Any]], metrics: Sequence[str]
+    ) -> dict[str, dict[str, float]]:
+        """metric -> feature -> its share of the importance, over the trials with that metric."""
+        out: dict[str, dict[str, float]] = {}
+        for m in metrics:
+            rows, ys = [], []
+            for t in trials:
+                r = t.best_rung()
+                v = _finite((r.metrics or {}).get(m)) if r is not None else None
+                if v is not None:
+                    rows.append(feats[t.key])
+                    ys.append(v)
+            if rows:
+                out[m] = {f: round(x, 4) for f, x in importance(rows, ys).items()}
+        return out
 
-    def tree(self, who: Principal, study_id: str, plan_key: str = "") -> dict[str, Any]:
-        view = self.svc.get_plan(who, study_id, plan_key)
+    def eval_metrics(self, who: Principal, study_id: str) -> list[str]:
+        """The evaluation metrics the study's answered requests hold."""
+        return sorted({k for r in self.svc.get_requests(who, study_id, None) if r.metrics for k in r.metrics})
+
+    def eval_curves(self, who: Principal, study_id: str, metric: str) -> list[dict[str, Any]]:
+        """Each trial's rungs with ``metric``: ``[step, value, when answered]`` (a diverged value is left out,
+        as on the step curves)."""
+        st = self.svc.get_study(who, study_id)
         reqs = self.svc.get_requests(who, study_id, None)
-        node_ids = [n.id for n in view.nodes]
-        curve_counts = self.store.curves.counts(node_ids)
-        parent = {n.id: n.parent for n in view.nodes}
-        children: dict[int, list[int]] = defaultdict(list)
-        for n in view.nodes:
-            if n.parent is not None:
-                children[n.parent].append(n.id)
-        # how far each node reaches: its own requests, evaluations, checkpoints and its children's starts
-        start = {n.id: n.start for n in view.nodes}
-        end = {n.id: max([n.start, *n.metrics, *n.checkpoints]) for n in view.nodes}
-        for n in view.nodes:
-            for c in children[n.id]:
-                end[n.id] = max(end[n.id], start[c])
-        by_node: dict[int, list[RequestRecord]] = defaultdict(list)
-        for r in reqs:
-            by_node[r.node].append(r)
-            end[r.node] = max(end.get(r.node, 0), r.step)
-        # a node's trials: the requests whose path passes through it
-        through: dict[int, list[int]] = defaultdict(list)
-        states: dict[int, Counter[str]] = defaultdict(Counter)
-        for r in reqs:
-            at: int | None = r.node
-            while at is not None:
-                through[at].append(r.id)
-                states[at][str(r.state)] += 1
-                at = parent.get(at)
-        # nodes a running batch trains, and how far it has got on each (from its curve points)
-        progress: dict[int, float] = {}
-        plans = {r.plan_id for r in reqs}
-        for b in self.activity.running_batches():
-            if b.plan_id not in plans:
-                continue
-            for node, a, z in b.stages:
-                done = 1.0 if b.step >= z else max(0.0, (b.step - a) / (z - a)) if z > a else 0.0
-                progress[node] = max(progress.get(node, 0.0), done)
-        running = set(progress)
-        nodes = []
-        for n in view.nodes:
-            nodes.append(
+        times = self.activity.request_times(st.id)
+        out = []
+        for t in group_trials(reqs):
+            points = []
+            for r in t.rungs:
+                v = _finite((r.metrics or {}).get(metric)) if r.state is RequestState.DONE else None
+                if v is not None:
+                    points.append((r.step, v, times.get(r.id, (0.0, None))[1]))
+            if points:
+                out.append({"key": t.key, "node": t.last.node, "state": str(trial_state(t.rungs)), "points": points})
+        return out
+
+    # -- one trial ------------------------------------------------------------------------------------
+
+    def trial(
+        self, who: Principal, study_id: str, label: str | None = None, request_id: int | None = None
+    ) -> dict[str, Any]:
+        """One trial, named by its label or by one of its requests' ids."""
+        if (label is None) == (request_id is None):
+            raise InvalidArgument("name the trial by label or by request_id (one of the two)")
+        if request_id is not None:
+            check_id(request_id, "request_id")
+        st = self.svc.get_study(who, study_id)
+        reqs = self.svc.get_requests(who, study_id, None)
+        if request_id is not None:
+            r0 = next((r for r in reqs if r.id == request_id), None)
+            if r0 is None:
+                raise NotFound(f"request {request_id} does not exist in study {study_id!r}")
+            key = trial_key(r0)
+        else:
+            key = label or ""
+        trials = {t.key: t for t in group_trials(reqs)}
+        t = trials.get(key)
+        if t is None or (label is not None and not label):
+            raise NotFound(f"trial {key!r} does not exist in study {study_id!r}")
+        last = t.last
+        configs, plans = self._configs(reqs)
+        plan = plans[last.plan_id]
+        config = configs[last.node]
+        times = self.activity.request_times(st.id)
+        trained = max((r.step for r in t.rungs if r.state is RequestState.DONE), default=0)
+        horizon = max(r.step for r in t.rungs)
+        study_horizon = max(r.step for r in reqs)
+        _, feats = study_features({k: configs[x.last.node].items for k, x in trials.items()}, study_horizon)
+        failed = next((r for r in reversed(t.rungs) if r.state is RequestState.FAILED and r.error), None)
+        curve = self.curves.trial_curve(who, study_id, last.id, max_points=TRIAL_CURVE_POINTS)
+        batches = sorted({r.batch_id for r in t.rungs if r.batch_id is not None})
+        attempts = [a for a in self.activity.attempts(batches) if a.plan_id == last.plan_id]
+        return {
+            "study": {"id": st.id, "name": st.name},
+            "key": t.key,
+            "label": last.label,
+            "state": str(trial_state(t.rungs)),
+            "plan_id": last.plan_id,
+            "node": last.node,
+            "step": horizon,
+            "trained": trained,
+            "features": feats.get(t.key, {}),
+            "schedule": {
+                "text": schedule_text(config),
+                "horizon": study_horizon,
+                "hps": [_schedule_plot(name, segs, study_horizon) for name, segs in config.items],
+            },
+            "rungs": [
                 {
-                    "id": n.id,
-                    "parent": n.parent,
-                    "start": n.start,
-                    "end": end[n.id],
-                    "steps": end[n.id] - n.start,
-                    "state": _node_state(states[n.id], n.id in running),
-                    "progress": round(progress[n.id], 3) if n.id in running else None,
-                    "requests": n.requests,
-                    "checkpoints": n.checkpoints,
-                    "metric_steps": n.metrics,
-                    "curve_points": curve_counts.get(n.id, 0),
-                    "path_changes": [c.to_json() for c in n.path_changes],
-                    "trials": sorted(through[n.id]),
-                    "schedule": describe_config(json.loads(n.config_json), n.start, end[n.id] or None),
+                    "request_id": r.id,
+                    "step": r.step,
+                    "state": str(r.state),
+                    "node": r.node,
+                    "metrics": _metrics_json(r.metrics),
+                    "error": r.error or "",
+                    "batch_id": r.batch_id,
+                    "created_at": times.get(r.id, (None, None))[0],
+                    "done_at": times.get(r.id, (None, None))[1],
                 }
-            )
-        return {"key": view.key, "nodes": nodes}
-
-    # -- the cluster ----------------------------------------------------------------------------------
-
-    def cluster(self, who: Principal, telemetry: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
-        running = self.activity.running_batches()
-        mine = {b.batch_id for b in running if who.admin or b.scope == who.scope}
-        by_slot = {(b.node_manager_id, b.slot_id): b for b in running}
-        nms = []
-        for nm in self.store.nodes.node_managers():
-            slots = []
-            for s in nm.slots:
-                b = by_slot.get((nm.id, s.id))
-                work: dict[str, Any] | None = None
-                if b is not None:
-                    work = {"busy": True}
-                    if b.batch_id in mine:
-                        first, last = b.stages[0] if b.stages else (0, 0, 0), b.stages[-1] if b.stages else (0, 0, 0)
-                        work.update(
-                            batch_id=b.batch_id,
-                            attempt=b.attempt,
-                            nodes=[x[0] for x in b.stages],
-                            start=first[1],
-                            end=last[2],
-                            step=max(b.step, first[1]),
-                        )
-                slots.append(
-                    {
-                        "id": s.id,
-                        "gpu_type": s.gpu_type,
-                        "gpu_index": s.gpu_index,
-                        "share": s.share,
-                        "cpu_cores": s.cpu_cores,
-                        "work": work,
-                    }
-                )
-            nms.append(
+                for r in t.rungs
+            ],
+            "failure": parse_failure(failed.error).to_json() if failed is not None and failed.error else None,
+            "curve": {
+                "total": curve.total,
+                "points": [[p.step, _metrics_json(p.values)] for p in curve.points],
+            },
+            "attempts": [
                 {
-                    "id": nm.id,
-                    "address": nm.address,
-                    "state": str(nm.state),
-                    "last_heartbeat": nm.last_heartbeat,
-                    "slots": slots,
-                    "gpus": [dict(t) for t in telemetry if t.get("node_manager") == nm.id],
+                    "batch_id": a.batch_id,
+                    "attempt": a.attempt,
+                    "node_manager": a.node_manager_id,
+                    "slot": a.slot_id,
+                    "state": a.state,
+                    "dispatched_at": a.dispatched_at,
+                    "started_at": a.started_at,
+                    "finished_at": a.finished_at,
                 }
-            )
-        return {"node_managers": nms, "decisions": self.decisions(who)}
-
-    def decisions(self, who: Principal) -> list[dict[str, Any]]:
-        """Recent policy decisions on the caller's studies: trials a policy cancelled (POP kills, with
-        their reasons), batches being preempted (Hermes), and the requests whose work failed."""
-        out: list[dict[str, Any]] = []
-        studies = self.svc.list_studies(who)
-        states = self.policy_states.load([s.id for s in studies])
-        for st in studies:
-            snap = states.get(st.id, {})
-            for b in (snap.get("hermes") or {}).get("preempting", []):
-                out.append({"study": st.name, "kind": "preempt", "what": f"batch {b}", "reason": "time quantum"})
-            for k in (snap.get("pending") or {}).get("kills", []):
-                out.append({"study": st.name, "kind": "kill", "what": k.get("job"), "reason": k.get("reason", "")})
-            for r in self.svc.get_requests(who, st.id, None):
-                if r.state in (RequestState.CANCELLED, RequestState.FAILED) and r.error:
-                    kind = "kill" if r.state is RequestState.CANCELLED else "failed"
-                    out.append(
-                        {
-                            "study": st.name,
-                            "kind": kind,
-                            "what": r.label or f"request {r.id}",
-                            "reason": r.error.splitlines()[0][:200],
-                        }
-                    )
-        return out[-MAX_DECISIONS:]
+                for a in attempts
+            ],
+            "path": _shared_path(plan, last, [x for x in reqs if x.plan_id == last.plan_id], t.key),
+        }
 
 
-def _node_state(states: Mapping[str, int], running: bool) -> str:
-    if running:
-        return "running"
-    if states.get("SCHED"):
-        return "running"
-    if states.get("NOT_SCHED"):
-        return "pending"
-    if states.get("FAILED"):
-        return "failed"
-    if states.get("DONE"):
-        return "done"
-    if states.get("CANCELLED"):
-        return "cancelled"
-    return "pending"
+def _schedule_plot(name: str, segments: Any, horizon: int) -> dict[str, Any]:
+    """One hyper-parameter's schedule over ``[0, horizon]``: its text, its segments and, when numeric,
+    its value at evenly spread steps and at every boundary (where it jumps)."""
+    end = max(1, horizon)
+    numeric = segments[0].params[0] in ("float", "int")
+    points: list[list[float]] = []
+    if numeric:
+        steps = {round(i * end / SCHEDULE_SAMPLES) for i in range(SCHEDULE_SAMPLES + 1)}
+        for b in boundaries(segments, end):
+            steps.update((max(0, b - 1), b))
+        points = [[s, float(value_at(segments, s))] for s in sorted(x for x in steps if 0 <= x <= end)]
+    return {
+        "name": name,
+        "text": describe_sequence(segments_to_json(segments)),
+        "numeric": numeric,
+        "points": points,
+    }
+
+
+def _shared_path(
+    plan: SearchPlan, leaf: RequestRecord, reqs: Sequence[RequestRecord], key: str
+) -> list[dict[str, Any]]:
+    """The trial's path through the plan, piece by piece, each with the other trials that ran the same
+    steps: a trial shares a piece's steps up to where its own path leaves the node."""
+    reach: dict[int, dict[str, int]] = defaultdict(dict)  # node -> trial -> the furthest step it trains there
+    for r in reqs:
+        k = trial_key(r)
+        for node, _a, b in plan.path(Point(r.node, r.step)):
+            if reach[node].get(k, -1) < b:
+                reach[node][k] = b
+    out = []
+    for node, a, b in plan.path(Point(leaf.node, leaf.step)):
+        others = sorted((k for k, top in reach[node].items() if k != key and top > a), key=_label_order)
+        upto = {k: min(b, reach[node][k]) for k in others}
+        out.append(
+            {
+                "node": node,
+                "start": a,
+                "end": b,
+                "shared_with": len(others),
+                "shared_steps": max(upto.values(), default=a) - a,
+                "trials": [{"key": k, "until": upto[k]} for k in others[:SHARED_LABELS]],
+            }
+        )
+    return out
+
+
+def _label_order(k: str) -> tuple[str, int]:
+    """``trial-10`` after ``trial-9``."""
+    head = k.rstrip("0123456789")
+    tail = k[len(head) :]
+    return (head, int(tail) if tail else -1)

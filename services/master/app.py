@@ -14,6 +14,7 @@ import socket
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -47,6 +48,10 @@ class MasterApp:
     # the latest GPU samples, for the dashboard's cluster page: what the aggregators wrote to the database
     # (cluster mode); the embedded mode reads its aggregator's memory instead
     telemetry: Callable[[], Sequence[Mapping[str, Any]]] | None = None
+    # the worker logs of a batch attempt, ``(node manager, batch, attempt) -> files``, where this master can
+    # read them (the embedded mode: its node manager's work directory is on this host); None in cluster
+    # mode, where a log stays on its node manager's host and the dashboard says where
+    worker_logs: Callable[[str, int, int], Sequence[Path]] | None = None
 
     @classmethod
     def build(cls, settings: MasterSettings, coordination: Coordination | None = None) -> MasterApp:

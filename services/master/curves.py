@@ -46,6 +46,7 @@ class NodeCurve:
     points: list[CurvePoint] = field(default_factory=list)
     total: int = 0
     series: list[tuple[int, float]] = field(default_factory=list)  # (step, value) of one metric, if asked
+    times: list[float] = field(default_factory=list)  # when each point of ``series`` was recorded, if asked
 
 
 def check_range(start: int, end: int | None, max_points: int) -> None:
@@ -99,10 +100,12 @@ class CurveService:
         nodes: list[int] | None = None,
         since: float | None = None,
         metric: str | None = None,
+        timed: bool = False,
     ) -> list[NodeCurve]:
         """Each node's own curve points in the study's plan (or those ``nodes``; only those recorded after
-        ``since`` if given; only the points holding ``metric``, with that value alone, if given), the whole
-        answer thinned to about ``max_points`` (0: all), each node keeping its first and last point."""
+        ``since`` if given; only the points holding ``metric``, with that value alone, if given, and with
+        ``timed`` when each was recorded), the whole answer thinned to about ``max_points`` (0: all), each
+        node keeping its first and last point."""
         check_range(0, None, max_points)
         study = self.service.get_study(who, study_id)
         _key, pid = self.service._study_plan(study, plan_key)
@@ -114,7 +117,22 @@ class CurveService:
         if metric is not None:  # one value per point: read and thinned in the database
             totals = self.store.curves.point_counts(ids, since)  # a budget's basis: a scan of no JSON
             budgets = share_budget(max_points, [totals.get(n, 0) for n in ids])
-            series = self.store.curves.series(dict(zip(ids, budgets, strict=True)), metric, since, totals)
+            shares = dict(zip(ids, budgets, strict=True))
+            if timed:
+                got = self.store.curves.timed_series(shares, metric, since, totals)
+                return [
+                    NodeCurve(
+                        n,
+                        plan.nodes[n].parent,
+                        plan.nodes[n].start,
+                        [],
+                        totals.get(n, 0),
+                        [(st, v) for st, v, _ in got[n]],
+                        [t for _, _, t in got[n]],
+                    )
+                    for n in ids
+                ]
+            series = self.store.curves.series(shares, metric, since, totals)
             return [
                 NodeCurve(n, plan.nodes[n].parent, plan.nodes[n].start, [], totals.get(n, 0), series[n]) for n in ids
             ]

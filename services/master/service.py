@@ -382,6 +382,11 @@ class MasterService:
             return None, None
         return point, self.store.requests.metrics_at(point.node, point.step)
 
+    def study_plan(self, who: Principal, study_id: str, plan_key: str = "") -> tuple[str, int]:
+        """(key, id) of the plan ``plan_key`` of the caller's study, or of its only plan when no key is
+        given (NotFound for another owner's study or a plan it does not use)."""
+        return self._study_plan(self.get_study(who, study_id), plan_key)
+
     def _study_plan(self, study: StudyRecord, plan_key: str) -> tuple[str, int]:
         """(key, id) of the plan ``plan_key`` of the study, or of its only plan when no key is given."""
         check_text(plan_key, "plan_key", MAX_ID_LEN, empty=True)

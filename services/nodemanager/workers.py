@@ -64,6 +64,13 @@ EXIT_FAILED = 1  # runtime.worker: the batch failed after reporting batch_failed
 EXIT_USAGE = 2  # runtime.worker: bad arguments or an unreadable spec
 MAX_LINE = 16 * 1024 * 1024  # one event line (a traceback can be long)
 
+
+def batch_log_name(batch_id: int, attempt: int, suffix: str = "") -> str:
+    """The name of a batch attempt's worker log (``suffix``: ``-r<rank>`` for a rank of a batch on several
+    slots)."""
+    return f"batch-{batch_id}-a{attempt}{suffix}.log"
+
+
 StartMethod = Literal["auto", "exec", "forkserver"]
 
 
@@ -210,6 +217,12 @@ class WorkerLauncher(ABC):
         self.log_dir.mkdir(parents=True, exist_ok=True)
         return self.log_dir / name
 
+    def batch_logs(self, batch_id: int, attempt: int) -> list[Path]:
+        """The logs of a batch attempt's workers that are still here (one per rank of a batch on several
+        slots), by the names ``spawn`` gives them."""
+        names = [batch_log_name(batch_id, attempt), batch_log_name(batch_id, attempt, "-r*")]
+        return [p for name in names for p in sorted(self.log_dir.glob(name))]
+
     @abstractmethod
     async def _start(self, slot: SlotInfo) -> WorkerProcess:
         """A worker process for ``slot`` that has done its imports and reads its spec from ``stdin``
@@ -267,7 +280,7 @@ class WorkerLauncher(ABC):
         # The first name goes when the worker has exited.
         rank = spec.extra.get("rank")  # a rank of a batch on several slots: a log per rank
         suffix = f"-r{int(rank['rank'])}" if isinstance(rank, dict) and "rank" in rank else ""
-        final = self.log_path(f"batch-{spec.batch_id}-a{spec.attempt}{suffix}.log")
+        final = self.log_path(batch_log_name(spec.batch_id, spec.attempt, suffix))
         first_name = worker.log_path
         try:
             with contextlib.suppress(FileNotFoundError):

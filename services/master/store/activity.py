@@ -1,16 +1,26 @@
-"""What is running now, for the dashboard's cluster page: running batches with their plan's scope, the
-slot they run on, and how far their nodes' learning curves have got. Reads only."""
+"""What ran, runs and changed, as the dashboard reads it. Reads only.
+
+- running batches with their plan's scope, slot, current attempt (and whether its worker has started:
+  a batch sent to a busy slot ahead of time has not) and how far its nodes' curves have got;
+- the requests each batch carries (which study and trial a slot works for);
+- attempt intervals over a time window (the slots' utilisation history) and a batch's attempts;
+- a study's request times (its duration, a trial's rung times) and the cheap fingerprints the event
+  stream compares to tell whether a study changed.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from sqlalchemy import func, select
+from sqlalchemy import and_, func, or_, select
 
 from stagetree.core.lifecycle import BatchState
 from stagetree.master.store import models as m
 from stagetree.master.store.database import Database
+
+CHUNK = 1000
 
 
 @dataclass(frozen=True)
@@ -21,9 +31,30 @@ class RunningBatch:
     scope: str  # whose plan: "owner:<name>" or "team:<name>"
     node_manager_id: str
     slot_id: str
-    started_at: float
+    started_at: float  # when the batch was last updated (dispatched, or its attempt changed)
     stages: list[tuple[int, int, int]] = field(default_factory=list)  # (node, start, end)
     step: int = 0  # the furthest curve point on its stages (its progress, when the trainer reports one)
+    worker_started_at: float | None = None  # when its current attempt's worker started; None: not yet
+
+
+@dataclass(frozen=True)
+class AttemptRow:
+    batch_id: int
+    attempt: int
+    plan_id: int
+    node_manager_id: str
+    slot_id: str
+    state: str
+    dispatched_at: float
+    started_at: float | None
+    finished_at: float | None
+
+
+@dataclass(frozen=True)
+class StudyTimes:
+    first_request_at: float | None
+    last_request_at: float | None
+    last_done_at: float | None
 
 
 class ActivityReader:
@@ -42,13 +73,18 @@ class ActivityReader:
                     m.Batch.slot_id,
                     m.Batch.updated_at,
                     m.Batch.spec_json,
+                    m.BatchAttempt.started_at,
                 )
                 .join(m.Plan, m.Plan.id == m.Batch.plan_id)
+                .outerjoin(
+                    m.BatchAttempt,
+                    and_(m.BatchAttempt.batch_id == m.Batch.id, m.BatchAttempt.attempt == m.Batch.attempt),
+                )
                 .where(m.Batch.state == BatchState.RUNNING)
                 .order_by(m.Batch.id)
             ).all()
             out = []
-            for bid, attempt, pid, scope, nm, slot, at, spec_json in rows:
+            for bid, attempt, pid, scope, nm, slot, at, spec_json, worker_at in rows:
                 try:
                     stages = [(int(x["node"]), int(x["start"]), int(x["end"])) for x in json.loads(spec_json)["stages"]]
                 except (ValueError, KeyError, TypeError):
@@ -64,7 +100,145 @@ class ActivityReader:
                         step = max(step, int(top))
                 out.append(
                     RunningBatch(
-                        int(bid), int(attempt), int(pid), str(scope), nm or "", slot or "", float(at), stages, step
+                        int(bid),
+                        int(attempt),
+                        int(pid),
+                        str(scope),
+                        nm or "",
+                        slot or "",
+                        float(at),
+                        stages,
+                        step,
+                        None if worker_at is None else float(worker_at),
                     )
                 )
             return out
+
+    def batch_requests(self, batch_ids: Sequence[int]) -> dict[int, list[tuple[int, str, str]]]:
+        """batch -> the ``(request id, study id, label)`` of the requests it carries."""
+        out: dict[int, list[tuple[int, str, str]]] = {}
+        ids = sorted(set(batch_ids))
+        with self.db.tx("requests of batches") as s:
+            for i in range(0, len(ids), CHUNK):
+                stmt = select(m.Request.batch_id, m.Request.id, m.Request.study_id, m.Request.label).where(
+                    m.Request.batch_id.in_(ids[i : i + CHUNK])
+                )
+                for b, rid, sid, label in s.execute(stmt.order_by(m.Request.id)):
+                    out.setdefault(int(b or 0), []).append((int(rid), str(sid), str(label or "")))
+        return out
+
+    def attempts(self, batch_ids: Sequence[int]) -> list[AttemptRow]:
+        """Every attempt of the batches, in batch and attempt order."""
+        ids = sorted(set(batch_ids))
+        out: list[AttemptRow] = []
+        with self.db.tx("attempts of batches") as s:
+            for i in range(0, len(ids), CHUNK):
+                stmt = (
+                    select(
+                        m.BatchAttempt.batch_id,
+                        m.BatchAttempt.attempt,
+                        m.Batch.plan_id,
+                        m.BatchAttempt.node_manager_id,
+                        m.BatchAttempt.slot_id,
+                        m.BatchAttempt.state,
+                        m.BatchAttempt.dispatched_at,
+                        m.BatchAttempt.started_at,
+                        m.BatchAttempt.finished_at,
+                    )
+                    .join(m.Batch, m.Batch.id == m.BatchAttempt.batch_id)
+                    .where(m.BatchAttempt.batch_id.in_(ids[i : i + CHUNK]))
+                    .order_by(m.BatchAttempt.batch_id, m.BatchAttempt.attempt)
+                )
+                out.extend(
+                    AttemptRow(int(b), int(a), int(p), str(nm), str(sl), str(st), float(d), _f(t0), _f(t1))
+                    for b, a, p, nm, sl, st, d, t0, t1 in s.execute(stmt)
+                )
+        return out
+
+    def intervals(self, since: float) -> list[tuple[str, str, float, float | None]]:
+        """``(node manager, slot, started, finished)`` of the attempts whose worker ran at some time after
+        ``since`` (finished None: still running). An attempt on several slots is one row per slot."""
+        with self.db.tx("attempt intervals") as s:
+            stmt = select(
+                m.BatchAttempt.node_manager_id,
+                m.BatchAttempt.slot_id,
+                m.BatchAttempt.started_at,
+                m.BatchAttempt.finished_at,
+            ).where(
+                m.BatchAttempt.started_at.is_not(None),
+                or_(m.BatchAttempt.finished_at > since, m.BatchAttempt.state == BatchState.RUNNING),
+            )
+            out: list[tuple[str, str, float, float | None]] = []
+            for nm, slots, t0, t1 in s.execute(stmt):
+                for slot in str(slots).split(","):
+                    out.append((str(nm), slot, float(t0 or 0.0), _f(t1)))
+            return out
+
+    def study_times(self, study_ids: Sequence[str]) -> dict[str, StudyTimes]:
+        """When each study's first and last requests were made, and its last one finished."""
+        out: dict[str, StudyTimes] = {}
+        ids = sorted(set(study_ids))
+        with self.db.tx("study times") as s:
+            for i in range(0, len(ids), CHUNK):
+                stmt = (
+                    select(
+                        m.Request.study_id,
+                        func.min(m.Request.created_at),
+                        func.max(m.Request.created_at),
+                        func.max(m.Request.done_at),
+                    )
+                    .where(m.Request.study_id.in_(ids[i : i + CHUNK]))
+                    .group_by(m.Request.study_id)
+                )
+                for sid, a, b, c in s.execute(stmt):
+                    out[str(sid)] = StudyTimes(_f(a), _f(b), _f(c))
+        return out
+
+    def request_times(self, study_id: str) -> dict[int, tuple[float, float | None]]:
+        """request -> (made, finished) of a study's requests."""
+        with self.db.tx("request times") as s:
+            stmt = select(m.Request.id, m.Request.created_at, m.Request.done_at).where(m.Request.study_id == study_id)
+            return {int(r): (float(c), _f(d)) for r, c, d in s.execute(stmt)}
+
+    def request_fingerprint(self, study_id: str) -> tuple[tuple[str, int], ...]:
+        """What changes whenever a request of the study changes state: its requests counted by state
+        (a request moves between states; none is ever deleted but with its study)."""
+        with self.db.tx("request fingerprint") as s:
+            stmt = (
+                select(m.Request.state, func.count())
+                .where(m.Request.study_id == study_id)
+                .group_by(m.Request.state)
+                .order_by(m.Request.state)
+            )
+            return tuple((str(st), int(n)) for st, n in s.execute(stmt))
+
+    def latest_curve_time(self) -> float:
+        """When the latest curve point of all was recorded (0 without any), by the clock of whoever wrote
+        it (an aggregator's): where a study's stream starts comparing from."""
+        with self.db.tx("latest curve point") as s:
+            return _f(s.scalar(select(func.max(m.CurvePoint.recorded_at)))) or 0.0
+
+    def curve_points_since(self, plan_ids: Sequence[int], since: float) -> float | None:
+        """When the latest curve point on the plans was recorded, if after ``since`` (None otherwise).
+        Reads only the points recorded after ``since`` (an index on the time), whoever's they are."""
+        if not plan_ids:
+            return None
+        with self.db.tx("curve points since") as s:
+            recent = s.execute(
+                select(m.CurvePoint.node_id, func.max(m.CurvePoint.recorded_at))
+                .where(m.CurvePoint.recorded_at > since)
+                .group_by(m.CurvePoint.node_id)
+            ).all()
+            if not recent:
+                return None
+            latest = dict(recent)
+            nodes = sorted(int(n) for n in latest)
+            mine: list[float] = []
+            for i in range(0, len(nodes), CHUNK):
+                stmt = select(m.Node.id).where(m.Node.id.in_(nodes[i : i + CHUNK]), m.Node.plan_id.in_(plan_ids))
+                mine.extend(float(latest[n]) for n in s.scalars(stmt))
+            return max(mine, default=None)
+
+
+def _f(x: object) -> float | None:
+    return None if x is None else float(x)  # type: ignore[arg-type]

@@ -127,15 +127,43 @@ class CurveStore:
         last. The database picks the rows by their key and reads the value out of the JSON column of
         those only (no document is parsed here): what keeps a study of 200,000 points answering in a
         fraction of a second (``tests.bench.dashboard``'s ``study_page_ms``)."""
+        got = self._series(budgets, metric, since, counts, timed=False)
+        return {n: [(st, v) for st, (v, _t) in sorted(points.items())] for n, points in got.items()}
+
+    def timed_series(
+        self,
+        budgets: Mapping[int, int],
+        metric: str,
+        since: float | None = None,
+        counts: Mapping[int, int] | None = None,
+    ) -> dict[int, list[tuple[int, float, float]]]:
+        """``series`` with each point's recording time: ``(step, value, recorded_at)`` (a wall-time axis)."""
+        got = self._series(budgets, metric, since, counts, timed=True)
+        return {n: [(st, v, t) for st, (v, t) in sorted(points.items())] for n, points in got.items()}
+
+    def _series(
+        self,
+        budgets: Mapping[int, int],
+        metric: str,
+        since: float | None,
+        counts: Mapping[int, int] | None,
+        *,
+        timed: bool,
+    ) -> dict[int, dict[int, tuple[float, float]]]:
         counts = self.point_counts(list(budgets), since) if counts is None else counts
-        out: dict[int, list[tuple[int, float]]] = {n: [] for n in budgets}
         by_stride: dict[int, list[int]] = {}
         for n, b in budgets.items():
             c = counts.get(n, 0)
             if c:
                 by_stride.setdefault(1 if b <= 0 or c <= b else -(-c // max(1, b - 1)), []).append(n)
         v = _C.c["values"][metric].as_float()
-        got: dict[int, dict[int, float]] = {n: {} for n in budgets}
+        cols = [_C.c.node_id, _C.c.step, v, _C.c.recorded_at] if timed else [_C.c.node_id, _C.c.step, v]
+        got: dict[int, dict[int, tuple[float, float]]] = {n: {} for n in budgets}
+
+        def keep(rows: Sequence[Sequence[Any]]) -> None:
+            for row in rows:
+                got[int(row[0])][int(row[1])] = (float(row[2]), float(row[3]) if timed else 0.0)
+
         with self.db.tx("read curves") as s:
             for stride, group in sorted(by_stride.items()):
                 ids = sorted(group)
@@ -147,8 +175,7 @@ class CurveStore:
                     picks = [*where, v.is_not(None)]
                     if stride > 1:
                         picks.append(_C.c.step % stride == 0)
-                    for n, st, x in self._triples(s, select(_C.c.node_id, _C.c.step, v).where(*picks)):
-                        got[int(n)][int(st)] = float(x)
+                    keep(self._triples(s, select(*cols).where(*picks)))
                     if stride > 1:  # and each node's first and last point
                         ends = s.execute(
                             select(_C.c.node_id, func.min(_C.c.step), func.max(_C.c.step))
@@ -157,17 +184,14 @@ class CurveStore:
                         ).all()
                         keys = [(int(n), int(a)) for n, a, _ in ends] + [(int(n), int(b)) for n, _, b in ends]
                         for k in range(0, len(keys), 500):
-                            stmt = select(_C.c.node_id, _C.c.step, v).where(
+                            stmt = select(*cols).where(
                                 tuple_(_C.c.node_id, _C.c.step).in_(keys[k : k + 500]), v.is_not(None)
                             )
-                            for n, st, x in s.execute(stmt):
-                                got[int(n)][int(st)] = float(x)
-        for n, points in got.items():
-            out[n] = sorted(points.items())
-        return out
+                            keep(s.execute(stmt).all())
+        return got
 
     def _triples(self, s: Session, stmt: Any) -> Sequence[Sequence[Any]]:
-        """The rows of ``stmt`` (three columns). On SQLite as one row, a JSON array of arrays: the
+        """The rows of ``stmt`` (a few columns). On SQLite as one row, a JSON array of arrays: the
         sqlite3 module releases and retakes the GIL at every row it steps, which beside a busy thread
         costs more than the query (the reason ``Database.rows`` exists; that one caches prebuilt
         statements, and these are built per call)."""

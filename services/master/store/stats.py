@@ -27,7 +27,10 @@ class Overview:
     studies: int
     requests: dict[str, int]  # by state
     slots: int
-    slots_busy: int
+    slots_busy: int  # slots running a batch (each once)
+    # batches sent to a busy slot shortly before it frees (the scheduler's lookahead): they start when
+    # it does, and do not make the slot any busier
+    slots_sent_ahead: int = 0
 
 
 class StatsReader:
@@ -47,9 +50,14 @@ class StatsReader:
                 )
                 or 0
             )
-            running = s.scalars(select(_B.c.slot_id).where(_B.c.state == BatchState.RUNNING, _B.c.slot_id.is_not(None)))
-            busy = sum(len(str(slot).split(",")) for slot in running)  # a batch on several slots: "a,b"
-        return Overview(studies, states, slots, busy)
+            running = s.execute(
+                select(_B.c.node_manager_id, _B.c.slot_id).where(
+                    _B.c.state == BatchState.RUNNING, _B.c.slot_id.is_not(None)
+                )
+            ).all()
+            taken = [(nm, slot) for nm, slots_of in running for slot in str(slots_of).split(",")]  # "a,b": several
+            busy = len(set(taken))
+        return Overview(studies, states, slots, busy, len(taken) - busy)
 
     def study_stats(self, study_id: str, plan_ids: Collection[int] | None = None) -> SharingStats:
         """The study's sharing figures, over its requests on ``plan_ids`` only when given."""

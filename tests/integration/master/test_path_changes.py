@@ -70,7 +70,9 @@ async def test_a_reported_rescale_shows_once_on_the_plan_and_the_tree(
     assert {k: change[k] for k in want} == want
     assert (change["attempt"], change["node_manager"], change["uri"]) == (1, nm, "file:///ck10")
     tree = (await asyncio.to_thread(http.get, f"/dashboard/studies/{sid}/tree", headers=ALICE)).json()
-    assert [len(n["path_changes"]) for n in tree["nodes"]] == [1]
+    assert [n["rescaled"] for n in tree["nodes"]] == [True]
+    opened = await asyncio.to_thread(http.get, f"/dashboard/studies/{sid}/tree/nodes/{node}", headers=ALICE)
+    assert len(opened.json()["path_changes"]) == 1
     with app.store.db.tx("test: checkpoint ranks") as s:
         assert s.scalar(select(m.Checkpoint.ranks).where(m.Checkpoint.uri == "file:///ck20")) == 2
 
