@@ -1,57 +1,24 @@
-// The dashboard's shell: sign-in (the token lives in sessionStorage), the hash router, the API helper,
-// and the live channel (server-sent events read with fetch, so the token stays in a header; polling
-// when the stream is down). Pages are modules exporting render(main, params) -> {onCounts, onCurves, stop}.
-import { renderStudies, renderCluster } from "./pages.js";
+// The dashboard's shell: sign-in (the token lives in sessionStorage), the hash router and the live
+// channel (server-sent events read with fetch, so the token stays in a header; polling when the stream
+// is down). Pages are modules exporting render(main, ..., gen) -> {study, onCounts, onCurves, stop}; a
+// page with a `study` hears only that study's events (the stream is opened with ?study=).
+import { alive, api, clearToken, esc, nextGeneration, setToken, token, whenUnauthenticated } from "./common.js";
+import { renderStudies } from "./studies.js";
 import { renderStudy } from "./study.js";
+import { renderTrial } from "./trial.js";
 import { renderTree } from "./tree.js";
+import { renderCluster } from "./cluster.js";
 
-const TOKEN_KEY = "stagetree.token";
 const main = document.getElementById("main");
 let page = null; // the current page's handlers
-let generation = 0; // bumped by each route(): a page rendered for an older one is dropped
-
-// A page's guard: false once the user has left it, so a late refresh never draws over the next page.
-export function alive(gen) { return gen === generation; }
-
-export function token() { return sessionStorage.getItem(TOKEN_KEY); }
-
-export class ApiError extends Error {
-  constructor(status, message) { super(message); this.status = status; }
-}
-
-export async function api(path) {
-  const r = await fetch(`/api/v1${path}`, { headers: { authorization: `Bearer ${token()}` } });
-  if (r.status === 401) { signOut("That token was not accepted: sign in again."); throw new ApiError(401, "unauthenticated"); }
-  const body = await r.json().catch(() => ({}));
-  if (!r.ok) throw new ApiError(r.status, body.message || r.statusText);
-  return body;
-}
-
-export function esc(s) {
-  return String(s ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
-}
-
-export function fmt(v, digits = 4) {
-  if (v === null || v === undefined || Number.isNaN(v)) return "–";
-  if (typeof v !== "number") return esc(v);
-  if (Number.isInteger(v)) return String(v);
-  return Math.abs(v) >= 1e4 || Math.abs(v) < 1e-3 ? v.toExponential(2) : v.toFixed(digits);
-}
-
-export function throttle(fn, ms) {
-  let timer = null, again = false;
-  const run = async () => {
-    timer = setTimeout(async () => { timer = null; if (again) { again = false; run(); } }, ms);
-    try { await fn(); } catch (e) { console.warn(e); }
-  };
-  return () => { if (timer) again = true; else run(); };
-}
+let gen = 0;
 
 function signOut(message) {
-  sessionStorage.removeItem(TOKEN_KEY);
+  clearToken();
   location.hash = "#/signin";
   if (message) sessionStorage.setItem("stagetree.signin-message", message);
 }
+whenUnauthenticated(signOut);
 
 function renderSignIn() {
   const msg = sessionStorage.getItem("stagetree.signin-message") || "";
@@ -63,7 +30,7 @@ function renderSignIn() {
     <button type="submit">Sign in</button></form><p class="err" id="signin-error">${esc(msg)}</p></div>`;
   document.getElementById("signin-form").addEventListener("submit", async (e) => {
     e.preventDefault();
-    sessionStorage.setItem(TOKEN_KEY, document.getElementById("token").value.trim());
+    setToken(document.getElementById("token").value.trim());
     try { await api("/dashboard/studies"); location.hash = "#/"; }
     catch (err) { if (err.status !== 401) document.getElementById("signin-error").textContent = err.message; }
   });
@@ -73,32 +40,35 @@ function renderSignIn() {
 async function route() {
   if (page && page.stop) page.stop();
   page = null;
-  const gen = ++generation;
+  gen = nextGeneration();
+  const mine = gen;
   const hash = location.hash || "#/";
   const m = hash.match(/^#token=(.+)$/); // the sign-in URL `stagetree up` prints
-  if (m) { sessionStorage.setItem(TOKEN_KEY, decodeURIComponent(m[1])); history.replaceState(null, "", "#/"); return route(); }
+  if (m) { setToken(decodeURIComponent(m[1])); history.replaceState(null, "", "#/"); return route(); }
   document.getElementById("signout").style.display = token() ? "" : "none";
-  if (!token() || hash === "#/signin") { page = renderSignIn(); return; }
+  if (!token() || hash === "#/signin") { page = renderSignIn(); rescope(); return; }
   const parts = hash.slice(2).split("/").map(decodeURIComponent);
-  for (const a of document.querySelectorAll("header nav a")) a.classList.toggle("active", a.dataset.nav === (parts[0] || "studies"));
+  for (const a of document.querySelectorAll("header nav a")) a.classList.toggle("active", a.dataset.nav === (parts[0] === "cluster" ? "cluster" : "studies"));
   main.innerHTML = `<p class="muted">loading…</p>`;
   try {
     let got;
-    if (parts[0] === "study" && parts[1]) got = await renderStudy(main, parts[1], gen);
-    else if (parts[0] === "tree" && parts[1]) got = await renderTree(main, parts[1], gen);
-    else if (parts[0] === "cluster") got = await renderCluster(main, gen);
-    else got = await renderStudies(main, gen);
-    if (gen !== generation) { if (got && got.stop) got.stop(); return; }
+    if (parts[0] === "study" && parts[1]) got = await renderStudy(main, parts[1], mine);
+    else if (parts[0] === "trial" && parts[1] && parts[3] !== undefined) got = await renderTrial(main, parts[1], parts[2], parts.slice(3).join("/"), mine);
+    else if (parts[0] === "tree" && parts[1]) got = await renderTree(main, parts[1], mine);
+    else if (parts[0] === "cluster") got = await renderCluster(main, mine);
+    else got = await renderStudies(main, mine);
+    if (!alive(mine)) { if (got && got.stop) got.stop(); return; }
     page = got;
+    rescope();
   } catch (err) {
-    if (gen !== generation) return;
+    if (!alive(mine)) return;
     if (err.status === 404) main.innerHTML = `<div class="card" id="not-found"><h1>Not found</h1><p>${esc(err.message)}</p><p><a href="#/">All studies</a></p></div>`;
-    else if (err.status !== 401) main.innerHTML = `<div class="card err" id="page-error">${esc(err.message)}</div>`;
+    else if (err.status !== 401) { console.error(err); main.innerHTML = `<div class="card err" id="page-error">${esc(err.message)}</div>`; }
   }
 }
 
 // -- live updates ---------------------------------------------------------------------------------
-const live = { mode: "connecting", poll: null };
+const live = { mode: "connecting", poll: null, scope: undefined, abort: null, wake: null };
 
 function setLive(mode) {
   live.mode = mode;
@@ -112,11 +82,23 @@ function dispatch(kind) {
   if (kind === "curves" && page.onCurves) page.onCurves();
 }
 
+// the stream follows the page: a study's page reopens it for that study alone
+function rescope() {
+  const scope = (page && page.study) || null;
+  if (scope === live.scope) return;
+  live.scope = scope;
+  if (live.abort) live.abort.abort();
+  if (live.wake) live.wake();
+}
+
 async function stream() {
   for (;;) {
-    if (!token()) { await new Promise((r) => setTimeout(r, 500)); continue; }
+    if (!token() || live.scope === undefined) { await new Promise((r) => setTimeout(r, 200)); continue; }
+    const scope = live.scope;
+    live.abort = new AbortController();
     try {
-      const r = await fetch("/api/v1/dashboard/events", { headers: { authorization: `Bearer ${token()}` } });
+      const q = scope ? `?study=${encodeURIComponent(scope)}` : "";
+      const r = await fetch(`/api/v1/dashboard/events${q}`, { headers: { authorization: `Bearer ${token()}` }, signal: live.abort.signal });
       if (!r.ok || !r.body) throw new Error(`events: ${r.status}`);
       setLive("live");
       if (live.poll) { clearInterval(live.poll); live.poll = null; }
@@ -132,15 +114,17 @@ async function stream() {
           const block = buf.slice(0, cut);
           buf = buf.slice(cut + 2);
           const ev = block.split("\n").find((l) => l.startsWith("event: "));
-          if (ev) dispatch(ev.slice(7).trim());
+          if (ev && scope === live.scope) dispatch(ev.slice(7).trim());
         }
       }
     } catch (e) {
+      if (scope !== live.scope) continue; // reopened for another page: not a failure
       console.warn("live stream down; polling", e);
     }
+    if (scope !== live.scope) continue;
     setLive("polling");
     if (!live.poll) live.poll = setInterval(() => { dispatch("counts"); dispatch("curves"); }, 2000);
-    await new Promise((r) => setTimeout(r, 3000));
+    await new Promise((r) => { live.wake = r; setTimeout(r, 3000); });
   }
 }
 

@@ -3,7 +3,9 @@
 Fixed values (besides the digits ones): ``fault`` names what happens when ``train()`` is called at
 step ``fault_step``; ``sleep_s`` slows every step down without changing what it computes (to give a
 signal time to arrive); ``fault_once`` (a file path) makes the fault happen only while that file does
-not exist (it is created just before the fault), so a retried batch succeeds.
+not exist (it is created just before the fault), so a retried batch succeeds. ``FaultyDigits`` also takes
+``fault_lr_above``: only a trial whose learning rate at ``fault_step`` is above it faults (one corner of
+a sweep crashes, the rest trains on).
 
 ``FaultyTorchDigits`` is the same with ``DigitsTorch`` (a ``TorchTrainer``: data parallel on a batch of
 several slots); ``fault_rank`` (default: every rank) makes only that rank fault. It also takes
@@ -104,9 +106,9 @@ class Injected:
             Path(once) if once else None,
         )
 
-    def at(self, step: int) -> None:
-        """Call at the start of each step."""
-        if self.fault is not None and step == self.step:
+    def at(self, step: int, armed: bool = True) -> None:
+        """Call at the start of each step (``armed``: whether the fault may happen at all)."""
+        if armed and self.fault is not None and step == self.step:
             if self.once is None:
                 self.fault()
             elif not self.once.exists():
@@ -119,10 +121,11 @@ class Injected:
 class FaultyDigits(DigitsMLP):
     def init(self) -> None:
         self._injected = Injected.of(self.fixed)
+        self._lr_above = float(self.fixed.get("fault_lr_above", float("-inf")))
         super().init()
 
     def train(self) -> StepMetrics | None:
-        self._injected.at(self.step)
+        self._injected.at(self.step, armed=float(self.optimizer.param_groups[0]["lr"]) > self._lr_above)
         return super().train()
 
 

@@ -28,5 +28,15 @@ def test_the_static_files_ship_in_the_wheel() -> None:
     shipped = {p for pat in patterns for p in STATIC.parent.glob(pat)}
     wanted = {p for p in STATIC.rglob("*") if p.is_file()}
     assert wanted <= shipped, sorted(str(p) for p in wanted - shipped)
-    for name in ("index.html", "app.js", "study.js", "tree.js", "pages.js", "style.css"):
+    for name in (
+        "index.html",
+        "app.js",
+        "common.js",
+        "studies.js",
+        "study.js",
+        "trial.js",
+        "tree.js",
+        "cluster.js",
+        "style.css",
+    ):
         assert (STATIC / name).is_file()
