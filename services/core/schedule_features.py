@@ -12,6 +12,7 @@ what was fixed.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 from stagetree.core.sequences import Segment, Segments, segment_value
@@ -67,12 +68,19 @@ def _family(segs: list[Segment], warmup: int) -> str:
     return "+".join((["warmup"] if warmup else []) + kinds)
 
 
+@functools.lru_cache(maxsize=65_536)
 def is_constant(segments: Segments, until: int) -> bool:
     segs = _in_range(segments, max(1, until))
     return len(segs) == 1 and segs[0].kind == "const"
 
 
 def features(segments: Segments, until: int, *, as_schedule: bool = False) -> dict[str, Feature]:
+    """See ``_features``; a study's trials repeat each hyper-parameter's few schedules, each read once."""
+    return dict(_features(segments, until, as_schedule))
+
+
+@functools.lru_cache(maxsize=65_536)
+def _features(segments: Segments, until: int, as_schedule: bool) -> dict[str, Feature]:
     """The choices the schedule ``segments`` stands for on ``[0, until)`` (``until`` >= 1): ``{"": v}`` for a
     constant (unless ``as_schedule``: then a numeric constant is a schedule of the family ``constant``,
     to compare with schedules that are not), else ``family``, ``init``, ``peak``, ``final`` and

@@ -85,7 +85,7 @@ class ClusterViews:
                 "sent_ahead": ahead,
                 "batch_id": b.batch_id,
                 "attempt": b.attempt,
-                "started": b.worker_started_at is not None,
+                "started": b.worker_started_at is not None or b.step > first[1],  # its start heard, or its steps
                 "studies": [
                     {"id": sid, "name": studies[sid].name, "trials": keys[:SLOT_TRIALS], "trial_count": len(keys)}
                     for sid, keys in sorted(by_study.items())

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import FastAPI, Query, Request
 from fastapi import Path as PathParam
-from fastapi.responses import FileResponse, RedirectResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
 from stagetree.core.text import INT64_MAX
@@ -86,7 +86,7 @@ def add_dashboard_routes(api: FastAPI, master: MasterApp) -> None:
     def study(study_id: StudyId, who: Who) -> Any:
         """A study's trials (each with its rungs, schedule, tuned choices, metrics and error), the best
         trial, and how much each tuned choice matters to each evaluation metric."""
-        return views.study(who, study_id)
+        return JSONResponse(views.study(who, study_id))  # large: written as built (its shape is tested)
 
     @api.get(
         f"{PREFIX}/dashboard/studies/{{study_id}}/trial", responses=responses(404), response_model=schemas.TrialPage
@@ -106,7 +106,7 @@ def add_dashboard_routes(api: FastAPI, master: MasterApp) -> None:
     def tree(study_id: StudyId, who: Who, plan_key: PlanKey = "") -> Any:
         """The study's plan: each node's span, what was trained of it and its own state, checkpoints and
         how many trials pass through it; and each trial's last node (to find it in the tree)."""
-        return trees.tree(who, study_id, plan_key)
+        return JSONResponse(trees.tree(who, study_id, plan_key))  # large: written as built (its shape is tested)
 
     @api.get(
         f"{PREFIX}/dashboard/studies/{{study_id}}/tree/nodes/{{node_id}}",
@@ -136,18 +136,25 @@ def add_dashboard_routes(api: FastAPI, master: MasterApp) -> None:
         once), thinned to about ``max_points`` in all; with ``since``, only points recorded after it
         (``as_of`` is the next call's ``since``). Evaluation metrics: each trial's rungs as ``[step, value,
         answered at]``. Without ``metric``: the step curves' first loss-like metric, or the first
-        evaluation metric when there is no step curve. ``metrics`` and ``eval_metrics`` list both kinds."""
+        evaluation metric when there is no step curve. ``metrics`` lists the step metrics when ``metric``
+        or ``kind`` is not given, ``eval_metrics`` the evaluation metrics when they were read."""
         as_of = time.time()
         names = curves.metric_names(who, study_id, plan_key) if metric is None or kind is None else []
-        evals = views.eval_metrics(who, study_id)
+        evals: list[str] = []  # listed when they are read anyway (the study page has them already)
         if kind is None:
             if metric is None:
                 metric = next((n for n in names if "loss" in n.lower()), names[0] if names else None)
                 kind = "step" if metric is not None else None
-                if metric is None and evals:
-                    metric, kind = evals[0], "eval"
+                if metric is None:
+                    evals = views.eval_metrics(who, study_id)
+                    metric, kind = (evals[0], "eval") if evals else (None, None)
+            elif metric not in names:
+                evals = views.eval_metrics(who, study_id)
+                kind = "eval" if metric in evals else "step"
             else:
-                kind = "step" if metric in names or metric not in evals else "eval"
+                kind = "step"
+        if kind == "eval" and not evals:
+            evals = views.eval_metrics(who, study_id)
         out: dict[str, Any] = {"as_of": as_of, "metric": metric, "kind": kind, "metrics": names, "eval_metrics": evals}
         if metric is None:
             return {**out, "as_of": None, "kind": None}

@@ -17,13 +17,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from stagetree.core.batch import Point
 from stagetree.core.errors import NotFound
 from stagetree.core.failures import parse_failure
 from stagetree.core.lifecycle import RequestState
 from stagetree.core.searchplan import SearchPlan
 from stagetree.dashboard.cluster import occupancy
-from stagetree.dashboard.views import _metrics_json, group_trials, schedule_text, trial_state
+from stagetree.dashboard.views import Trial, _metrics_json, group_trials, schedule_text, trial_state
 from stagetree.master.auth import Principal
 from stagetree.master.service import MasterService
 from stagetree.master.store.activity import ActivityReader, RunningBatch
@@ -54,22 +53,26 @@ def node_facts(
     nodes = plan.nodes
     end = {n.id: n.start for n in nodes.values()}
     trained = {n.id: n.start for n in nodes.values()}
-    for nid in nodes:
-        steps = [*metric_steps.get(nid, ()), *checkpoint_steps.get(nid, ())]
-        if steps:
-            end[nid] = max(end[nid], *steps)
-            trained[nid] = max(trained[nid], *steps)
-    paths = []
+    for marks in (metric_steps, checkpoint_steps):
+        for nid, steps in marks.items():
+            if nid in nodes and steps:
+                top = max(steps)
+                if top > end[nid]:
+                    end[nid] = trained[nid] = top
+                elif top > trained[nid]:
+                    trained[nid] = top
+    paths: list[tuple[RequestState, list[tuple[int, int]]]] = []
     for r in reqs:
         if r.node not in nodes:
             continue
-        path = plan.path(Point(r.node, r.step))
+        path = _reach(nodes, r.node, r.step)
         paths.append((r.state, path))
-        for node, _a, b in path:
-            end[node] = max(end[node], b)
-        if r.state is RequestState.DONE:
-            for node, _a, b in path:
-                trained[node] = max(trained[node], b)
+        answered = r.state is RequestState.DONE
+        for node, b in path:
+            if b > end[node]:
+                end[node] = b
+            if answered and b > trained[node]:
+                trained[node] = b
     active: dict[int, float] = {}
     for batch in running:
         for node, a, z in batch.stages:
@@ -88,7 +91,7 @@ def node_facts(
                 trained[n.parent] = max(trained[n.parent], n.start)
     wants: dict[int, set[RequestState]] = defaultdict(set)  # what became of those that wanted more of it
     for rstate, path in paths:
-        for node, _a, b in path:
+        for node, b in path:
             if b > trained[node]:
                 wants[node].add(rstate)
     out: dict[int, NodeFacts] = {}
@@ -115,6 +118,19 @@ def node_facts(
     return out
 
 
+def _reach(nodes: Mapping[int, Any], node: int, step: int) -> list[tuple[int, int]]:
+    """``(node, the step the path reaches on it)`` along the path to ``(node, step)``, from its end up
+    (``SearchPlan.path`` without the start of each piece)."""
+    out = []
+    at: int | None = node
+    while at is not None:
+        n = nodes[at]
+        if step > n.start:
+            out.append((at, step))
+        step, at = n.start, n.parent
+    return out
+
+
 class TreeViews:
     def __init__(self, service: MasterService) -> None:
         self.svc = service
@@ -124,9 +140,9 @@ class TreeViews:
     def _read(
         self, who: Principal, study_id: str, plan_key: str
     ) -> tuple[str, int, SearchPlan, list[RequestRecord], dict[int, NodeFacts], Any]:
-        key, pid = self.svc.study_plan(who, study_id, plan_key)
+        key, pid = self.svc.study_plan(who, study_id, plan_key)  # the caller's study, or NotFound
         plan = self.svc.plans.refresh(pid)
-        reqs = [r for r in self.svc.get_requests(who, study_id, None) if r.plan_id == pid]
+        reqs = [r for r in self.activity.request_heads(study_id) if r.plan_id == pid]
         _counts, ckpts, mets = self.store.plans.plan_state(pid)
         occupants = [occ for occ, _ahead in occupancy(self.activity.running_batches()).values()]
         running = list({b.batch_id: b for b in occupants if b.plan_id == pid}.values())
@@ -140,9 +156,8 @@ class TreeViews:
         trials = []
         for t in group_trials(reqs):
             last = t.last
-            at: int | None = last.node
             for r in t.rungs:
-                at = r.node
+                at: int | None = r.node
                 while at is not None and t.key not in through[at]:
                     through[at].add(t.key)
                     at = plan.nodes[at].parent
@@ -171,20 +186,25 @@ class TreeViews:
         """One node in full: its schedule on its span, checkpoints, evaluations, curve points, path
         changes, and the study's trials that pass through it (how far each trains on it, its state, its
         metrics and, for a failed one, what was raised)."""
-        key, _pid, plan, reqs, facts, (ckpts, mets) = self._read(who, study_id, plan_key)
+        key, _pid, plan, heads, facts, (ckpts, mets) = self._read(who, study_id, plan_key)
         n = plan.nodes.get(node_id)
         if n is None:
             raise NotFound(f"node {node_id} is not in the study's plan {key!r}")
         f = facts[node_id]
-        rows = []
-        for t in group_trials(reqs):
+        through: list[tuple[Trial, int]] = []  # the trials through it, how far each trains on it
+        for t in group_trials(heads):
             until = None
             for r in t.rungs:
-                for node, _a, b in plan.path(Point(r.node, r.step)):
+                for node, b in _reach(plan.nodes, r.node, r.step):
                     if node == node_id and (until is None or b > until):
                         until = b
-            if until is None:
-                continue
+            if until is not None:
+                through.append((t, until))
+        shown = through[:NODE_TRIALS]  # their metrics and errors: read for those listed only
+        full = {r.id: r for r in self.svc.get_requests(who, study_id, [r.id for t, _ in shown for r in t.rungs])}
+        rows = []
+        for head, until in shown:
+            t = Trial(head.key, [full.get(r.id, r) for r in head.rungs])
             best = t.best_rung()
             failed = next((r for r in reversed(t.rungs) if r.state is RequestState.FAILED and r.error), None)
             rows.append(
@@ -217,6 +237,6 @@ class TreeViews:
             "curve_points": self.store.curves.counts([node_id]).get(node_id, 0),
             "path_changes": [c.to_json() for c in changes],
             "children": sorted(c for cs in n.children.values() for c in cs),
-            "trial_count": len(rows),
-            "trials": rows[:NODE_TRIALS],
+            "trial_count": len(through),
+            "trials": rows,
         }

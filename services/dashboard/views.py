@@ -12,6 +12,7 @@ the batches that ran it, and which steps it shares with which other trials. Ever
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import Counter, defaultdict
@@ -19,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from stagetree.client.cli import describe_config, describe_sequence
+from stagetree.client.cli import describe_sequence
 from stagetree.core.batch import Point
 from stagetree.core.config import Config
 from stagetree.core.errors import InvalidArgument, NotFound
@@ -28,7 +29,7 @@ from stagetree.core.importance import importance
 from stagetree.core.lifecycle import RequestState
 from stagetree.core.schedule_features import study_features
 from stagetree.core.searchplan import SearchPlan
-from stagetree.core.sequences import boundaries, segments_to_json, value_at
+from stagetree.core.sequences import Segments, boundaries, segments_to_json, value_at
 from stagetree.core.text import check_id
 from stagetree.master.auth import Principal
 from stagetree.master.curves import CurveService
@@ -48,8 +49,15 @@ def metric_mode(name: str) -> str:
 
 
 def schedule_text(config: Config, start: int = 0, until: int | None = None) -> str:
-    """A config's schedules as the pages print them (``lr=0.1, @30 0.01 bs=32``)."""
-    return describe_config(config.to_json(), start, until)
+    """A config's schedules as the pages print them (``bs=32 lr=0.1, @30 0.01``), from ``start`` on (until
+    ``until`` when given)."""
+    return " ".join(f"{name}={_sequence_text(segs, start, until)}" for name, segs in config.items)
+
+
+@functools.lru_cache(maxsize=65_536)
+def _sequence_text(segments: Segments, start: int, until: int | None) -> str:
+    # a study's trials repeat each hyper-parameter's few schedules: each is written once
+    return describe_sequence(segments_to_json(segments), start, until)
 
 
 def trial_key(r: RequestRecord) -> str:
@@ -321,7 +329,7 @@ class DashboardViews:
         if request_id is not None:
             check_id(request_id, "request_id")
         st = self.svc.get_study(who, study_id)
-        reqs = self.svc.get_requests(who, study_id, None)
+        reqs = self.activity.request_heads(st.id)  # the others' metrics are not needed: read its own below
         if request_id is not None:
             r0 = next((r for r in reqs if r.id == request_id), None)
             if r0 is None:
@@ -330,9 +338,10 @@ class DashboardViews:
         else:
             key = label or ""
         trials = {t.key: t for t in group_trials(reqs)}
-        t = trials.get(key)
-        if t is None or (label is not None and not label):
+        if key not in trials or (label is not None and not label):
             raise NotFound(f"trial {key!r} does not exist in study {study_id!r}")
+        t = Trial(key, self.svc.get_requests(who, study_id, [r.id for r in trials[key].rungs]))
+        t.rungs.sort(key=lambda r: (r.step, r.id))
         last = t.last
         configs, plans = self._configs(reqs)
         plan = plans[last.plan_id]
@@ -410,7 +419,7 @@ def _schedule_plot(name: str, segments: Any, horizon: int) -> dict[str, Any]:
         points = [[s, float(value_at(segments, s))] for s in sorted(x for x in steps if 0 <= x <= end)]
     return {
         "name": name,
-        "text": describe_sequence(segments_to_json(segments)),
+        "text": _sequence_text(segments, 0, None),
         "numeric": numeric,
         "points": points,
     }

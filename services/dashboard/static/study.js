@@ -11,7 +11,9 @@ import {
 import { bestText } from "./studies.js";
 
 const PAGE = 50; // table rows per page
-const PER_SERIES_LIMIT = 300; // up to this many lines: a series each (legend, hover); beyond: one series with gaps
+// up to this many lines: a series each, with a legend; beyond, one series with gaps (a tooltip names each
+// line, a hover draws its trial, the table's filter narrows them back to a legend)
+const PER_SERIES_LIMIT = 60;
 const SLICES = 4; // slice plots of the most important choices
 
 export async function renderStudy(main, studyId, gen) {
@@ -186,6 +188,7 @@ export async function renderStudy(main, studyId, gen) {
       ? `${ids.length} lines, ${drawn} points${total > drawn ? ` of ${total} (thinned on the server)` : ""}` : "no step metric: train() returned none";
     const values = [];
     let series;
+    curveIndex = null;
     if (ids.length <= PER_SERIES_LIMIT) {
       series = ids.map((n) => {
         const d = smooth(xy(n));
@@ -195,7 +198,11 @@ export async function renderStudy(main, studyId, gen) {
       });
     } else {
       const d = [];
-      for (const n of ids) { for (const p of smooth(xy(n))) { d.push(p); values.push(p[1]); } d.push([null, null]); }
+      curveIndex = [];
+      for (const n of ids) {
+        for (const p of smooth(xy(n))) { d.push(p); values.push(p[1]); curveIndex.push(n); }
+        d.push([null, null]); curveIndex.push(null);
+      }
       series = [{ id: "all", name: `${ids.length} lines`, type: "line", showSymbol: false, data: d, connectNulls: false,
         lineStyle: { width: 0.8, opacity: 0.5 }, animation: false, large: true, progressive: 20000, clip: true }];
     }
@@ -205,19 +212,27 @@ export async function renderStudy(main, studyId, gen) {
         lineStyle: { width: 3, color: "#d64545" }, animation: false, silent: true, clip: true });
     }
     const [y, clipped] = yAxis(state.metric ? metricLabel(state.metric, "step") : "", values);
+    const many = ids.length > PER_SERIES_LIMIT;
     charts.curves.setOption({
       animation: false,
       color: PALETTE,
-      legend: { type: "scroll", top: 0, left: 0, right: 10, textStyle: { fontSize: 11 } },
+      legend: { show: true, type: "scroll", top: 0, left: 0, right: 10, textStyle: { fontSize: 11 } },
       grid: { left: 60, right: 20, top: 44, bottom: 40 },
-      tooltip: { trigger: "item", formatter: (p) => `${esc(p.seriesName)}<br>${state.x === "time" ? new Date(p.value[0]).toLocaleTimeString() : `step ${p.value[0]}`}: ${fmt(p.value[1])}` },
+      tooltip: { trigger: "item", formatter: (p) => {
+        const name = p.seriesId === "all" && curveIndex ? nodeName(curveIndex[p.dataIndex], through) : p.seriesName;
+        return `${esc(name)}<br>${state.x === "time" ? new Date(p.value[0]).toLocaleTimeString() : `step ${p.value[0]}`}: ${fmt(p.value[1])}`;
+      } },
       xAxis: xAxis(), yAxis: y,
-      graphic: clipped ? [{ type: "text", right: 24, top: 46, style: { text: "outliers off-scale", fill: "#7b8794", fontSize: 11 } }] : [],
+      graphic: [
+        ...(clipped ? [{ type: "text", right: 24, top: 46, style: { text: "outliers off-scale", fill: "#7b8794", fontSize: 11 } }] : []),
+        ...(many ? [{ type: "text", left: 70, top: 46, style: { text: "hover a line, or filter the table, to name the trials", fill: "#7b8794", fontSize: 11 } }] : []),
+      ],
       dataZoom: [{ type: "inside" }],
       series,
     }, { replaceMerge: ["series", "graphic"] });
     el.dataset.ready = "1";
   }
+  let curveIndex = null; // in one-series mode: the node of each point
 
   function pathPoints(leaf) {
     // the trial's curve: each ancestor's points up to where the next node on its path branches
@@ -235,8 +250,8 @@ export async function renderStudy(main, studyId, gen) {
   }
 
   charts.curves.on("mouseover", (e) => {
-    if (e.seriesId && e.seriesId.startsWith("n")) {
-      const node = Number(e.seriesId.slice(1));
+    const node = e.seriesId === "all" && curveIndex ? curveIndex[e.dataIndex] : e.seriesId && e.seriesId.startsWith("n") ? Number(e.seriesId.slice(1)) : null;
+    if (node !== null && node !== undefined) {
       const t = data.trials.find((x) => x.node === node);
       if (t && state.hover !== t.key) { state.hover = t.key; drawCurves(); drawEval(); }
     }
@@ -261,6 +276,7 @@ export async function renderStudy(main, studyId, gen) {
     const values = [];
     let series;
     let points = 0;
+    evalIndex = null;
     if (trials.length <= PER_SERIES_LIMIT) {
       series = trials.map((t) => {
         const d = t.points.map((p) => [x(p), p[1]]);
@@ -271,22 +287,33 @@ export async function renderStudy(main, studyId, gen) {
       });
     } else {
       const d = [];
-      for (const t of trials) for (const p of t.points) { d.push([x(p), p[1]]); values.push(p[1]); }
-      points = d.length;
-      series = [{ id: "all", name: `${trials.length} trials`, type: "scatter", data: d, symbolSize: 4, large: true, animation: false, clip: true }];
+      evalIndex = [];
+      for (const t of trials) {
+        for (const p of t.points) { d.push([x(p), p[1]]); values.push(p[1]); evalIndex.push(t.key); points += 1; }
+        d.push([null, null]); evalIndex.push(null);
+      }
+      series = [{ id: "all", name: `${trials.length} trials`, type: "line", data: d, connectNulls: false, showSymbol: true, symbolSize: 4,
+        lineStyle: { width: 0.8, opacity: 0.45 }, itemStyle: { opacity: 0.7 }, animation: false, clip: true }];
     }
     const hover = state.hover !== null && evals.trials.find((t) => t.key === state.hover);
     if (hover) series.push({ id: "hover", name: `${hover.key} (highlighted)`, type: "line", data: hover.points.map((p) => [x(p), p[1]]), z: 10,
       symbolSize: 8, lineStyle: { width: 3, color: "#d64545" }, itemStyle: { color: "#d64545" }, animation: false, silent: true });
     const [y, clipped] = yAxis(state.evalMetric ? metricLabel(state.evalMetric, "eval") : "", values);
+    const many = trials.length > PER_SERIES_LIMIT;
     charts["eval-curves"].setOption({
       animation: false,
       color: PALETTE,
-      legend: { type: "scroll", top: 0, left: 0, right: 10, textStyle: { fontSize: 11 } },
+      legend: { show: true, type: "scroll", top: 0, left: 0, right: 10, textStyle: { fontSize: 11 } },
       grid: { left: 60, right: 20, top: 44, bottom: 40 },
-      tooltip: { trigger: "item", formatter: (p) => `${esc(p.seriesName)}<br>${state.x === "time" ? new Date(p.value[0]).toLocaleTimeString() : `step ${p.value[0]}`}: ${fmt(p.value[1])}` },
+      tooltip: { trigger: "item", formatter: (p) => {
+        const name = p.seriesId === "all" && evalIndex ? evalIndex[p.dataIndex] : p.seriesName;
+        return `${esc(name)}<br>${state.x === "time" ? new Date(p.value[0]).toLocaleTimeString() : `step ${p.value[0]}`}: ${fmt(p.value[1])}`;
+      } },
       xAxis: xAxis(), yAxis: y,
-      graphic: clipped ? [{ type: "text", right: 24, top: 46, style: { text: "outliers off-scale", fill: "#7b8794", fontSize: 11 } }] : [],
+      graphic: [
+        ...(clipped ? [{ type: "text", right: 24, top: 46, style: { text: "outliers off-scale", fill: "#7b8794", fontSize: 11 } }] : []),
+        ...(many ? [{ type: "text", left: 70, top: 46, style: { text: "hover a line, or filter the table, to name the trials", fill: "#7b8794", fontSize: 11 } }] : []),
+      ],
       dataZoom: [{ type: "inside" }],
       series,
     }, { replaceMerge: ["series", "graphic"] });
@@ -294,8 +321,14 @@ export async function renderStudy(main, studyId, gen) {
     el.dataset.points = String(points);
     el.dataset.ready = "1";
   }
+  let evalIndex = null; // in one-series mode: the trial of each point
+  charts["eval-curves"].on("mouseover", (e) => {
+    const key = e.seriesId === "all" && evalIndex ? evalIndex[e.dataIndex] : e.seriesId && e.seriesId.startsWith("t:") ? e.seriesId.slice(2) : null;
+    if (key && state.hover !== key) { state.hover = key; drawCurves(); drawEval(); }
+  });
+  charts["eval-curves"].on("globalout", () => { if (state.hover !== null) { state.hover = null; drawCurves(); drawEval(); } });
   charts["eval-curves"].on("click", (e) => {
-    const key = e.seriesId && e.seriesId.startsWith("t:") ? e.seriesId.slice(2) : null;
+    const key = e.seriesId === "all" && evalIndex ? evalIndex[e.dataIndex] : e.seriesId && e.seriesId.startsWith("t:") ? e.seriesId.slice(2) : null;
     const t = key && data.trials.find((x) => x.key === key);
     if (t) location.hash = trialHref(studyId, t);
   });

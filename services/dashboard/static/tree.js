@@ -59,7 +59,8 @@ export async function renderTree(main, studyId, gen) {
     for (let d = 0; d < byDepth.length; d++) {
       open += byDepth[d].length;
       const next = byDepth[d + 1] ? byDepth[d + 1].length : 0;
-      if (open + next > MAX_OPEN_ROWS) { for (const n of byDepth[d]) if (kids.has(n)) st.collapsed.add(n); return; }
+      // the roots' children always show (a flat plan is a long list, scrolled); deeper, rows are kept few
+      if (d >= 1 && open + next > MAX_OPEN_ROWS) { for (const n of byDepth[d]) if (kids.has(n)) st.collapsed.add(n); return; }
     }
   }
 
