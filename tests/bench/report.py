@@ -105,6 +105,9 @@ BENCHES = (
     Bench("gpu", "On an NVIDIA GPU: CUDA resume, OOM, preemption, MPS packing, Ray Tune's GPU-seconds",
           ("resume_exact", "mps_packing_vs_one >= 2.0", "preempt_s <= 2", "preempt_frees_memory"),
           results="gpu-*"),
+    Bench("first_hour", "a new user's first hour in a pty: the README quickstart, edited and run again, a trainer that "
+          "raises, one schedule's printed forms, the tuner docs; first_result_s beside a plain Optuna script's",
+          ("not stale_after_edit_loaded", "progress_shown", "schedule_forms == 1", "undocumented_public == 0")),
 )  # fmt: skip
 
 
