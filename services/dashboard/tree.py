@@ -231,7 +231,7 @@ class TreeViews:
             "trained": f.trained,
             "state": f.state,
             "progress": f.progress,
-            "schedule": schedule_text(n.config, n.start, f.end if f.end > n.start else None),
+            "schedule": schedule_text(n.config),
             "checkpoints": sorted(ckpts.get(node_id, [])),
             "evals": evals,
             "curve_points": self.store.curves.counts([node_id]).get(node_id, 0),

@@ -20,7 +20,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from stagetree.client.cli import describe_sequence
 from stagetree.core.batch import Point
 from stagetree.core.config import Config
 from stagetree.core.errors import InvalidArgument, NotFound
@@ -29,7 +28,8 @@ from stagetree.core.importance import importance
 from stagetree.core.lifecycle import RequestState
 from stagetree.core.schedule_features import study_features
 from stagetree.core.searchplan import SearchPlan
-from stagetree.core.sequences import Segments, boundaries, segments_to_json, value_at
+from stagetree.core.seqforms import to_text
+from stagetree.core.sequences import Segments, boundaries, value_at
 from stagetree.core.text import check_id
 from stagetree.master.auth import Principal
 from stagetree.master.curves import CurveService
@@ -48,16 +48,16 @@ def metric_mode(name: str) -> str:
     return "min" if any(w in low for w in ("loss", "err", "perplex", "mse", "mae", "rmse", "time")) else "max"
 
 
-def schedule_text(config: Config, start: int = 0, until: int | None = None) -> str:
-    """A config's schedules as the pages print them (``bs=32 lr=0.1, @30 0.01``), from ``start`` on (until
-    ``until`` when given)."""
-    return " ".join(f"{name}={_sequence_text(segs, start, until)}" for name, segs in config.items)
+def schedule_text(config: Config) -> str:
+    """A config's schedules in the one printed form (``core.seqforms``), as the SDK, CLI and REST print
+    them: ``bs=32 lr=Warmup(0.01, 5, then=Cosine(0.1, 0.001, 40))``."""
+    return " ".join(f"{name}={_sequence_text(segs)}" for name, segs in config.items)
 
 
 @functools.lru_cache(maxsize=65_536)
-def _sequence_text(segments: Segments, start: int, until: int | None) -> str:
+def _sequence_text(segments: Segments) -> str:
     # a study's trials repeat each hyper-parameter's few schedules: each is written once
-    return describe_sequence(segments_to_json(segments), start, until)
+    return to_text(segments)
 
 
 def trial_key(r: RequestRecord) -> str:
@@ -419,7 +419,7 @@ def _schedule_plot(name: str, segments: Any, horizon: int) -> dict[str, Any]:
         points = [[s, float(value_at(segments, s))] for s in sorted(x for x in steps if 0 <= x <= end)]
     return {
         "name": name,
-        "text": _sequence_text(segments, 0, None),
+        "text": _sequence_text(segments),
         "numeric": numeric,
         "points": points,
     }

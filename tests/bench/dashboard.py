@@ -34,10 +34,10 @@ headless Chromium.
 
 Targets: ``study_page_ms`` and ``tree_page_ms`` (at 10,000 nodes) <= 1500, ``trial_page_ms`` <= 500,
 ``live_update_ms`` <= 1000, ``eval_metric_plotted`` and ``traceback_in_ui`` true,
-``rebuilds_of_idle_study`` 0. Figures go to ``tests/bench/results/dashboard.json``. The last line printed
-is ``trials=<n> curve_points=<n> study_page_ms=<t> tree_page_ms=<t> live_update_ms=<t>
-points_ingested_per_s=<r> tree_nodes=<n> trial_page_ms=<t> eval_metric_plotted=<b> traceback_in_ui=<b>
-rebuilds_of_idle_study=<n>``.
+``rebuilds_of_idle_study`` 0. ``tests.bench.record`` keeps the figures in
+``tests/bench/results/dashboard.json``. The last line printed is ``trials=<n> curve_points=<n>
+study_page_ms=<t> tree_page_ms=<t> live_update_ms=<t> points_ingested_per_s=<r> tree_nodes=<n>
+trial_page_ms=<t> eval_metric_plotted=<b> traceback_in_ui=<b> rebuilds_of_idle_study=<n>``.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -82,6 +81,7 @@ from stagetree.master.store.ingest import Ingestor
 from stagetree.master.store.schema import upgrade
 from stagetree.master.store.store import make_engine
 from stagetree.nodemanager.runtime.executor import error_text
+from tests.bench.record import record
 from tests.browser.harness import Background, chromium_path
 
 TOKEN = "bench-token"
@@ -91,7 +91,6 @@ GROUPS = 20
 CRASHES = 3
 IDLE_WINDOW_S = 10.0
 TRAINER = "stagetree.nodemanager.examples.digits:DigitsMLP"
-RESULTS = Path(__file__).parent / "results" / "dashboard.json"
 
 
 def fixed(seed: int) -> dict[str, Any]:
@@ -329,7 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tree-trials", type=int, default=10_000)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--shots", type=Path, default=None, help="save the 10,000-node tree's screenshot here")
-    p.add_argument("--no-save", action="store_true", help=f"do not write {RESULTS.name}")
+    p.add_argument(
+        "--no-save", action="store_true", help="do not record the figures (tests/bench/results/dashboard.json)"
+    )
     ns = p.parse_args(argv)
     path = chromium_path()
     if path is None:
@@ -509,23 +510,9 @@ def main(argv: list[str] | None = None) -> int:
         "traceback_in_ui": traceback_in_ui,
         "rebuilds_of_idle_study": rebuilds_idle,
     }
-    if not ns.no_save:
-        doc = {
-            "command": "python -m tests.bench.dashboard " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "date": time.strftime("%Y-%m-%d", time.gmtime()),
-            "load_average": round(os.getloadavg()[0], 1),
-            "figures": figures,
-            "busy_page_rebuilds": rebuilds_busy,
-            "runs": {
-                "study_page_ms": study_ms,
-                "tree_page_ms": tree_ms,
-                "trial_page_ms": trial_ms,
-                "live_update_ms": live_ms,
-            },
-        }
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(doc, indent=1) + "\n")
-    print(" ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in figures.items()))
+    line = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in figures.items())
+    runs = {"study_page_ms": study_ms, "tree_page_ms": tree_ms, "trial_page_ms": trial_ms, "live_update_ms": live_ms}
+    print(line if ns.no_save else record("dashboard", line, extra={"busy_page_rebuilds": rebuilds_busy, "runs": runs}))
     return 0
 
 

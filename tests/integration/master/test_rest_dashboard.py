@@ -104,7 +104,7 @@ def test_pages_read_trials_their_rungs_and_a_failure_with_its_traceback(http: ht
     assert {t["features"]["lr.final"] for t in trials.values()} == {0.05, 0.02, 0.005}
     assert set(page["importance"]) == {"accuracy", "loss"}
     assert page["best"]["trial"] == "trial-1" and page["best"]["metric"] == "accuracy"
-    assert "@4" in trials["trial-0"]["schedule"]  # the whole schedule, past the step trained
+    assert "lr=MultiStep(0.1, [4], 0.5)" in trials["trial-0"]["schedule"]  # the canonical printed form, whole
 
     trial = http.get(f"/dashboard/studies/{sid}/trial", params={"label": "trial-2"}, headers=ALICE).json()
     assert trial["state"] == "FAILED" and trial["failure"]["headline"] == "ValueError: boom"
