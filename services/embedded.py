@@ -4,7 +4,10 @@ The same components as the cluster, wired with in-process adapters (ARCHITECTURE
 of Postgres, :class:`~stagetree.bus.inprocess.InProcessBus` in place of Kafka and in-process
 coordination in place of Redis. The node manager still launches one worker process per batch on the
 local GPUs (or CPU slots) and reports through the bus; the aggregator applies the bus to the database
-in its own thread. Clients talk gRPC to it exactly as to a cluster's master::
+in its own thread. ``start`` returns once the node manager
+has registered: the fork server, which imports torch, starts first and beside the rest of the start-up,
+and a first batch waits for the workers (``workers_ready``) rather than the start for them. Clients talk
+gRPC to it exactly as to a cluster's master::
 
     async with Embedded(EmbeddedSettings(workers=2)) as cluster:
         async with stagetree.connect(cluster.target, token=cluster.token) as client:
@@ -143,14 +146,34 @@ class Embedded:
         from stagetree.master.store.schema import upgrade
         from stagetree.master.store.store import make_engine
         from stagetree.nodemanager.app import build_node_manager
-        from stagetree.nodemanager.runtime.trainer import trainer_import_problem
+        from stagetree.nodemanager.runtime.userpath import trainer_import_problem
         from stagetree.nodemanager.settings import NodeManagerSettings
+        from stagetree.nodemanager.workers import ensure_fork_server
 
         s = self.settings
         t0 = time.monotonic()
         slots = f"{s.workers} CPU worker slots unless it finds GPUs"
         self._say(f"starting an embedded stagetree in {s.home} (a master and a node manager with {slots}) ...")
         self._home_lock = HomeLock.acquire(s.home)  # one master per home (stagetree.homelock)
+        nm_settings = NodeManagerSettings(
+            admin_token=SecretStr(s.admin_token),
+            node_manager_id=s.node_manager_id,
+            address="embedded",
+            checkpoint_root=str(s.home / "checkpoints"),
+            work_dir=str(s.home / "work"),
+            slots_per_gpu=s.slots_per_gpu,
+            mps=s.mps,
+            cpu_slots=s.workers,
+            threads_per_worker=s.threads_per_worker,
+            prestart_workers=s.prestart_workers,
+            progress_interval_s=0.5,
+            user_path=os.pathsep.join(s.user_path),
+        )
+        if nm_settings.worker_start != "exec":
+            # The fork server imports torch (seconds of CPU): started first, it does so beside this
+            # process's own start-up instead of after it, and the node manager's launcher finds it up.
+            preload = [m.strip() for m in nm_settings.worker_preload.split(",")]
+            self._tasks.append(asyncio.create_task(asyncio.to_thread(ensure_fork_server, preload)))
         engine = make_engine(s.database_url)
         try:
             upgrade(engine)  # the embedded database is ours: bring it to the current schema
@@ -198,34 +221,26 @@ class Embedded:
         aggregator = self.aggregator
         app.telemetry = lambda: [t.to_json() for t in aggregator.telemetry().values()]
 
-        nm_settings = NodeManagerSettings(
-            master_target=self.target,
-            admin_token=SecretStr(s.admin_token),
-            node_manager_id=s.node_manager_id,
-            address="embedded",
-            checkpoint_root=str(s.home / "checkpoints"),
-            work_dir=str(s.home / "work"),
-            slots_per_gpu=s.slots_per_gpu,
-            mps=s.mps,
-            cpu_slots=s.workers,
-            threads_per_worker=s.threads_per_worker,
-            prestart_workers=s.prestart_workers,
-            progress_interval_s=0.5,
-            user_path=os.pathsep.join(s.user_path),
-        )
+        nm_settings = nm_settings.model_copy(update={"master_target": self.target})
         self.node_manager = build_node_manager(nm_settings, bus=bus)
         launcher, nm_id = self.node_manager.launcher, s.node_manager_id
         app.worker_logs = lambda nm, batch, attempt: launcher.batch_logs(batch, attempt) if nm == nm_id else []
         self._tasks.append(asyncio.create_task(self.node_manager.run(self._stop), name="stagetree-node-manager"))
         self._say("waiting for the node manager to register its slots ...")
+        # Up once the node manager has registered its slots: a study can be created and its first batch
+        # sent while the workers finish starting (the batch waits for them; ``workers_ready``).
         await self._wait_registered()
-        # and its workers ready to start (the fork server's imports take seconds): startup, not the
-        # first study, pays for them
-        self._say("waiting for the workers to be ready (they import torch once, before the first trial) ...")
-        await asyncio.wait_for(self.node_manager.workers_ready(), 120)
-        self._say(f"ready in {time.monotonic() - t0:.1f} s (gRPC {self.target})")
+        self._say(
+            f"ready in {time.monotonic() - t0:.1f} s (gRPC {self.target}); the workers finish starting "
+            "(they import torch once) beside the first study"
+        )
         log.info("embedded stagetree up", extra={"target": self.target, "home": str(s.home)})
         return self
+
+    async def workers_ready(self, timeout_s: float = 120.0) -> None:
+        """Until the node manager's workers can start batches at once (the fork server's imports done, a
+        worker waiting on each slot): for a caller that times its studies without the start-up."""
+        await asyncio.wait_for(self.node_manager.workers_ready(), timeout_s)
 
     def _say(self, message: str) -> None:
         """One line of the start's progress: on stderr where a person watches, else in the log."""

@@ -60,7 +60,7 @@ from stagetree.nodemanager.link import ABORT, DELETE_CHECKPOINTS, PREEMPT, RUN, 
 from stagetree.nodemanager.mps import MpsDaemon
 from stagetree.nodemanager.reporting import TERMINAL_EVENTS, AttemptEnd, AttemptInfo, BatchReporter, RecentKeys
 from stagetree.nodemanager.runtime.checkpoints import CheckpointStore
-from stagetree.nodemanager.runtime.distributed import LOOPBACK, RANK_KEY, RankInfo, free_port
+from stagetree.nodemanager.runtime.ranks import LOOPBACK, RANK_KEY, RankInfo, free_port
 from stagetree.nodemanager.workers import EXIT_USAGE, WorkerLauncher, WorkerProcess
 
 log = logging.getLogger(__name__)

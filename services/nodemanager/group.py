@@ -26,7 +26,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from stagetree.nodemanager.runtime.distributed import PEER_LOST_NOTE
+from stagetree.nodemanager.runtime.ranks import PEER_LOST_NOTE
 from stagetree.nodemanager.workers import WorkerProcess
 
 log = logging.getLogger(__name__)

@@ -54,6 +54,7 @@ from typing import Any, Literal
 from stagetree.core.batch import BatchSpec
 from stagetree.core.errors import FailedPrecondition, InvalidArgument, StagetreeError
 from stagetree.core.slots import SlotInfo
+from stagetree.nodemanager.runtime import forked_worker_main
 from stagetree.nodemanager.runtime.events import decode_event
 from stagetree.nodemanager.slots import worker_env
 
@@ -449,47 +450,19 @@ class _ForkedWorker(WorkerProcess):
 
 class ForkserverLauncher(WorkerLauncher):
     """Forks each worker from a ``multiprocessing`` fork server that imported the worker runtime (and
-    ``preload``) once. The fork server is started by ``start`` (in a thread: it takes the import time);
-    with ``prestart``, a worker is forked ahead for each slot and waits for its spec on a pipe."""
+    ``preload``) once. The fork server is started by ``start`` (in a thread: it takes the import time)
+    unless it runs already (``ensure_fork_server``); with ``prestart``, a worker is forked ahead for each
+    slot and waits for its spec on a pipe."""
 
     def __init__(self, checkpoint_root: str, work_dir: Path, **kw: Any) -> None:
         super().__init__(checkpoint_root, work_dir, **kw)
         self._ctx = multiprocessing.get_context("forkserver")
 
     async def start(self, slots: Sequence[SlotInfo]) -> None:
-        from multiprocessing import forkserver
-
-        def ensure() -> None:
-            # The server must never initialize CUDA (a process forked after that cannot use it): should
-            # anything it imports ask PyTorch whether CUDA is available, the answer comes from NVML.
-            os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-            # Only our modules: the default would import the node manager's __main__ in the server.
-            self._ctx.set_forkserver_preload([WORKER_MODULE, *self.preload])
-            forkserver.ensure_running()
-            # The server imports its preload (torch: seconds) after it starts: fork one child and wait
-            # for it, so that time is spent here and not by the first batch. The child holds what the
-            # server held when it forked: it says whether that is safe to fork.
-            answer, ask = self._ctx.Pipe(duplex=False)
-            warm = _WorkerForkProcess(target=_report_holdings, args=(ask,), name="forkserver-warmup", daemon=True)
-            try:
-                warm.start()
-                ask.close()
-                warm.join(timeout=120)
-                held: list[str] = answer.recv() if answer.poll(0) else []
-            finally:
-                answer.close()
-            if held:
-                raise FailedPrecondition(
-                    f"the worker fork server holds {' and '.join(held)} (preload {self.preload}), which a forked "
-                    "worker cannot use: keep them out of the modules it preloads, or set worker_start=exec"
-                )
-
-        await asyncio.to_thread(ensure)
+        await asyncio.to_thread(ensure_fork_server, self.preload)
         await super().start(slots)
 
     async def _start(self, slot: SlotInfo) -> _ForkedWorker:
-        from stagetree.nodemanager.runtime.worker import run_forked
-
         log_path = self.log_path(f"worker-{slot.id}-{os.getpid()}-{next(self._seq)}.log")
         log_path.touch()  # here, not by the child: spawn may rename it before the child runs
         events_read, events_write = self._ctx.Pipe(duplex=False)
@@ -500,7 +473,7 @@ class ForkserverLauncher(WorkerLauncher):
         removed = [k for k in os.environ if k not in env]
         argv = ["--spec", "-", *self.worker_args(slot)]
         proc = _WorkerForkProcess(
-            target=run_forked,
+            target=forked_worker_main,
             args=(argv, changes, removed, events_write, str(log_path), spec_read),
             name=f"worker-{slot.id}",
             daemon=False,
@@ -534,6 +507,55 @@ def fork_server_holds() -> list[str]:
 def _report_holdings(conn: Connection) -> None:
     conn.send(fork_server_holds())
     conn.close()
+
+
+_FORK_SERVER = threading.Lock()
+_fork_server_preload: tuple[str, ...] | None = None
+
+
+def ensure_fork_server(preload: Sequence[str] = ()) -> None:
+    """Start this process's fork server, which imports the worker runtime and ``preload`` (torch:
+    seconds), and return once it has (blocking: call it in a thread). Later calls return at once; a
+    caller may start it early (the embedded mode does, beside its own start-up) so that the node
+    manager's launcher finds it ready. Its preload is fixed by the first call."""
+    from multiprocessing import forkserver
+
+    global _fork_server_preload
+    with _FORK_SERVER:
+        wanted = (WORKER_MODULE, *(m for m in preload if m))
+        if _fork_server_preload is not None:
+            if set(wanted) - set(_fork_server_preload):
+                log.warning(
+                    "the fork server runs already; modules not preloaded in it: %s",
+                    sorted(set(wanted) - set(_fork_server_preload)),
+                )
+            forkserver.ensure_running()  # started again should it have died
+            return
+        # The server must never initialize CUDA (a process forked after that cannot use it): should
+        # anything it imports ask PyTorch whether CUDA is available, the answer comes from NVML.
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+        ctx = multiprocessing.get_context("forkserver")
+        # Only our modules: the default would import the node manager's __main__ in the server.
+        ctx.set_forkserver_preload(list(wanted))
+        forkserver.ensure_running()
+        # The server imports its preload (torch: seconds) after it starts: fork one child and wait
+        # for it, so that time is spent here and not by the first batch. The child holds what the
+        # server held when it forked: it says whether that is safe to fork.
+        answer, ask = ctx.Pipe(duplex=False)
+        warm = _WorkerForkProcess(target=_report_holdings, args=(ask,), name="forkserver-warmup", daemon=True)
+        try:
+            warm.start()
+            ask.close()
+            warm.join(timeout=120)
+            held: list[str] = answer.recv() if answer.poll(0) else []
+        finally:
+            answer.close()
+        if held:
+            raise FailedPrecondition(
+                f"the worker fork server holds {' and '.join(held)} (preload {list(preload)}), which a forked "
+                "worker cannot use: keep them out of the modules it preloads, or set worker_start=exec"
+            )
+        _fork_server_preload = wanted
 
 
 _LAUNCHING = threading.Lock()  # one worker launch at a time replaces get_preparation_data

@@ -201,6 +201,7 @@ async def _run_studies(home: Path, runs: int) -> tuple[list[StudyRun], float]:
     t0 = time.monotonic()
     out = []
     async with Embedded(EmbeddedSettings(home=home, workers=WORKERS)) as cluster:
+        await cluster.workers_ready()  # the studies are timed without the start-up
         startup = time.monotonic() - t0
         async with stagetree.connect(cluster.target, token=cluster.token) as client:
             for i in range(runs):

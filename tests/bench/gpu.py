@@ -515,6 +515,7 @@ async def _pack(ctx: Context, name: str, slots_per_gpu: int, mps: bool) -> dict[
         threads_per_worker=1,
     )
     async with Embedded(settings) as cluster, connect(cluster.target, token=cluster.token) as client:
+        await cluster.workers_ready()  # the packing is timed without the start-up
         study = await Study.create(
             client,
             f"packing-{name}",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -44,3 +46,26 @@ def test_every_package_is_listed_in_pyproject() -> None:
         if "migrations" not in p.parts
     }
     assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
+
+
+def test_the_node_manager_and_the_embedded_mode_run_without_importing_torch() -> None:
+    """Only worker processes need torch (seconds of import): the node manager's process, and the embedded
+    mode's (master, aggregator, node manager, and what ``Embedded.start`` imports), never load it."""
+    modules = [
+        "stagetree.embedded",
+        "stagetree.nodemanager.app",
+        "stagetree.nodemanager.agent",
+        "stagetree.nodemanager.workers",
+        "stagetree.nodemanager.runtime.userpath",
+        "stagetree.master.app",
+        "stagetree.aggregator.aggregator",
+        "stagetree.master.store.ingest",
+        "stagetree.master.coordination",
+        "stagetree.bus.inprocess",
+    ]
+    code = (
+        f"import sys\nfor m in {modules!r}:\n    __import__(m)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:5])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -54,6 +54,14 @@ __all__ = [
 ]
 
 
+def forked_worker_main(*args: Any) -> None:
+    """The target a node manager hands its fork server for each worker (``worker.run_forked``): named by
+    this torch-free module, so the node manager's own process never imports the worker runtime."""
+    from stagetree.nodemanager.runtime.worker import run_forked
+
+    run_forked(*args)
+
+
 def __getattr__(name: str) -> Any:
     module = _WHERE.get(name)
     if module is None:

@@ -63,8 +63,9 @@ from stagetree.core.batch import BatchSpec, CurveRate, Point
 from stagetree.core.config import Config, FixedPart
 from stagetree.core.sequences import Value
 from stagetree.nodemanager.runtime.checkpoints import CheckpointStore, StoredCheckpoint
-from stagetree.nodemanager.runtime.distributed import PEER_LOST_NOTE, SINGLE_RANK, RankGroup, StepSync, is_peer_lost
+from stagetree.nodemanager.runtime.distributed import SINGLE_RANK, RankGroup, StepSync, is_peer_lost
 from stagetree.nodemanager.runtime.events import Emit
+from stagetree.nodemanager.runtime.ranks import PEER_LOST_NOTE
 from stagetree.nodemanager.runtime.state import (
     Snapshot,
     restore_checkpoint,

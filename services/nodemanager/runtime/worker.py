@@ -56,9 +56,10 @@ from stagetree.core.batch import BatchSpec
 from stagetree.core.config import FixedPart
 from stagetree.core.errors import StagetreeError
 from stagetree.nodemanager.runtime.checkpoints import DEFAULT_CACHE_BYTES, open_checkpoint_store
-from stagetree.nodemanager.runtime.distributed import SINGLE_RANK, RankGroup, RankInfo, join_group
+from stagetree.nodemanager.runtime.distributed import SINGLE_RANK, RankGroup, join_group
 from stagetree.nodemanager.runtime.events import encode_event
 from stagetree.nodemanager.runtime.executor import BatchRun, device_for, error_text, new_trainer
+from stagetree.nodemanager.runtime.ranks import RankInfo
 from stagetree.nodemanager.runtime.trainer import Trainer, load_trainer_class
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from stagetree.core.batch import BatchSpec
-from stagetree.nodemanager.runtime.distributed import LOOPBACK, RANK_KEY, RankInfo, free_port
 from stagetree.nodemanager.runtime.events import decode_event
+from stagetree.nodemanager.runtime.ranks import LOOPBACK, RANK_KEY, RankInfo, free_port
 
 WORKER = "stagetree.nodemanager.runtime.worker"
 

@@ -19,7 +19,8 @@ from stagetree.nodemanager.examples.faults import TORCH_ENTRY_POINT
 from stagetree.nodemanager.examples.torch_digits import ENTRY_POINT as TORCH_DIGITS
 from stagetree.nodemanager.examples.torch_digits import DigitsTorch
 from stagetree.nodemanager.runtime.checkpoints import LocalCheckpointStore
-from stagetree.nodemanager.runtime.distributed import PEER_LOST_NOTE, RankInfo, backend_for, is_peer_lost
+from stagetree.nodemanager.runtime.distributed import backend_for, is_peer_lost
+from stagetree.nodemanager.runtime.ranks import PEER_LOST_NOTE, RankInfo
 from stagetree.nodemanager.runtime.state import RUNTIME_FILE, Restored, restore, restore_checkpoint, take_snapshot
 from stagetree.nodemanager.runtime.trainer import TrainerContext, capture_rng_state
 from tests.unit.runtime.ranks import RanksRun, run_ranks

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from stagetree.nodemanager.runtime.trainer import load_trainer_class, trainer_import_problem, user_search_path
+from stagetree.nodemanager.runtime.trainer import load_trainer_class
+from stagetree.nodemanager.runtime.userpath import trainer_import_problem, user_search_path
 
 TRAINER = "from stagetree.nodemanager.examples.digits import DigitsMLP\n\nclass Mine(DigitsMLP):\n    pass\n"
 

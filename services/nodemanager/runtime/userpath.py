@@ -1,0 +1,47 @@
+"""Where a worker finds the user's trainer module, answered without importing it (or torch): the node
+manager's process and the embedded mode's study check use this, the workers' ``load_trainer_class`` too.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+from stagetree.entrypoint_source import missing_class, module_file
+from stagetree.nodemanager.slots import USER_PATH_ENV
+
+
+def user_search_path(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Where a worker looks for the user's modules before its own path: ``STAGETREE_USER_PATH`` (the
+    embedded mode's script and working directories), then ``PYTHONPATH`` (read here too, as a worker
+    forked from a fork server started before it was set would not see it)."""
+    env = os.environ if environ is None else environ
+    out: list[str] = []
+    for var in (USER_PATH_ENV, "PYTHONPATH"):
+        for p in env.get(var, "").split(os.pathsep):
+            if p and p not in out:
+                out.append(p)
+    return out
+
+
+def trainer_import_problem(entry_point: str, path: Sequence[str]) -> str | None:
+    """Why the workers could not import ``entry_point``'s module from ``path`` then ``sys.path``, or why
+    its source defines no such class (read, not run: ``entrypoint_source``), or None (found: whether it
+    imports cleanly is for the first batch to say). Imports nothing of the user's."""
+    module_name, _, attr = entry_point.partition(":")
+    top = module_name.split(".")[0]
+    search = [*path, *(p for p in sys.path if p not in path)]
+    if not top or importlib.machinery.PathFinder.find_spec(top, search) is not None:
+        source = module_file(module_name, path) if attr else None
+        missing = missing_class(source, attr) if source is not None else None
+        return None if missing is None else f"{missing}; name a class of that module"
+    if top in sys.modules or importlib.util.find_spec(top) is not None:
+        return None  # installed another way (a namespace or a zip): leave it to the workers
+    return (
+        f"no module named {top!r} on the workers' search path {[p for p in search if p][:8]}...; put the "
+        "module's directory on PYTHONPATH (or next to the script that runs stagetree in embedded mode), or "
+        "install its package"
+    )
