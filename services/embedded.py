@@ -2,9 +2,9 @@
 
 The same components as the cluster, wired with in-process adapters (ARCHITECTURE §8): SQLite in place
 of Postgres, :class:`~stagetree.bus.inprocess.InProcessBus` in place of Kafka and in-process
-coordination in place of Redis. The node manager still launches one worker process per batch on the
-local GPUs (or CPU slots) and reports through the bus; the aggregator applies the bus to the database
-in its own thread. ``start`` returns once the node manager
+coordination in place of Redis. The node manager still runs the batches in worker processes on the
+local GPUs (or CPU slots), warm ones that run batch after batch, and reports through the bus; the
+aggregator applies the bus to the database in its own thread. ``start`` returns once the node manager
 has registered: the fork server, which imports torch, starts first and beside the rest of the start-up,
 and a first batch waits for the workers (``workers_ready``) rather than the start for them. Clients talk
 gRPC to it exactly as to a cluster's master::
@@ -69,6 +69,11 @@ class EmbeddedSettings:
     user_path: tuple[str, ...] = field(default_factory=lambda: script_paths())
     # say what the start does and waits for: None where a person watches (a terminal or a notebook)
     progress: bool | None = None
+    # modules the workers import before their first batch (in the fork server: once), besides the
+    # trainer module of the studies' work, which the node manager preloads with no setting, and
+    # STAGETREE_NM_WORKER_PRELOAD's; e.g. ("sklearn", "pandas") when the trainer imports them
+    worker_preload: tuple[str, ...] = ()
+    worker_reuse: bool = True  # a worker runs batch after batch (docs/trainers.md, "warm workers")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "home", Path(self.home))  # a str is fine too
@@ -94,6 +99,8 @@ class EmbeddedSettings:
             curve_max_per_s=self.curve_max_per_s,
             user_path=self.user_path,
             progress=self.progress,
+            worker_preload=self.worker_preload,
+            worker_reuse=self.worker_reuse,
         )
 
 
@@ -168,7 +175,11 @@ class Embedded:
             prestart_workers=s.prestart_workers,
             progress_interval_s=0.5,
             user_path=os.pathsep.join(s.user_path),
+            worker_reuse=s.worker_reuse,
         )
+        if s.worker_preload:
+            extra = ",".join([nm_settings.worker_preload, *s.worker_preload])
+            nm_settings = nm_settings.model_copy(update={"worker_preload": extra})
         if nm_settings.worker_start != "exec":
             # The fork server imports torch (seconds of CPU): started first, it does so beside this
             # process's own start-up instead of after it, and the node manager's launcher finds it up.

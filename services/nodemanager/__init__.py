@@ -3,7 +3,8 @@
 - :mod:`.agent`      ``NodeManager``: register, heartbeat, carry out the assignment stream, reconnect
 - :mod:`.link`       the ``MasterLink`` port and ``GrpcMasterLink``
 - :mod:`.reporting`  the ``BatchReporter`` port, ``BusReporter`` (bus) and ``GrpcReporter`` (direct)
-- :mod:`.workers`    ``WorkerLauncher``: one worker process per batch attempt, prestarted per slot
+- :mod:`.workers`    ``WorkerLauncher``: warm worker processes per slot, batch after batch, started ahead
+- :mod:`.reuse`      whether a warm worker runs the next batch or is replaced (pure decisions)
 - :mod:`.slots`      slots from GPUs (shares, CPU-only fallback) and each worker's environment
 - :mod:`.gpu`        the ``GpuProbe`` port and ``NvmlGpuProbe`` (pynvml)
 - :mod:`.mps`        the node manager's own CUDA MPS control daemon

@@ -3,11 +3,14 @@
 It owns the processes on its machine and nothing else: it registers its slots with the master,
 heartbeats, and carries out its assignment stream:
 
-* ``RUN``: start one worker process for the batch attempt on the slot the master named, as soon as it
-  is free: it may still be running the batch before (the master sends a slot's next batch shortly
-  before its end, ``SchedulingSettings.lookahead_s``, or its view runs ahead of a worker that is still
-  exiting). A RUN naming no slot of this node manager takes any free one. For a batch on
-  ``spec.slots = n > 1`` slots, ``n`` of them as one ``torch.distributed`` group on ``n`` free slots
+* ``RUN``: hand the batch attempt to the worker of the slot the master named (``workers``: the slot's
+  warm worker, which runs batch after batch, or a new one) as soon as the slot is free: it may still be
+  running the batch before (the master sends a slot's next batch shortly before its end,
+  ``SchedulingSettings.lookahead_s``, or its view runs ahead of a worker that is still exiting). A
+  slot is free once its worker has reported its batch's end and says it waits for the next one (or has
+  exited), so a batch sent ahead starts the moment the batch before it ends. A RUN naming no slot of
+  this node manager takes any free one. For a batch on ``spec.slots = n > 1`` slots, ``n`` of them as
+  one ``torch.distributed`` group on ``n`` free slots
   (``group.WorkerGroup``: a rendezvous on a free loopback port, rank ``r`` on the ``r``-th slot; the
   first rank to die ends the others, and the attempt ends once, as that rank's end), read its events,
   hand them to the ``BatchReporter``, and report the attempt's end exactly once. A worker that dies

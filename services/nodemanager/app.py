@@ -15,6 +15,7 @@ from stagetree.nodemanager.gpu import GpuProbe, NvmlGpuProbe
 from stagetree.nodemanager.link import GrpcMasterLink, MasterLink
 from stagetree.nodemanager.mps import MpsDaemon
 from stagetree.nodemanager.reporting import BatchReporter, BusReporter, GrpcReporter
+from stagetree.nodemanager.reuse import MIB, ReusePolicy
 from stagetree.nodemanager.runtime.checkpoints import open_checkpoint_store
 from stagetree.nodemanager.settings import NodeManagerSettings
 from stagetree.nodemanager.slots import USER_PATH_ENV, build_slots
@@ -70,6 +71,7 @@ def build_node_manager(
         mps_env=mps.client_env() if mps is not None else None,
         extra_env={USER_PATH_ENV: settings.worker_search_path()},
         warm_cuda=settings.worker_warm_cuda,
+        reuse=ReusePolicy(settings.worker_reuse, settings.worker_max_rss_growth_mb * MIB),
     )
     if link is None:
         link = GrpcMasterLink(

@@ -57,11 +57,18 @@ class NodeManagerSettings(FileVariablesSettings):
     # from a server that imported torch once (and never touches CUDA); "auto" is "forkserver".
     worker_start: Literal["auto", "exec", "forkserver"] = "auto"
     prestart_workers: bool = True  # keep one worker per slot started (imports done), waiting for a batch
+    # a worker runs batch after batch of one trainer and code version (its module imported once, a batch
+    # that starts where the last ended continues from memory); false: a worker per batch (nodemanager.reuse)
+    worker_reuse: bool = True
+    # a worker whose memory grew by more than this since its first batch is replaced (0: no bound)
+    worker_max_rss_growth_mb: int = Field(default=1024, ge=0)
     # a GPU slot's waiting worker creates its CUDA context and loads cuBLAS and cuDNN ahead (about 1 GB of
     # the GPU's memory on an H100, held beside the batch running on the slot), so a batch starts training
     # without paying for them (docs/gpu.md)
     worker_warm_cuda: bool = True
-    worker_preload: str = "torch._dynamo"  # modules imported ahead of the spec (comma-separated; trainers too)
+    # modules the workers import before their first batch, in the fork server when there is one
+    # (comma-separated); the trainer modules of the work sent are preloaded without being named here
+    worker_preload: str = "torch._dynamo"
     # directories the workers import the user's trainer from, before PYTHONPATH (``os.pathsep``-separated;
     # the embedded mode passes the user's script directory and working directory)
     user_path: str = ""

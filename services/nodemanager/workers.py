@@ -1,23 +1,35 @@
-"""Worker processes: one per batch attempt, started for a slot, read through a pipe.
+"""Worker processes: warm ones, kept per slot, each running batch after batch of one trainer.
 
-Each batch attempt runs in a process of its own, which exits when the attempt ends, so the batch's
-GPU memory goes with it. A worker runs in a session of its own (a Ctrl-C meant for the node manager
-does not reach it: the node manager decides how its workers stop), gets its slot's environment
-(``slots.worker_env``), writes its events as JSON lines into a pipe the node manager reads, and its
-stderr into a log file per attempt under ``<work_dir>/logs``, whose tail explains a crash.
+A worker is started ahead for each slot (``runtime.worker --spec - --serve``: its imports done, it waits
+for a batch on its input) and then runs the slot's batches one after another, each handed over as one
+JSON line (``{"batch": spec, "log": path}``): the user's trainer module is imported once per worker, not
+once per batch, and a batch that starts where the worker's last one ended continues from the trainer
+in memory (no checkpoint read; ``runtime.executor.InMemory``). After each batch that finished, the
+worker says ``worker_idle`` and waits; the batch's attempt is over for the node manager at that line.
+``nodemanager.reuse`` decides, from plain data, whether a worker runs the next batch or is replaced:
 
-Starting Python with torch takes seconds (torch, then ``torch._dynamo``, which the first optimizer a
-trainer builds imports), so a batch should not wait for it. Both launchers keep, with ``prestart``, one
-worker per slot started ahead (``runtime.worker --spec -``: imports done, waiting for its spec on its
-input); on CPU slots with ``prepare``, it is also told to build the trainer of the fixed part the slot
-ran last (``Trainer.prepare_ahead``). A batch then pays neither the start nor, most often, ``init``.
-A GPU slot's next worker starts as soon as its batch has one; a CPU slot's starts when that worker
-exits, so that it never takes the cores a batch is training on.
+* kept after a batch unless reuse is off, its batch left processes running, or its memory grew past
+  the bound (a leak); a batch that failed or was preempted ends its worker (the process exits, and a
+  GPU's memory is freed with it);
+* given a batch only when it imported that batch's trainer and code version (or nothing yet);
+  otherwise it is ended and another one started.
 
-* ``ExecLauncher`` starts ``python -m stagetree.nodemanager.runtime.worker --spec -`` per attempt (the
-  spec on stdin). Nothing is shared with the node manager.
+A worker runs in a session of its own (a Ctrl-C meant for the node manager does not reach it: the node
+manager decides how its workers stop), gets its slot's environment (``slots.worker_env``), writes its
+events as JSON lines into a pipe the node manager reads, and its stderr into a log file per batch under
+``<work_dir>/logs`` (``batch-<id>-a<attempt>.log``), whose tail explains a crash.
+
+A worker started ahead is told what to import (and, on a CPU slot with ``prepare``, which trainer to
+build: ``Trainer.prepare_ahead``) from the work this node manager was sent: the last batch of its slot,
+else the last batch sent at all. The node manager so preloads the trainer module of its work with no
+setting. A GPU slot keeps one such worker beside the one running its batch (ready should that one
+fail, be preempted or run another trainer); a CPU slot starts one only when its worker has gone, so
+that it never takes the cores a batch is training on.
+
+* ``ExecLauncher`` starts ``python -m stagetree.nodemanager.runtime.worker --spec - --serve`` per
+  worker (the batches on stdin). Nothing is shared with the node manager.
 * ``ForkserverLauncher`` forks each worker from a ``multiprocessing`` fork server that imported torch
-  once (the spec on a pipe): a worker starts in milliseconds. The fork server never initializes CUDA
+  once (the batches on a pipe): a worker starts in milliseconds. The fork server never initializes CUDA
   (a process forked after that could not use it), so its children make their own contexts: ``auto``
   uses it on GPU machines too. On an H100 a Python started per batch cost some 5 s a batch, where the
   batches of a shared-prefix study train for a fraction of a second (``tests.bench.gpu``, docs/gpu.md).
@@ -54,8 +66,9 @@ from typing import Any, Literal
 from stagetree.core.batch import BatchSpec
 from stagetree.core.errors import FailedPrecondition, InvalidArgument, StagetreeError
 from stagetree.core.slots import SlotInfo
+from stagetree.nodemanager.reuse import ReusePolicy, TrainerKey, WorkerView, retire_after_batch, retire_before_batch
 from stagetree.nodemanager.runtime import forked_worker_main
-from stagetree.nodemanager.runtime.events import decode_event
+from stagetree.nodemanager.runtime.events import WORKER_EVENTS, decode_event
 from stagetree.nodemanager.slots import worker_env
 
 log = logging.getLogger(__name__)
@@ -76,19 +89,29 @@ StartMethod = Literal["auto", "exec", "forkserver"]
 
 
 class WorkerProcess(ABC):
-    """One worker process: its events, signals and exit status."""
+    """One worker process: its events, signals and exit status, and what the node manager knows of it
+    (``view``). While it runs a batch, ``events`` and ``wait`` are that batch's: they end when the worker
+    says it is idle again (``worker_idle``, never yielded) or when it exits."""
 
     def __init__(
         self, slot: SlotInfo, log_path: Path, events: asyncio.StreamReader, stdin: asyncio.StreamWriter | None
     ) -> None:
         self.slot = slot
-        self.log_path = log_path
+        self.log_path = log_path  # the running batch's log (the name it was started with, before its first)
+        self.first_log = log_path
         self.killed = False  # killed by the node manager (SIGKILL)
+        self.trainer: TrainerKey | None = None  # what it imported, ahead or for a batch
+        self.batches = 0  # batches it ran to their end
+        self.rss_bytes = 0
+        self.first_rss_bytes = 0
+        self.children = 0
         self._events = events
         self._stdin = stdin
+        self._batch_over: asyncio.Future[None] | None = None
+        self._on_idle: Callable[[WorkerProcess], None] | None = None
 
     async def send(self, data: bytes, *, close: bool) -> None:
-        """Write to the worker's spec input (a prepare line, then its spec and the end of input)."""
+        """Write to the worker's input (prepare lines, batches; ``close``: then the end of input)."""
         if self._stdin is None:
             raise BrokenPipeError("the worker's input is closed")
         self._stdin.write(data)
@@ -96,6 +119,30 @@ class WorkerProcess(ABC):
         if close:
             self._stdin.close()
             self._stdin = None
+
+    def close_input(self) -> None:
+        """Close the worker's input (a waiting worker reads its end and exits)."""
+        stdin, self._stdin = self._stdin, None
+        if stdin is not None:
+            with contextlib.suppress(Exception):
+                stdin.close()
+
+    def begin_batch(self, log_path: Path, on_idle: Callable[[WorkerProcess], None]) -> None:
+        """The worker is handed a batch: ``events`` and ``wait`` are that batch's from now on, and
+        ``on_idle`` is called (before either returns) when the worker says it waits for the next one."""
+        self.log_path = log_path
+        self._batch_over = asyncio.get_running_loop().create_future()
+        self._on_idle = on_idle
+
+    def view(self) -> WorkerView:
+        return WorkerView(
+            trainer=self.trainer,
+            batches=self.batches,
+            rss_bytes=self.rss_bytes,
+            first_rss_bytes=self.first_rss_bytes,
+            children=self.children,
+            exited=self.killed or self.returncode is not None,
+        )
 
     @property
     @abstractmethod
@@ -108,11 +155,29 @@ class WorkerProcess(ABC):
 
     @abstractmethod
     async def wait(self) -> int:
-        """The exit status, once the process has exited (whoever still holds its pipes)."""
+        """The end of its batch: 0 once it says it is idle again, else its exit status once it has exited
+        (whoever still holds its pipes)."""
+
+    async def wait_exit(self) -> int:
+        """The exit status, once the process has exited."""
+        return await self.wait()
+
+    async def _batch_over_or_exit(self) -> int:
+        """0 when the running batch is over with the worker idle, else the exit status."""
+        over = self._batch_over
+        if over is None:
+            return await self.wait_exit()
+        exit_wait = asyncio.ensure_future(self.wait_exit())
+        waits: set[asyncio.Future[Any]] = {over, exit_wait}
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            return 0 if over.done() else exit_wait.result()
+        finally:
+            exit_wait.cancel()
 
     async def events(self) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-        """``(kind, payload)`` of each event until the worker closes its end of the pipe; malformed
-        lines are logged and skipped."""
+        """``(kind, payload)`` of each event of the running batch, until the worker says it is idle or
+        closes its end of the pipe; malformed lines are logged and skipped."""
         while True:
             try:
                 line = await self._events.readline()
@@ -126,7 +191,25 @@ class WorkerProcess(ABC):
             except StagetreeError as e:
                 log.warning("malformed worker event skipped: %s", e.message, extra={"pid": self.pid})
                 continue
+            if kind in WORKER_EVENTS:
+                if kind == "worker_idle":
+                    self._idle(payload)
+                    return
+                continue
             yield kind, payload
+
+    def _idle(self, payload: dict[str, Any]) -> None:
+        self.batches = int(payload["batches"])
+        self.rss_bytes = int(payload["rss_bytes"])
+        if not self.first_rss_bytes:
+            self.first_rss_bytes = self.rss_bytes
+        self.children = int(payload["children"])
+        over, self._batch_over = self._batch_over, None
+        if over is not None and not over.done():
+            over.set_result(None)
+        on_idle, self._on_idle = self._on_idle, None
+        if on_idle is not None:
+            on_idle(self)
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
@@ -148,7 +231,7 @@ class WorkerProcess(ABC):
             os.killpg(self.pid, signal.SIGKILL)
 
     def stderr_tail(self, max_bytes: int = 4000) -> str:
-        """The end of the worker's log (its stderr)."""
+        """The end of the worker's log of its batch (its stderr)."""
         try:
             with open(self.log_path, "rb") as f:
                 f.seek(0, os.SEEK_END)
@@ -158,8 +241,12 @@ class WorkerProcess(ABC):
             return ""
 
 
+def _alive(worker: WorkerProcess | None) -> bool:
+    return worker is not None and not worker.killed and worker.returncode is None
+
+
 class WorkerLauncher(ABC):
-    """Starts one worker process per batch attempt on a slot."""
+    """Hands batches to the warm worker processes of each slot, starting them as needed."""
 
     def __init__(
         self,
@@ -175,6 +262,7 @@ class WorkerLauncher(ABC):
         prepare: bool = True,
         checkpoint_args: Sequence[str] = (),
         warm_cuda: bool = False,
+        reuse: ReusePolicy | None = None,
     ) -> None:
         self.checkpoint_root = checkpoint_root
         self.checkpoint_args = list(checkpoint_args)  # the store's other options (endpoint, cache)
@@ -187,11 +275,16 @@ class WorkerLauncher(ABC):
         self.prestart = prestart
         self.prepare = prepare
         self.warm_cuda = warm_cuda  # a GPU slot's worker creates its CUDA context while it waits
+        self.reuse = reuse or ReusePolicy()
         self._seq = itertools.count()
-        self._warm: dict[str, WorkerProcess] = {}
+        self._fresh: dict[str, WorkerProcess] = {}  # slot -> a worker started ahead that ran no batch yet
+        self._used: dict[str, WorkerProcess] = {}  # slot -> a worker that ran batches there, waiting
+        self._busy: dict[str, WorkerProcess] = {}  # slot -> the worker running its batch
         self._starting: dict[str, asyncio.Task[None]] = {}
         self._waiting: set[asyncio.Task[None]] = set()  # what waits for a worker's exit (_after_exit)
-        self._next: dict[str, BatchSpec] = {}  # CPU slot -> the batch whose exit starts its next worker
+        self._last: dict[str, BatchSpec] = {}  # slot -> the last batch it was given
+        self._latest: BatchSpec | None = None  # the last batch given to any slot
+        self._slots: dict[str, SlotInfo] = {}
         self._closed = False
 
     def worker_args(self, slot: SlotInfo | None = None) -> list[str]:
@@ -206,6 +299,7 @@ class WorkerLauncher(ABC):
             str(self.threads),
             "--progress-interval",
             str(self.progress_interval_s),
+            "--serve",
             *warm,
         ]
 
@@ -226,29 +320,32 @@ class WorkerLauncher(ABC):
 
     @abstractmethod
     async def _start(self, slot: SlotInfo) -> WorkerProcess:
-        """A worker process for ``slot`` that has done its imports and reads its spec from ``stdin``
-        (``runtime.worker --spec -``); OSError when it cannot be started."""
+        """A worker process for ``slot`` that has done its imports and reads its batches from ``stdin``
+        (``runtime.worker --spec - --serve``); OSError when it cannot be started."""
 
     async def start(self, slots: Sequence[SlotInfo]) -> None:
-        """Get ready to spawn quickly: with ``prestart``, a worker started ahead for each slot."""
+        """Get ready to run batches quickly: with ``prestart``, a worker started ahead for each slot."""
         for slot in slots:
+            self._slots[slot.id] = slot
             self._replenish(slot)
 
-    def _replenish(self, slot: SlotInfo, last: BatchSpec | None = None) -> None:
-        """Start a warm worker for ``slot`` in the background unless one exists or is starting. With
-        ``prepare`` (CPU slots only), it is told to build the trainer of ``last``'s fixed part ahead
-        (``runtime.worker``'s prepare line): the next batch on a slot is most often of the same study.
-        On a GPU slot that trainer would take GPU memory beside the batch running there, so not there."""
-        if self._closed or not self.prestart or slot.id in self._starting:
+    async def _new(self, slot: SlotInfo) -> WorkerProcess:
+        worker = await self._start(slot)
+        self._after_exit(worker, lambda: self._exited(worker))
+        return worker
+
+    def _replenish(self, slot: SlotInfo) -> None:
+        """Start a worker ahead for ``slot`` in the background, unless one is waiting there or starting;
+        on a CPU slot also unless a worker runs there or waits with its last batch's trainer. It is told
+        what to import (``_hint``)."""
+        if self._closed or not self.prestart or slot.id in self._starting or _alive(self._fresh.get(slot.id)):
             return
-        current = self._warm.get(slot.id)
-        if current is not None and current.returncode is None:
+        if not slot.is_gpu and (_alive(self._busy.get(slot.id)) or _alive(self._used.get(slot.id))):
             return
-        hint = prepare_line(last) if last is not None and self.prepare and not slot.is_gpu else b""
 
         async def start() -> None:
             try:
-                worker = await self._start(slot)
+                worker = await self._new(slot)
             except OSError as e:
                 log.error("cannot prestart a worker: %s", e, extra={"slot_id": slot.id})
                 return
@@ -256,74 +353,130 @@ class WorkerLauncher(ABC):
                 self._starting.pop(slot.id, None)
             if self._closed:
                 worker.kill()
-                await worker.wait()
+                await worker.wait_exit()
                 return
-            if hint:
-                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                    await worker.send(hint, close=False)
-            self._warm[slot.id] = worker
+            self._fresh[slot.id] = worker
+            await self._hint(worker, slot)
 
         self._starting[slot.id] = asyncio.get_running_loop().create_task(start())
 
+    async def _hint(self, worker: WorkerProcess, slot: SlotInfo) -> None:
+        """Tell a worker that ran nothing yet which trainer to import ahead (and, on a CPU slot with
+        ``prepare``, to build: ``runtime.worker``'s prepare line): that of the slot's last batch, else of
+        the last batch this node manager was sent (the study's entry point)."""
+        spec = self._last.get(slot.id) or self._latest
+        if spec is None or worker.trainer is not None or worker.batches:
+            return
+        worker.trainer = TrainerKey(spec.fixed.trainer, spec.fixed.code_version)
+        # On a GPU slot a trainer built ahead would take memory beside the batch running there: import only.
+        line = prepare_line(spec, build=self.prepare and not slot.is_gpu)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            await worker.send(line, close=False)
+
     async def spawn(self, spec: BatchSpec, slot: SlotInfo) -> WorkerProcess:
-        """A worker process running ``spec`` on ``slot`` (OSError when it cannot be started): the slot's
-        warm one when there is one, else one started now. The slot's next warm one is started now on a
-        GPU slot, at this worker's exit on a CPU slot."""
-        self._replenish_next(slot)  # when the next batch comes before the last one's exit was seen
+        """The worker running ``spec`` on ``slot`` (OSError when none can be started): the slot's waiting
+        worker that last ran a batch there, else the one started ahead, when it may run this batch's
+        trainer (``reuse.retire_before_batch``; one that may not is ended), else one started now."""
+        self._slots[slot.id] = slot
         starting = self._starting.get(slot.id)
         if starting is not None:
             await asyncio.shield(starting)
-        worker = self._warm.pop(slot.id, None)
-        if worker is None or worker.returncode is not None:
-            worker = await self._start(slot)
-        # The log takes the batch's name as a second link to the same file: a forked worker opens its
-        # log by the name it was started with, and a worker started a moment ago may not have yet.
-        # The first name goes when the worker has exited.
+        needs = TrainerKey(spec.fixed.trainer, spec.fixed.code_version)
+        worker: WorkerProcess | None = None
+        for pool in (self._used, self._fresh):
+            candidate = pool.pop(slot.id, None)
+            if candidate is None:
+                continue
+            why = retire_before_batch(candidate.view(), needs)
+            if why is not None:
+                log.info("worker replaced: %s", why, extra={"slot_id": slot.id, "pid": candidate.pid})
+                self._retire(candidate)
+            elif worker is None:
+                worker = candidate
+            else:
+                pool[slot.id] = candidate  # a GPU slot's worker started ahead stays the spare
+        if worker is None:
+            worker = await self._new(slot)
+        # A batch's log is named after it. A worker's first batch takes the log it was started with (its
+        # imports' output) as a second link to the same file; the worker opens the batch's name itself
+        # (a forked worker opens its log by the name it was started with, and one started a moment ago
+        # may not have yet: the first name goes when the worker has exited).
         rank = spec.extra.get("rank")  # a rank of a batch on several slots: a log per rank
         suffix = f"-r{int(rank['rank'])}" if isinstance(rank, dict) and "rank" in rank else ""
         final = self.log_path(batch_log_name(spec.batch_id, spec.attempt, suffix))
-        first_name = worker.log_path
+        with contextlib.suppress(FileNotFoundError):
+            final.unlink()  # an earlier process's log of the same attempt
         try:
-            with contextlib.suppress(FileNotFoundError):
-                final.unlink()  # an earlier process's log of the same attempt
-            os.link(first_name, final)
-            worker.log_path = final
+            if worker.log_path == worker.first_log:
+                os.link(worker.first_log, final)
+            else:
+                final.touch()
         except OSError as e:
-            log.debug("worker log keeps its first name %s: %s", first_name, e)
+            log.debug("batch log %s not created ahead: %s", final, e)
+        worker.trainer = needs
+        worker.begin_batch(final, lambda w: self._returned(w, slot))
+        self._busy[slot.id] = worker
+        self._last[slot.id] = self._latest = spec
+        line = json.dumps({"batch": spec.to_json(), "log": str(final)}, separators=(",", ":")).encode() + b"\n"
         try:
-            await worker.send(json.dumps(spec.to_json(), separators=(",", ":")).encode(), close=True)
+            await worker.send(line, close=False)
         except (BrokenPipeError, ConnectionResetError) as e:
-            # The warm process died in between; its exit is what the caller will see and report.
+            # The waiting process died in between; its exit is what the caller will see and report.
             log.warning("worker died before it got its batch: %s", e, extra={"batch_id": spec.batch_id})
         if slot.is_gpu:
-            self._replenish(slot, spec)
-        else:
-            # A CPU slot's next worker would start (fork, imports, the trainer built ahead) on the cores
-            # this batch trains on, and slow its first steps by about what it saves the next batch
-            # (measured: a first step of 60-95 ms instead of 25-45). Started when this one exits, it
-            # overlaps the report and the next round's dispatch instead, on the core this one left.
-            self._next[slot.id] = spec
-        linked = worker.log_path != first_name
-        self._after_exit(worker, lambda: self._drop_first_name(first_name, linked), lambda: self._replenish_next(slot))
+            self._replenish(slot)
+        await self._hint_others(slot)
         return worker
 
-    @staticmethod
-    def _drop_first_name(first_name: Path, linked: bool) -> None:
-        """The warm name of an exited worker's log, once the batch's name links the same file."""
-        if linked:
-            first_name.unlink(missing_ok=True)
+    async def _hint_others(self, slot: SlotInfo) -> None:
+        """Workers started ahead on the other slots that imported nothing yet import this batch's trainer
+        now, while they wait (the node manager preloads the trainer module of the work it is sent)."""
+        for other, worker in list(self._fresh.items()):
+            if other != slot.id and _alive(worker) and worker.trainer is None and other in self._slots:
+                await self._hint(worker, self._slots[other])
 
-    def _replenish_next(self, slot: SlotInfo) -> None:
-        """Start the warm worker a CPU slot's last batch left to start at its exit (once: the exit or
-        the next spawn, whichever comes first)."""
-        last = self._next.pop(slot.id, None)
-        if last is not None:
-            self._replenish(slot, last)
+    def _returned(self, worker: WorkerProcess, slot: SlotInfo) -> None:
+        """A worker's batch finished and it waits for the next one: kept for the slot, or ended
+        (``reuse.retire_after_batch``). Called as the worker says so, before its attempt is over for the
+        node manager, so that the slot's next batch finds it."""
+        if self._busy.get(slot.id) is worker:
+            del self._busy[slot.id]
+        if self._closed:
+            self._retire(worker)
+            return
+        why = retire_after_batch(worker.view(), self.reuse)
+        if why is not None:
+            log.info("worker not kept: %s", why, extra={"slot_id": slot.id, "pid": worker.pid})
+            self._retire(worker)
+            self._replenish(slot)
+            return
+        other = self._used.pop(slot.id, None)
+        if other is not None and other is not worker:
+            self._retire(other)
+        self._used[slot.id] = worker
+
+    def _retire(self, worker: WorkerProcess) -> None:
+        """End a waiting worker (and whatever its batches left running in its session)."""
+        worker.kill()
+        worker.kill_session()
+        worker.close_input()
+
+    def _exited(self, worker: WorkerProcess) -> None:
+        """A worker has exited: forget it, drop its first log name once a batch's name links the same
+        file (a worker that ran nothing keeps no log), and start the slot's next one ahead."""
+        slot = worker.slot
+        worker.close_input()
+        for pool in (self._fresh, self._used, self._busy):
+            if pool.get(slot.id) is worker:
+                del pool[slot.id]
+        if worker.log_path != worker.first_log or (worker.killed and not worker.batches):
+            worker.first_log.unlink(missing_ok=True)
+        self._replenish(self._slots.get(slot.id, slot))
 
     def _after_exit(self, worker: WorkerProcess, *then: Callable[[], None]) -> None:
         async def wait_then() -> None:
             with contextlib.suppress(Exception):
-                await worker.wait()
+                await worker.wait_exit()
             for f in then:
                 try:
                     f()
@@ -335,28 +488,33 @@ class WorkerLauncher(ABC):
         task.add_done_callback(self._waiting.discard)
 
     async def close(self) -> None:
-        """Stop the warm workers (running workers belong to their callers)."""
+        """Stop the waiting workers (running workers belong to their callers: they exit at their batch's
+        end)."""
         self._closed = True
         for t in list(self._waiting):  # their workers belong to the callers; nothing more to start
             t.cancel()
         if self._starting:
             await asyncio.wait(list(self._starting.values()), timeout=30)
-        warm, self._warm = list(self._warm.values()), {}
-        for w in warm:
+        for w in self._busy.values():  # each exits at the end of its batch instead of waiting for another
+            w.close_input()
+        waiting = [*self._fresh.values(), *self._used.values()]
+        self._fresh, self._used = {}, {}
+        for w in waiting:
             w.kill()
-        for w in warm:
+            w.close_input()
+        for w in waiting:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(w.wait(), 10)
-            with contextlib.suppress(OSError):
-                w.log_path.unlink()
+                await asyncio.wait_for(w.wait_exit(), 10)
+            w.first_log.unlink(missing_ok=True)  # a batch's name links the same file, if it ran one
 
 
-def prepare_line(spec: BatchSpec) -> bytes:
-    """The line that asks a warm worker to build the trainer of ``spec``'s fixed part ahead."""
-    return json.dumps({"prepare": {"fixed": spec.fixed.to_json(), "gpus": spec.gpus}}).encode() + b"\n"
+def prepare_line(spec: BatchSpec, *, build: bool = True) -> bytes:
+    """The line that asks a waiting worker to import the trainer of ``spec``'s fixed part ahead, and with
+    ``build`` to build it (``runtime.worker.prepare``)."""
+    return json.dumps({"prepare": {"fixed": spec.fixed.to_json(), "gpus": spec.gpus, "build": build}}).encode() + b"\n"
 
 
-# -- one exec per attempt --------------------------------------------------------------------------
+# -- one exec per worker ---------------------------------------------------------------------------
 
 
 class _ExecWorker(WorkerProcess):
@@ -374,6 +532,9 @@ class _ExecWorker(WorkerProcess):
         return self.proc.returncode
 
     async def wait(self) -> int:
+        return await self._batch_over_or_exit()
+
+    async def wait_exit(self) -> int:
         # Not proc.wait(): it also waits for the pipes to close, which a process the worker forked
         # (a data-loader worker) can keep open after the worker itself is gone.
         while self.proc.returncode is None:
@@ -382,8 +543,8 @@ class _ExecWorker(WorkerProcess):
 
 
 class ExecLauncher(WorkerLauncher):
-    """``python -m stagetree.nodemanager.runtime.worker --spec -`` per attempt; with ``prestart``, one
-    started ahead per slot (its imports and ``preload`` done, waiting for the spec on stdin)."""
+    """``python -m stagetree.nodemanager.runtime.worker --spec - --serve`` per worker; with ``prestart``,
+    one started ahead per slot (its imports and ``preload`` done, waiting for batches on stdin)."""
 
     def __init__(self, checkpoint_root: str, work_dir: Path, *, python: str = sys.executable, **kw: Any) -> None:
         super().__init__(checkpoint_root, work_dir, **kw)
@@ -432,6 +593,9 @@ class _ForkedWorker(WorkerProcess):
         return None
 
     async def wait(self) -> int:
+        return await self._batch_over_or_exit()
+
+    async def wait_exit(self) -> int:
         if self._exited is None:
             loop = asyncio.get_running_loop()
             fut: asyncio.Future[int] = loop.create_future()
@@ -452,7 +616,7 @@ class ForkserverLauncher(WorkerLauncher):
     """Forks each worker from a ``multiprocessing`` fork server that imported the worker runtime (and
     ``preload``) once. The fork server is started by ``start`` (in a thread: it takes the import time)
     unless it runs already (``ensure_fork_server``); with ``prestart``, a worker is forked ahead for each
-    slot and waits for its spec on a pipe."""
+    slot and waits for its batches on a pipe."""
 
     def __init__(self, checkpoint_root: str, work_dir: Path, **kw: Any) -> None:
         super().__init__(checkpoint_root, work_dir, **kw)

@@ -1,7 +1,8 @@
 """The events a running batch emits, their exact fields, and their JSON-lines wire form.
 
 ``EVENT_FIELDS`` is the contract the node manager and the Kafka schemas build on: every payload has
-exactly these keys. On the wire (worker stdout or ``--events-fd``) one event is one line
+exactly these keys; ``WORKER_EVENTS`` are the worker's own, read by the node manager and never
+reported. On the wire (worker stdout or ``--events-fd``) one event is one line
 ``{"kind": ..., "ts": <unix seconds>, "payload": {...}}``; the payload is nested because
 ``checkpoint_saved`` has a field named ``kind`` of its own.
 """
@@ -36,6 +37,13 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
     "batch_failed": frozenset({"batch_id", "attempt", "error", "traceback", "oom", "user_error"}),
 }
 
+# What a worker says of itself, for the node manager alone (never reported): ``worker_idle`` after a batch
+# that finished, when the worker waits for its next one (``runtime.worker --serve``): how many batches it
+# ran, its resident memory and the processes its batch left running (``nodemanager.reuse`` decides).
+WORKER_EVENTS: dict[str, frozenset[str]] = {
+    "worker_idle": frozenset({"batches", "rss_bytes", "children"}),
+}
+
 CHECKPOINT_KINDS = frozenset({"central", "peripheral"})
 
 
@@ -51,9 +59,9 @@ def decode_event(line: str | bytes) -> tuple[str, float, dict[str, Any]]:
         kind, ts, payload = obj["kind"], float(obj["ts"]), obj["payload"]
     except (ValueError, KeyError, TypeError) as e:
         raise InvalidArgument(f"malformed event line {line!r}: {e}") from None
-    fields = EVENT_FIELDS.get(kind)
+    fields = EVENT_FIELDS.get(kind) or WORKER_EVENTS.get(kind)
     if fields is None:
-        raise InvalidArgument(f"unknown event kind {kind!r}; known: {sorted(EVENT_FIELDS)}")
+        raise InvalidArgument(f"unknown event kind {kind!r}; known: {sorted([*EVENT_FIELDS, *WORKER_EVENTS])}")
     if not isinstance(payload, dict) or set(payload) != fields:
         raise InvalidArgument(f"event {kind}: expected fields {sorted(fields)}, got {payload!r}")
     return kind, ts, payload

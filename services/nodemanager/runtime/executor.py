@@ -215,6 +215,39 @@ def _done_future(value: StoredCheckpoint) -> Future[StoredCheckpoint]:
     return f
 
 
+@dataclass(frozen=True)
+class InMemory:
+    """The trainer a finished batch left in this process, at its end ``point`` of plan ``plan_key``, and
+    the process's RNG states as that batch ended: a batch of the same plan, fixed part and device kind
+    that starts at that point continues from it (no ``init``, no checkpoint read), exactly as it would
+    from the checkpoint saved there (the trainer's state is what ``state_dict`` would have written, the
+    RNG states what ``runtime.pt`` holds)."""
+
+    trainer: Trainer
+    plan_key: str
+    fixed: FixedPart
+    point: Point
+    gpus: int
+    rng: dict[str, Any]
+
+    @classmethod
+    def after(cls, spec: BatchSpec, trainer: Trainer) -> InMemory:
+        """What batch ``spec``, which finished with ``trainer``, leaves for the next batch."""
+        return cls(trainer, spec.plan_key, spec.fixed, spec.end, spec.gpus, capture_rng_state())
+
+    def fits(self, spec: BatchSpec) -> bool:
+        """Whether ``spec`` (on one rank) starts where this trainer stands. Its source checkpoint must exist
+        (the batch says where it is): a batch the master starts from a fresh model builds one."""
+        return (
+            spec.source.uri is not None
+            and spec.source.point == self.point
+            and spec.plan_key == self.plan_key
+            and spec.fixed == self.fixed
+            and (spec.gpus > 0) == (self.gpus > 0)
+            and spec.slots == 1
+        )
+
+
 def device_for(gpus: int) -> torch.device:
     """The device of a batch that asks for ``gpus`` GPUs: CUDA when it asks for any and has one."""
     return torch.device("cuda" if gpus > 0 and torch.cuda.is_available() else "cpu")
@@ -252,6 +285,7 @@ class BatchRun:
         prepared: Trainer | None = None,
         group: RankGroup = SINGLE_RANK,
         given_at: float | None = None,
+        continued: InMemory | None = None,
     ) -> None:
         """``given_at``: when this worker was handed the batch (epoch seconds; None: when ``run`` starts),
         from which its start-up is counted."""
@@ -265,6 +299,7 @@ class BatchRun:
         self._should_preempt = should_preempt
         self._device = device_for(spec.gpus) if device is None else device
         self._prepared = prepared  # new_trainer(trainer_factory, spec.fixed, device), built ahead
+        self._continued = continued  # the trainer the batch before left at this batch's source (fits)
         self._background = background_saves
         self._max_pending = max(1, max_pending_saves)
         self._progress_interval = progress_interval_s
@@ -290,6 +325,11 @@ class BatchRun:
         self._snap_stride = 0  # a snapshot every this many steps (0: not decided until the first one)
         self._given_at = given_at
         self._times = _Times(0.0, 0.0)
+
+    @property
+    def trainer(self) -> Trainer | None:
+        """The batch's trainer once it is built (after ``run``: at the step the batch stopped)."""
+        return self._trainer
 
     # -- control ------------------------------------------------------------------------------
 
@@ -449,6 +489,17 @@ class BatchRun:
 
     def _start(self) -> Trainer:
         spec = self.spec
+        continued, self._continued = self._continued, None
+        if continued is not None:
+            self._trainer = continued.trainer
+            continued.trainer.logged = {}
+            restore_rng_state(continued.rng)
+            log.info(
+                "batch continues from memory: the trainer the batch before left at step %d",
+                spec.source.point.step,
+                extra={**self._ids, "init_s": 0.0, "restore_s": 0.0, "from_memory": True},
+            )
+            return continued.trainer
         trainer, self._prepared = self._prepared, None
         info = self._group.info
         t0 = time.monotonic()

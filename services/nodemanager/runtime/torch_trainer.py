@@ -69,6 +69,10 @@ class TorchTrainer(Trainer):
     minibatches: ClassVar[int] = 1
     batch_size: ClassVar[int] = 32
     prepare_ahead = True  # init only builds (model, optimizer, data)
+    # ``make_data``'s tensors, on the device, are kept by a warm worker for the next batches of the same
+    # fixed part (``Trainer.cached``): set False when make_data reads what may change between batches
+    # (a file still being written) or depends on more than the fixed values, seed, rank and device
+    keep_data: ClassVar[bool] = True
     rescalable = True  # model, optimizer and loader state do not depend on the number of ranks
 
     model: nn.Module
@@ -111,9 +115,7 @@ class TorchTrainer(Trainer):
         self.model = self.make_model().to(self.device)
         self.train_model = data_parallel(self.model, self.device, self.world_size)
         self.optimizer = self.make_optimizer(self.model.parameters())
-        train, evaluation = self.make_data()
-        train_t = tuple(t.to(self.device) for t in _tensors(name, train))
-        self.eval_data = tuple(t.to(self.device) for t in _tensors(name, evaluation))
+        train_t, self.eval_data = self.cached("data", self._data) if self.keep_data else self._data()
         self.steps_per_call = int(self.fixed.get("minibatches", self.minibatches))
         if self.steps_per_call < 1:
             raise InvalidArgument(f"{name}: minibatches must be at least 1, got {self.steps_per_call}")
@@ -183,6 +185,12 @@ class TorchTrainer(Trainer):
         self.hp = dict(state.get("hp", {}))
 
     # -- helpers ---------------------------------------------------------------------------------
+
+    def _data(self) -> tuple[Tensors, Tensors]:
+        name = type(self).__name__
+        train, evaluation = self.make_data()
+        train_t = tuple(t.to(self.device) for t in _tensors(name, train))
+        return train_t, tuple(t.to(self.device) for t in _tensors(name, evaluation))
 
     def _set_group(self, key: str, name: str, value: float) -> None:
         for group in self.optimizer.param_groups:

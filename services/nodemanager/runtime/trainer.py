@@ -28,14 +28,15 @@ each global minibatch); see docs/trainers.md.
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import random
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
@@ -50,6 +51,7 @@ USER_STATE_FILE = "trainer.pt"
 
 # What ``train`` may return and ``log`` takes: metric name -> a float or a 0-d tensor
 StepMetrics = Mapping[str, "float | torch.Tensor"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,26 @@ class Trainer(ABC):
         self.step = 0
         self.logged = {}
 
+    def cached(self, name: str, build: Callable[[], T]) -> T:
+        """``build()``, kept by this worker process for the next batches it runs of the same fixed part:
+        a warm worker (docs/trainers.md) builds what ``name`` holds once, not once per batch. Use it in
+        ``init`` for what depends on nothing but the fixed values, the seed, the rank and the device, and
+        what training never changes in place (a data set loaded and moved to the device). The worker
+        keeps the values of one fixed part at a time, for as long as it lives.
+
+        ``build`` runs with the random streams it would run with, and the streams after it are those
+        before it (its draws are its own): a batch trains the same whether the value was kept or built."""
+        key = _cache_key(self)
+        if _KEPT.key != key:
+            _KEPT.key, _KEPT.values = key, {}
+        if name not in _KEPT.values:
+            rng = capture_rng_state()
+            try:
+                _KEPT.values[name] = build()
+            finally:
+                restore_rng_state(rng)
+        return _KEPT.values[name]  # type: ignore[no-any-return]
+
     def log(self, values: StepMetrics | None = None, /, **more: float | torch.Tensor) -> None:
         """Report step metrics of the step being trained (a learning-curve point at ``self.step + 1``),
         as a mapping or as keywords; merged with what ``train`` returns (``train``'s values win). The
@@ -150,6 +172,31 @@ class Trainer(ABC):
     def snapshots_in_memory(cls) -> bool:
         """Whether the runtime may checkpoint this trainer in the background (see the module doc)."""
         return cls.save is Trainer.save and cls.state_dict is not Trainer.state_dict
+
+
+@dataclass
+class _Kept:
+    """What ``Trainer.cached`` keeps in this process: the values of one trainer class and fixed part."""
+
+    key: tuple[Any, ...] | None = None
+    values: dict[str, Any] = field(default_factory=dict)
+
+
+_KEPT = _Kept()
+
+
+def _cache_key(trainer: Trainer) -> tuple[Any, ...]:
+    cls = type(trainer)
+    fixed = json.dumps(trainer.fixed, sort_keys=True, default=repr)
+    return (
+        cls.__module__,
+        cls.__qualname__,
+        fixed,
+        trainer.seed,
+        trainer.rank,
+        trainer.world_size,
+        str(trainer.device),
+    )
 
 
 def load_trainer_class(entry_point: str) -> type[Trainer]:

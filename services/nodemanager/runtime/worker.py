@@ -1,15 +1,25 @@
-"""The worker process: runs one batch and exits (so its GPU memory is freed with it).
+"""The worker process: runs one batch, or with ``--serve`` batch after batch, in this process.
 
     python -m stagetree.nodemanager.runtime.worker --spec FILE.json --checkpoint-root DIR|URI
         [--s3-endpoint-url URL] [--cache-dir DIR] [--cache-bytes N]
-        [--events-fd N] [--threads N] [--progress-interval S]
+        [--events-fd N] [--threads N] [--progress-interval S] [--serve]
 
 * ``--spec -`` reads the spec from stdin (until EOF) once the imports are done: the node manager starts
   such a worker ahead of time and hands it a batch later. An empty stdin means "nothing to run" (exit 0).
-  The input may start with a prepare line, ``{"prepare": {"fixed": FixedPart JSON, "gpus": n}}``: the
-  worker then builds that trainer while it waits (``prepare``; only for a trainer class with
-  ``prepare_ahead``), and the batch starts from it when its fixed part is the same.
-  ``--preload a,b`` imports those modules before the spec is read (``torch._dynamo``, which the first
+  The input may start with a prepare line, ``{"prepare": {"fixed": FixedPart JSON, "gpus": n, "build":
+  b}}``: the worker then imports that trainer's module while it waits and, with ``build`` (the default),
+  builds the trainer (``prepare``; only for a trainer class with ``prepare_ahead``), and the batch
+  starts from it when its fixed part is the same.
+* ``--spec - --serve`` (the node manager's warm workers) reads one JSON line per batch,
+  ``{"batch": BatchSpec JSON, "log": PATH}`` (prepare lines may come between them), and runs them one
+  after another: the trainer's module is imported once, and a batch that starts at the point where the
+  last one ended (same plan and fixed part) continues from the trainer in memory, with no ``init`` and
+  no checkpoint read (``executor.InMemory``). The process's output goes to each batch's ``log`` from
+  its start. After a batch that finished it writes ``worker_idle`` (``events.WORKER_EVENTS``: batches
+  run, resident memory, processes left running) and waits for the next; after one that failed or was
+  preempted, or a batch of several ranks, it exits (so a GPU's memory is freed with it), as it does at
+  the end of its input.
+* ``--preload a,b`` imports those modules before the spec is read (``torch._dynamo``, which the first
   optimizer a trainer builds imports, costs about as much as torch itself). ``--warm-cuda`` (a GPU
   slot's worker) creates the process's CUDA context and loads cuBLAS and cuDNN while it waits
   (``warm_cuda``), so a batch does not pay for them after it has its GPU.
@@ -20,7 +30,8 @@
   latest is held for up to 50 ms and replaces the ones before it (see ``EventWriter``), so a fast run
   reports progress some 20 times a second, not once per step.
 * SIGTERM or SIGUSR1 preempts: the current step finishes, a peripheral checkpoint is saved,
-  ``batch_preempted`` is emitted, the process exits 0.
+  ``batch_preempted`` is emitted, the process exits 0. A signal that comes between two batches of a
+  serving worker is forgotten when the next batch arrives.
 * Exit codes: 0 finished or preempted; 1 the batch failed (after ``batch_failed``); 2 bad arguments
   or an unreadable spec. Any other code (a signal, ``os._exit``) means the process died unreported.
 * ``run_forked`` is the same entry for a worker forked from the node manager's fork server.
@@ -34,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib
 import json
 import logging
@@ -55,10 +67,10 @@ from stagetree import logs
 from stagetree.core.batch import BatchSpec
 from stagetree.core.config import FixedPart
 from stagetree.core.errors import StagetreeError
-from stagetree.nodemanager.runtime.checkpoints import DEFAULT_CACHE_BYTES, open_checkpoint_store
+from stagetree.nodemanager.runtime.checkpoints import DEFAULT_CACHE_BYTES, CheckpointStore, open_checkpoint_store
 from stagetree.nodemanager.runtime.distributed import SINGLE_RANK, RankGroup, join_group
 from stagetree.nodemanager.runtime.events import encode_event
-from stagetree.nodemanager.runtime.executor import BatchRun, device_for, error_text, new_trainer
+from stagetree.nodemanager.runtime.executor import BatchOutcome, BatchRun, InMemory, device_for, error_text, new_trainer
 from stagetree.nodemanager.runtime.ranks import RankInfo
 from stagetree.nodemanager.runtime.trainer import Trainer, load_trainer_class
 
@@ -137,6 +149,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--warm-cuda", action="store_true", help="create the CUDA context before reading the spec (GPU slots)"
     )
+    p.add_argument("--serve", action="store_true", help="run batch after batch from stdin, one JSON line each")
     return p.parse_args(argv)
 
 
@@ -193,10 +206,16 @@ def main(argv: list[str] | None = None, spec_input: TextIO | None = None) -> int
     if args.warm_cuda:
         warm_cuda()
 
+    stream = spec_input if spec_input is not None else sys.stdin
+    if args.serve:
+        if args.spec != "-":
+            log.error("--serve reads its batches from stdin: pass --spec -")
+            return EXIT_USAGE
+        return _Worker(args).serve(stream)
+
     prepared: Prepared | None = None
     try:
         if args.spec == "-":
-            stream = spec_input if spec_input is not None else sys.stdin
             text = stream.readline()
             if text.startswith(PREPARE_PREFIX):
                 prepared = prepare(text)
@@ -209,76 +228,195 @@ def main(argv: list[str] | None = None, spec_input: TextIO | None = None) -> int
         else:
             text = Path(args.spec).read_text()
         spec = BatchSpec.from_json(json.loads(text))
-        rank = RankInfo.of_extra(spec.extra)
-        store = open_checkpoint_store(
-            args.checkpoint_root,
-            s3_endpoint_url=args.s3_endpoint_url,
-            cache_dir=args.cache_dir,
-            cache_max_bytes=args.cache_bytes,
-        )
+        RankInfo.of_extra(spec.extra)
     except (OSError, ValueError, StagetreeError) as e:
         log.error("cannot start the batch: %s", e)
         return EXIT_USAGE
+    worker = _Worker(args)
+    if not worker.open_store():
+        return EXIT_USAGE
+    worker.prepared = prepared
+    outcome = worker.run(spec, given_at)
+    return EXIT_FAILED if outcome is None or outcome.status == "failed" else 0
 
-    preempt = threading.Event()
 
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.info("signal %d: preempting after the current step", signum, extra={"batch_id": spec.batch_id})
-        preempt.set()
+class _Worker:
+    """This process's part of running batches: its checkpoint store, event stream and preemption flag,
+    opened once, and what a batch leaves for the next one on a worker that serves several (``--serve``):
+    the trainer built ahead (``prepared``) and the one the last batch ended with (``kept``)."""
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGUSR1, on_signal)
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.store: CheckpointStore | None = None
+        self.preempt = threading.Event()
+        self.prepared: Prepared | None = None
+        self.kept: InMemory | None = None
+        self.batches = 0
+        self._stream_out: TextIO | None = None
+        self._emit: EventWriter | None = None
 
-    stream_out = _events_stream(args.events_fd)
-    emit = EventWriter(stream_out)
-    ids = {"batch_id": spec.batch_id, "attempt": spec.attempt}
-    try:
-        trainer_cls = load_trainer_class(spec.fixed.trainer)
-    except Exception as e:  # the user's entry point does not import: a retry would fail the same way
-        tb = traceback.format_exc()
-        log.error("cannot load the trainer %s: %s\n%s", spec.fixed.trainer, e, tb.rstrip(), extra=ids)
-        emit("batch_failed", {**ids, "error": error_text(e, tb), "traceback": tb, "oom": False, "user_error": True})
-        return EXIT_FAILED
-
-    group: RankGroup = SINGLE_RANK
-    if rank.distributed:
+    def open_store(self) -> bool:
+        args = self.args
         try:
-            group = join_group(rank, device_for(spec.gpus))
-        except Exception as e:  # a peer that never came, a port taken meanwhile: a retry may cure it
+            self.store = open_checkpoint_store(
+                args.checkpoint_root,
+                s3_endpoint_url=args.s3_endpoint_url,
+                cache_dir=args.cache_dir,
+                cache_max_bytes=args.cache_bytes,
+            )
+        except (OSError, ValueError, StagetreeError) as e:
+            log.error("cannot open the checkpoint store: %s", e)
+            return False
+        return True
+
+    def _events(self) -> EventWriter:
+        if self._emit is None:
+            signal.signal(signal.SIGTERM, self._on_signal)
+            signal.signal(signal.SIGUSR1, self._on_signal)
+            self._stream_out = _events_stream(self.args.events_fd)
+            self._emit = EventWriter(self._stream_out)
+        return self._emit
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        log.info("signal %d: preempting after the current step", signum)
+        self.preempt.set()
+
+    def serve(self, stream: TextIO) -> int:
+        """Run batch after batch, one JSON line each (``{"batch": spec, "log": path}``; prepare lines may
+        come between them), until the end of the input (0) or a batch that did not finish: a failure
+        (1), a preemption (0: the process goes, and a GPU's memory with it), a batch of several ranks."""
+        if not self.open_store():
+            return EXIT_USAGE
+        emit = self._events()
+        while True:
+            line = stream.readline()
+            if not line:
+                log.debug("end of input: no more batches", extra={"batches": self.batches})
+                return 0
+            if line.startswith(PREPARE_PREFIX):
+                self.prepared = prepare(line)
+                continue
+            given_at = time.time()  # what it did while it waited is no batch's start-up
+            try:
+                msg = json.loads(line)
+                spec = BatchSpec.from_json(msg["batch"])
+                rank = RankInfo.of_extra(spec.extra)
+            except (ValueError, KeyError, TypeError, StagetreeError) as e:
+                log.error("cannot start the batch: %s", e)
+                return EXIT_USAGE
+            if msg.get("log"):
+                _log_to(str(msg["log"]))
+            self.preempt.clear()  # a signal meant for the batch before (it had ended) is not this one's
+            outcome = self.run(spec, given_at)
+            if outcome is None or outcome.status != "finished" or rank.distributed:
+                return EXIT_FAILED if outcome is None or outcome.status == "failed" else 0
+            emit(
+                "worker_idle",
+                {"batches": self.batches, "rss_bytes": resident_bytes(), "children": len(child_pids())},
+            )
+
+    def run(self, spec: BatchSpec, given_at: float | None = None) -> BatchOutcome | None:
+        """Run one batch handed over at ``given_at`` (epoch seconds); None when it could not start (its
+        ``batch_failed`` is out)."""
+        assert self.store is not None
+        emit = self._events()
+        rank = RankInfo.of_extra(spec.extra)
+        ids = {"batch_id": spec.batch_id, "attempt": spec.attempt}
+        kept, self.kept = self.kept, None
+        if kept is not None and not (kept.fits(spec) and not rank.distributed):
+            on_gpu, kept = kept.gpus > 0, None
+            if on_gpu:  # the trainer of another path: its GPU memory goes before the next one is built
+                gc.collect()
+        try:
+            trainer_cls = load_trainer_class(spec.fixed.trainer)
+        except Exception as e:  # the user's entry point does not import: a retry would fail the same way
             tb = traceback.format_exc()
-            log.error("cannot join the batch's process group: %s", e, extra=ids)
-            failed = {"error": error_text(e, tb), "traceback": tb, "oom": False, "user_error": False}
-            emit("batch_failed", {**ids, **failed})
-            return EXIT_FAILED
-    trainer = None
-    if prepared is not None:
-        if prepared.fits(spec) and not rank.distributed:
-            trainer = prepared.trainer
-            log.info("starting from the trainer built ahead", extra=ids)
-        else:
-            log.info("the trainer prepared ahead is for another fixed part; building the batch's own", extra=ids)
+            log.error("cannot load the trainer %s: %s\n%s", spec.fixed.trainer, e, tb.rstrip(), extra=ids)
+            emit("batch_failed", {**ids, "error": error_text(e, tb), "traceback": tb, "oom": False, "user_error": True})
+            return None
+
+        group: RankGroup = SINGLE_RANK
+        if rank.distributed:
+            try:
+                group = join_group(rank, device_for(spec.gpus))
+            except Exception as e:  # a peer that never came, a port taken meanwhile: a retry may cure it
+                tb = traceback.format_exc()
+                log.error("cannot join the batch's process group: %s", e, extra=ids)
+                failed = {"error": error_text(e, tb), "traceback": tb, "oom": False, "user_error": False}
+                emit("batch_failed", {**ids, **failed})
+                return None
+        trainer = None
+        prepared, self.prepared = self.prepared, None
+        if prepared is not None and kept is None:
+            if prepared.fits(spec) and not rank.distributed:
+                trainer = prepared.trainer
+                log.info("starting from the trainer built ahead", extra=ids)
+            else:
+                log.info("the trainer prepared ahead is for another fixed part; building the batch's own", extra=ids)
         prepared = None
-    run = BatchRun(
-        spec,
-        trainer_cls,
-        store,
-        emit,
-        preempt.is_set,
-        progress_interval_s=args.progress_interval,
-        prepared=trainer,
-        group=group,
-        given_at=given_at,
-    )
-    outcome = run.run()
-    emit.flush()
-    code = EXIT_FAILED if outcome.status == "failed" else 0
-    if rank.distributed:
-        # Leave now, with everything written: freeing the trainer (its DistributedDataParallel, the gloo
-        # group) can block for good once a peer has gone (seen in forked workers), and a rank that does
-        # not exit holds its slot until the node manager kills it.
-        stream_out.flush()
-        exit_now(code)
-    return code
+        run = BatchRun(
+            spec,
+            trainer_cls,
+            self.store,
+            emit,
+            self.preempt.is_set,
+            progress_interval_s=self.args.progress_interval,
+            prepared=trainer,
+            group=group,
+            given_at=given_at,
+            continued=kept,
+        )
+        kept = None
+        outcome = run.run()
+        emit.flush()
+        self.batches += 1
+        if outcome.status == "finished" and run.trainer is not None and not rank.distributed:
+            self.kept = InMemory.after(spec, run.trainer)
+        if rank.distributed:
+            # Leave now, with everything written: freeing the trainer (its DistributedDataParallel, the gloo
+            # group) can block for good once a peer has gone (seen in forked workers), and a rank that does
+            # not exit holds its slot until the node manager kills it.
+            assert self._stream_out is not None
+            self._stream_out.flush()
+            exit_now(EXIT_FAILED if outcome.status == "failed" else 0)
+        return outcome
+
+
+def _log_to(path: str) -> None:
+    """From now on, this process's stdout and stderr go to ``path`` (appended): each batch a worker runs
+    has a log of its own, named by the node manager."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)  # the event stream is on a descriptor of its own (``_events_stream``)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (0 where ``/proc`` does not say)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def child_pids() -> list[int]:
+    """The processes this process started that are still running (Linux; none found elsewhere)."""
+    out: list[int] = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                out += [int(p) for p in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 PREPARE_PREFIX = '{"prepare"'
@@ -297,17 +435,20 @@ class Prepared:
 
 
 def prepare(line: str) -> Prepared | None:
-    """Build the trainer that a prepare line ``{"prepare": {"fixed": ..., "gpus": n}}`` names, the way a
-    batch of that fixed part builds it before loading its checkpoint (``executor.new_trainer``), while
-    the worker waits for its spec; only when the trainer class says its ``init`` may run ahead
-    (``Trainer.prepare_ahead``), else the module is just imported. None, logged, when that fails: the
-    batch then builds its own and reports the error as its own."""
+    """Import the trainer module that a prepare line ``{"prepare": {"fixed": ..., "gpus": n, "build": b}}``
+    names while the worker waits for its batch, and with ``build`` (the default) build that trainer the
+    way a batch of that fixed part builds it before loading its checkpoint (``executor.new_trainer``);
+    only when the trainer class says its ``init`` may run ahead (``Trainer.prepare_ahead``). None,
+    logged, when nothing was built or that failed: the batch then builds its own and reports the error
+    as its own."""
     try:
         hint = json.loads(line)["prepare"]
         fixed = FixedPart.from_json(hint["fixed"])
         gpus = int(hint.get("gpus", 0))
+        t0 = time.monotonic()
         trainer_cls = load_trainer_class(fixed.trainer)  # imported ahead in any case
-        if not trainer_cls.prepare_ahead:
+        log.info("trainer %s imported ahead in %.2f s", fixed.trainer, time.monotonic() - t0)
+        if not trainer_cls.prepare_ahead or not hint.get("build", True):
             return None
         trainer = new_trainer(trainer_cls, fixed, device_for(gpus))
     except Exception as e:  # user code: anything may come out of it

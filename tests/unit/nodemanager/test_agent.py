@@ -9,7 +9,6 @@ import json
 import os
 import signal
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,99 +19,32 @@ from stagetree.core.batch import BatchSpec
 from stagetree.core.errors import Unauthenticated, Unavailable
 from stagetree.core.slots import SlotInfo
 from stagetree.nodemanager.agent import NodeManager
-from stagetree.nodemanager.examples.digits import DigitsMLP, digits_batch
+from stagetree.nodemanager.examples.digits import DigitsMLP
 from stagetree.nodemanager.examples.faults import ENTRY_POINT as FAULTY
 from stagetree.nodemanager.examples.faults import EXIT_CODE
 from stagetree.nodemanager.gpu import GpuInfo, GpuSample, StaticGpuProbe
 from stagetree.nodemanager.link import ABORT, DELETE_CHECKPOINTS, PREEMPT, RUN, Assignment
 from stagetree.nodemanager.mps import MpsDaemon
 from stagetree.nodemanager.reporting import GrpcReporter
+from stagetree.nodemanager.reuse import ReusePolicy
 from stagetree.nodemanager.runtime.checkpoints import LocalCheckpointStore
 from stagetree.nodemanager.runtime.executor import BatchRun
-from stagetree.nodemanager.workers import ExecLauncher, ForkserverLauncher, WorkerLauncher
 from tests.unit.nodemanager.fakes import ENV_RECORDER, FORKING, FakeLink
+from tests.unit.nodemanager.harness import Harness, launcher_of, spec_of, start_node_manager, until
 
 pytestmark = pytest.mark.timeout(300)
-
-HP = {"lr": 0.1, "momentum": 0.9, "bs": 32}
-
-
-@dataclass
-class Harness:
-    nm: NodeManager
-    link: FakeLink
-    store: LocalCheckpointStore
-    stop: asyncio.Event
-    task: asyncio.Task[None]
-    tmp: Path
-
-    def run(self, spec: BatchSpec, slot_id: str = "") -> None:
-        a = Assignment(spec.batch_id, spec.attempt, RUN, json.dumps(spec.to_json()), slot_id=slot_id)
-        self.link.feed.put_nowait(a)
-
-    def send(self, kind: str, batch_id: int = 0, attempt: int = 1, uris: tuple[str, ...] = ()) -> None:
-        self.link.feed.put_nowait(Assignment(batch_id, attempt, kind, checkpoint_uris=uris))
-
-    async def report(self, batch_id: int, attempt: int = 1, timeout: float = 120) -> Any:
-        await until(lambda: any(r.batch_id == batch_id and r.attempt == attempt for r in self.link.reports), timeout)
-        return self.link.report_of(batch_id, attempt)
-
-
-async def until(cond: Any, timeout: float = 120) -> Any:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not (got := cond()):
-        assert loop.time() < deadline, "timed out"
-        await asyncio.sleep(0.02)
-    return got
-
-
-def _launcher(kind: str, store: LocalCheckpointStore, tmp: Path) -> WorkerLauncher:
-    if kind == "exec":
-        return ExecLauncher(str(store.root), tmp / "work", prestart=True, progress_interval_s=0.0)
-    return ForkserverLauncher(str(store.root), tmp / "work", progress_interval_s=0.0, preload=["torch._dynamo"])
-
-
-async def _start(
-    tmp: Path, slots: int = 1, launcher: str = "forkserver", close_timeout_s: float = 10.0, **kw: Any
-) -> Harness:
-    link = FakeLink()
-    store = LocalCheckpointStore(tmp / "ckpt", fsync=False)
-    nm = NodeManager(
-        link,
-        GrpcReporter(link, initial_backoff_s=0.01, close_timeout_s=close_timeout_s),
-        [SlotInfo(f"cpu{i}") for i in range(slots)],
-        _launcher(launcher, store, tmp),
-        node_manager_id="nm-test",
-        store=store,
-        reconnect_initial_s=0.01,
-        reconnect_max_s=0.05,
-        stop_grace_s=10,
-        **kw,
-    )
-    stop = asyncio.Event()
-    task = asyncio.create_task(nm.run(stop))
-    await until(lambda: nm.connected.is_set() or task.done())
-    return Harness(nm, link, store, stop, task, tmp)
 
 
 @pytest.fixture
 async def h(tmp_path: Path) -> AsyncIterator[Harness]:
-    harness = await _start(tmp_path)
+    harness = await start_node_manager(tmp_path)
     yield harness
     harness.stop.set()
     await asyncio.wait_for(harness.task, 120)
 
 
-def _spec(batch_id: int, steps: int = 10, trainer: str | None = None, **fixed: Any) -> BatchSpec:
-    kw: dict[str, Any] = {"trainer": trainer} if trainer else {}
-    return digits_batch(
-        [(1, 0, steps, HP)], batch_id=batch_id, fixed_values=fixed, evals=[(1, steps)], saves=[(1, steps)], **kw
-    )
-
-
 async def test_a_run_is_reported_with_its_metrics_and_checkpoint(h: Harness) -> None:
-    h.run(_spec(1))
+    h.run(spec_of(1))
     report = await h.report(1)
     assert report.ok and not report.error
     assert [(m.node, m.step, sorted(m.values)) for m in report.metrics] == [(1, 10, ["accuracy", "loss"])]
@@ -125,20 +57,20 @@ async def test_a_run_is_reported_with_its_metrics_and_checkpoint(h: Harness) -> 
 
 
 async def test_a_worker_oom_is_reported_as_oom(h: Harness) -> None:
-    h.run(_spec(2, trainer=FAULTY, fault="cuda_oom", fault_step=2))
+    h.run(spec_of(2, trainer=FAULTY, fault="cuda_oom", fault_step=2))
     report = await h.report(2)
     assert not report.ok and report.oom and "OutOfMemoryError" in report.error
 
 
 async def test_a_crash_is_a_failure_with_the_exit_status_and_last_output(h: Harness) -> None:
-    h.run(_spec(3, trainer=FAULTY, fault="exit", fault_step=2))
+    h.run(spec_of(3, trainer=FAULTY, fault="exit", fault_step=2))
     report = await h.report(3)
     assert not report.ok and not report.oom and not report.preempted
     assert f"worker exited with status {EXIT_CODE}" in report.error
 
 
 async def test_a_sigkill_nobody_sent_is_taken_for_the_oom_killer(h: Harness) -> None:
-    h.run(_spec(4, steps=400, trainer=FAULTY, sleep_s=0.02))
+    h.run(spec_of(4, steps=400, trainer=FAULTY, sleep_s=0.02))
     await until(lambda: h.nm._attempts.get((4, 1)) and h.nm._attempts[(4, 1)].started)
     worker = h.nm._attempts[(4, 1)].worker
     assert worker is not None
@@ -148,18 +80,18 @@ async def test_a_sigkill_nobody_sent_is_taken_for_the_oom_killer(h: Harness) -> 
 
 
 async def test_duplicate_run_is_ignored_and_reported_once(h: Harness) -> None:
-    spec = _spec(5, steps=5)
+    spec = spec_of(5, steps=5)
     h.run(spec)
     h.run(spec)
     await h.report(5)
     h.run(spec)  # even after it ended
-    h.run(_spec(50, steps=2))  # one slot, assignments in order: a duplicate that ran would report first
+    h.run(spec_of(50, steps=2))  # one slot, assignments in order: a duplicate that ran would report first
     assert (await h.report(50)).ok
     assert len([r for r in h.link.reports if r.batch_id == 5]) == 1
 
 
 async def test_preempt_before_the_worker_is_ready_is_deferred_not_fatal(h: Harness) -> None:
-    h.run(_spec(6, steps=200, trainer=FAULTY, sleep_s=0.01))
+    h.run(spec_of(6, steps=200, trainer=FAULTY, sleep_s=0.01))
     h.send(PREEMPT, 6)  # at once: before the worker has its signal handler
     report = await h.report(6)
     assert report.preempted and not report.ok
@@ -168,8 +100,8 @@ async def test_preempt_before_the_worker_is_ready_is_deferred_not_fatal(h: Harne
 
 
 async def test_abort_kills_a_running_worker_and_drops_a_queued_one(h: Harness) -> None:
-    h.run(_spec(7, steps=400, trainer=FAULTY, sleep_s=0.02))
-    h.run(_spec(8))  # no free slot: queued
+    h.run(spec_of(7, steps=400, trainer=FAULTY, sleep_s=0.02))
+    h.run(spec_of(8))  # no free slot: queued
     await until(lambda: h.nm._attempts.get((7, 1)) and h.nm._attempts[(7, 1)].started)
     assert h.nm._attempts[(8, 1)].worker is None
     h.send(ABORT, 8)
@@ -178,27 +110,27 @@ async def test_abort_kills_a_running_worker_and_drops_a_queued_one(h: Harness) -
     assert "aborted" in r7.error and "aborted" in r8.error and not r7.ok and not r8.ok
     assert not r8.metrics and not r8.checkpoints
     h.send(ABORT, 99)  # unknown: ignored, and the node manager goes on
-    h.run(_spec(98, steps=2))
+    h.run(spec_of(98, steps=2))
     assert (await h.report(98)).ok
     await until(lambda: h.nm.running() == [])
 
 
 async def test_a_second_batch_waits_for_the_slot_the_first_frees(h: Harness) -> None:
-    h.run(_spec(9, steps=30, trainer=FAULTY, sleep_s=0.01))
-    h.run(_spec(10, steps=5))
+    h.run(spec_of(9, steps=30, trainer=FAULTY, sleep_s=0.01))
+    h.run(spec_of(10, steps=5))
     r10 = await h.report(10)
     r9 = h.link.report_of(9)
     assert r9.ok and r10.ok and h.link.reports.index(r9) < h.link.reports.index(r10)
 
 
 async def test_a_batch_sent_ahead_waits_for_its_named_slot_and_lets_others_pass(tmp_path: Path) -> None:
-    h = await _start(tmp_path, slots=3)
+    h = await start_node_manager(tmp_path, slots=3)
     try:
-        h.run(_spec(11, steps=400, trainer=FAULTY, sleep_s=0.01), slot_id="cpu0")
+        h.run(spec_of(11, steps=400, trainer=FAULTY, sleep_s=0.01), slot_id="cpu0")
         await until(lambda: h.nm._attempts.get((11, 1)) and h.nm._attempts[(11, 1)].started)
-        h.run(_spec(12, steps=5), slot_id="cpu0")  # sent ahead: cpu0 is still busy, cpu1 and cpu2 are free
-        h.run(_spec(13, steps=5), slot_id="cpu1")  # behind it in the queue, its slot free: it passes
-        h.run(_spec(14, steps=5), slot_id="elsewhere")  # names no slot here: any free one
+        h.run(spec_of(12, steps=5), slot_id="cpu0")  # sent ahead: cpu0 is still busy, cpu1 and cpu2 are free
+        h.run(spec_of(13, steps=5), slot_id="cpu1")  # behind it in the queue, its slot free: it passes
+        h.run(spec_of(14, steps=5), slot_id="elsewhere")  # names no slot here: any free one
         await h.report(13)
         await h.report(14)
         assert h.nm._attempts[(12, 1)].worker is None and 12 not in {r.batch_id for r in h.link.reports}
@@ -231,7 +163,7 @@ async def test_reconnects_and_registers_again_after_the_master_goes_away(h: Harn
     await until(lambda: len(h.link.registrations) == 2)
     h.link.heartbeat_errors.append(Unavailable("heartbeat refused"))
     await until(lambda: len(h.link.registrations) == 3)
-    h.run(_spec(12, steps=3))
+    h.run(spec_of(12, steps=3))
     assert (await h.report(12)).ok
 
 
@@ -253,7 +185,7 @@ async def _start_with_register_errors(tmp: Path, errors: list[Exception]) -> Har
         link,
         GrpcReporter(link),
         [SlotInfo("cpu0")],
-        _launcher("forkserver", store, tmp),
+        launcher_of("forkserver", store, tmp),
         node_manager_id="nm-test",
         reconnect_initial_s=0.01,
         reconnect_max_s=0.02,
@@ -267,7 +199,7 @@ async def _start_with_register_errors(tmp: Path, errors: list[Exception]) -> Har
 async def test_a_wrong_token_stops_the_node_manager_at_once(tmp_path: Path) -> None:
     link = FakeLink()
     link.register_errors = [Unauthenticated("bad token; set STAGETREE_NM_ADMIN_TOKEN")]
-    launcher = _launcher("exec", LocalCheckpointStore(tmp_path / "ckpt"), tmp_path)
+    launcher = launcher_of("exec", LocalCheckpointStore(tmp_path / "ckpt"), tmp_path)
     nm = NodeManager(link, GrpcReporter(link), [SlotInfo("cpu0")], launcher, node_manager_id="nm-test")
     with pytest.raises(Unauthenticated, match="STAGETREE_NM_ADMIN_TOKEN"):
         await asyncio.wait_for(nm.run(asyncio.Event()), 60)
@@ -275,8 +207,8 @@ async def test_a_wrong_token_stops_the_node_manager_at_once(tmp_path: Path) -> N
 
 
 async def test_stop_preempts_running_workers_so_their_work_resumes_elsewhere(tmp_path: Path) -> None:
-    h = await _start(tmp_path)
-    h.run(_spec(13, steps=400, trainer=FAULTY, sleep_s=0.02))
+    h = await start_node_manager(tmp_path)
+    h.run(spec_of(13, steps=400, trainer=FAULTY, sleep_s=0.02))
     await until(lambda: h.nm._attempts.get((13, 1)) and h.nm._attempts[(13, 1)].started)
     h.stop.set()
     await asyncio.wait_for(h.task, 120)
@@ -285,10 +217,10 @@ async def test_stop_preempts_running_workers_so_their_work_resumes_elsewhere(tmp
 
 
 async def test_exec_launcher_with_prestart_runs_the_worker_in_its_slots_environment(tmp_path: Path) -> None:
-    h = await _start(tmp_path, launcher="exec")
+    h = await start_node_manager(tmp_path, launcher="exec")
     try:
         env_file = tmp_path / "env.json"
-        h.run(_spec(14, steps=3, trainer=ENV_RECORDER, env_file=str(env_file)))
+        h.run(spec_of(14, steps=3, trainer=ENV_RECORDER, env_file=str(env_file)))
         assert (await h.report(14)).ok
         seen = json.loads(env_file.read_text())
         assert seen["CUDA_VISIBLE_DEVICES"] == "" and seen["OMP_NUM_THREADS"] == "1" and seen["torch_threads"] == "1"
@@ -300,7 +232,7 @@ async def test_exec_launcher_with_prestart_runs_the_worker_in_its_slots_environm
 
 async def test_forked_workers_get_the_slot_environment_too(h: Harness) -> None:
     env_file = h.tmp / "env.json"
-    h.run(_spec(15, steps=3, trainer=ENV_RECORDER, env_file=str(env_file)))
+    h.run(spec_of(15, steps=3, trainer=ENV_RECORDER, env_file=str(env_file)))
     assert (await h.report(15)).ok
     seen = json.loads(env_file.read_text())
     assert seen["CUDA_VISIBLE_DEVICES"] == "" and seen["STAGETREE_WORKER_THREADS"] == "1"
@@ -339,7 +271,7 @@ async def test_telemetry_is_sampled_with_gpus_and_skipped_without(tmp_path: Path
     link = FakeLink()
     reporter = _TelemetrySink(link)
     probe = _CountingProbe(gpus)
-    launcher = _launcher("forkserver", LocalCheckpointStore(tmp_path / "ckpt"), tmp_path)
+    launcher = launcher_of("forkserver", LocalCheckpointStore(tmp_path / "ckpt"), tmp_path)
     nm = NodeManager(
         link,
         reporter,
@@ -374,7 +306,7 @@ async def test_the_mps_daemon_lives_as_long_as_the_node_manager(
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
     link = FakeLink()
-    launcher = _launcher("forkserver", LocalCheckpointStore(tmp_path / "ckpt"), tmp_path)
+    launcher = launcher_of("forkserver", LocalCheckpointStore(tmp_path / "ckpt"), tmp_path)
     mps = MpsDaemon(tmp_path / "w", [0])
     nm = NodeManager(link, GrpcReporter(link), [SlotInfo("cpu0")], launcher, node_manager_id="nm-mps", mps=mps)
     stop = asyncio.Event()
@@ -387,8 +319,8 @@ async def test_the_mps_daemon_lives_as_long_as_the_node_manager(
 
 
 async def test_stop_with_the_master_gone_does_not_wait_forever_for_reports(tmp_path: Path) -> None:
-    h = await _start(tmp_path, close_timeout_s=0.5)
-    h.run(_spec(16, steps=400, trainer=FAULTY, sleep_s=0.02))
+    h = await start_node_manager(tmp_path, close_timeout_s=0.5)
+    h.run(spec_of(16, steps=400, trainer=FAULTY, sleep_s=0.02))
     await until(lambda: h.nm._attempts.get((16, 1)) and h.nm._attempts[(16, 1)].started)
     h.link.report_errors = [Unavailable("master gone")] * 10_000
     loop = asyncio.get_running_loop()
@@ -401,7 +333,7 @@ async def test_stop_with_the_master_gone_does_not_wait_forever_for_reports(tmp_p
 
 async def test_a_process_the_worker_leaves_behind_does_not_hold_up_the_report(h: Harness) -> None:
     pid_file = h.tmp / "grandchild.pid"
-    h.run(_spec(17, steps=3, trainer=FORKING, pid_file=str(pid_file)))
+    h.run(spec_of(17, steps=3, trainer=FORKING, pid_file=str(pid_file)))
     report = await h.report(17)
     assert report.ok and report.metrics
     grandchild = int(pid_file.read_text())
@@ -429,14 +361,16 @@ def _metrics_in_process(spec: BatchSpec, store: LocalCheckpointStore) -> list[di
 
 
 @pytest.mark.parametrize("launcher", ["forkserver", "exec"])
-async def test_a_warm_worker_builds_the_trainer_ahead_and_the_batch_trains_the_same(
+async def test_a_worker_started_ahead_builds_the_trainer_and_the_batch_trains_the_same(
     tmp_path: Path, launcher: str
 ) -> None:
-    h = await _start(tmp_path, launcher=launcher)
-    specs = [_spec(1, steps=2, hidden=24), _spec(2, steps=4, hidden=24), _spec(3, steps=4, hidden=16)]
+    # Workers not reused: each batch's worker goes, and the one started ahead to replace it prepares the
+    # fixed part of the slot's last batch (as after a failure or a preemption with reuse on).
+    h = await start_node_manager(tmp_path, launcher=launcher, reuse=ReusePolicy(reuse=False))
+    specs = [spec_of(1, steps=2, hidden=24), spec_of(2, steps=4, hidden=24), spec_of(3, steps=4, hidden=16)]
     try:
         reports = []
-        for spec in specs:  # one slot: after each spawn its next warm worker prepares that batch's fixed part
+        for spec in specs:
             h.run(spec)
             reports.append(await h.report(spec.batch_id))
     finally:
@@ -451,30 +385,39 @@ async def test_a_warm_worker_builds_the_trainer_ahead_and_the_batch_trains_the_s
         assert [dict(m.values) for m in report.metrics] == _metrics_in_process(spec, direct)
 
 
-async def test_a_cpu_slots_next_worker_starts_when_its_batch_exits_and_logs_keep_the_batch_name(
-    tmp_path: Path,
-) -> None:
-    h = await _start(tmp_path)
+async def test_a_cpu_slots_worker_runs_its_batches_and_the_next_starts_when_it_exits(tmp_path: Path) -> None:
+    h = await start_node_manager(tmp_path)
     launcher = h.nm.launcher
     logs = tmp_path / "work" / "logs"
+    pids: dict[int, int] = {}
+
+    def record_pid(batch_id: int) -> bool:
+        att = h.nm._attempts.get((batch_id, 1))
+        if att is not None and att.worker is not None:
+            pids[batch_id] = att.worker.pid
+        return batch_id in pids
+
     try:
         await h.nm.workers_ready()
-        await until(lambda: "cpu0" in launcher._warm)  # the one prestarted at start-up
-        h.run(_spec(1, steps=30, trainer=FAULTY, sleep_s=0.02))
-        h.run(_spec(2, trainer=FAULTY, fault="say_and_exit", fault_step=1))  # queued behind it (one slot)
+        await until(lambda: "cpu0" in launcher._fresh)  # the one prestarted at start-up
+        h.run(spec_of(1, steps=30, trainer=FAULTY, sleep_s=0.02))
+        h.run(spec_of(2, trainer=FAULTY, fault="say_and_exit", fault_step=1))  # queued behind it (one slot)
         await until(lambda: h.nm._attempts.get((1, 1)) and h.nm._attempts[(1, 1)].started)
-        worker = h.nm._attempts[(1, 1)].worker
-        assert worker is not None
-        while worker.returncode is None:  # while batch 1 trains, nothing else starts on its cores
-            assert "cpu0" not in launcher._warm and "cpu0" not in launcher._starting
+        record_pid(1)
+        while not any(r.batch_id == 1 for r in h.link.reports):  # while batch 1 trains, nothing else starts
+            assert "cpu0" not in launcher._fresh and "cpu0" not in launcher._starting
             await asyncio.sleep(0.01)
+        await until(lambda: record_pid(2))
         assert (await h.report(1)).ok
-        # batch 2 runs on a worker started at batch 1's exit, given its spec at once: what it wrote
-        # before dying reaches the report, from the log under the batch's name
+        # batch 2 runs on the worker batch 1 ran on, handed over at once: what it wrote before dying
+        # reaches the report, from the log under the batch's name
         failed = await h.report(2)
+        assert pids[2] == pids[1]
         assert not failed.ok and "dying on purpose" in failed.error
         assert "dying on purpose" in (logs / "batch-2-a1.log").read_text()
-        await until(lambda: "cpu0" in launcher._warm)  # and the next one started at batch 2's exit
+        assert "dying on purpose" not in (logs / "batch-1-a1.log").read_text()
+        await until(lambda: "cpu0" in launcher._fresh)  # the next one started at the worker's exit
+        assert launcher._fresh["cpu0"].pid != pids[1]
         await until(lambda: len(list(logs.glob("worker-*.log"))) == 1)  # only that one's first name is left
     finally:
         h.stop.set()

@@ -19,7 +19,7 @@ from stagetree.nodemanager.examples.digits import digits_batch
 from stagetree.nodemanager.examples.faults import TORCH_ENTRY_POINT
 from stagetree.nodemanager.group import WorkerGroup
 from stagetree.nodemanager.link import PREEMPT
-from tests.unit.nodemanager.test_agent import Harness, _start, until
+from tests.unit.nodemanager.harness import Harness, start_node_manager, until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,7 +49,7 @@ def gone(pid: int) -> bool:
 
 @pytest.fixture(params=["forkserver", "exec"])
 async def h(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Harness]:
-    harness = await _start(tmp_path, slots=2, launcher=request.param)
+    harness = await start_node_manager(tmp_path, slots=2, launcher=request.param)
     yield harness
     harness.stop.set()
     await asyncio.wait_for(harness.task, 30)

@@ -13,7 +13,13 @@ from stagetree.core.errors import InvalidArgument
 from stagetree.nodemanager.examples.digits import DigitsMLP
 from stagetree.nodemanager.runtime.events import decode_event, encode_event
 from stagetree.nodemanager.runtime.state import detached_copy
-from stagetree.nodemanager.runtime.trainer import capture_rng_state, load_trainer_class, restore_rng_state
+from stagetree.nodemanager.runtime.trainer import (
+    TrainerContext,
+    capture_rng_state,
+    load_trainer_class,
+    restore_rng_state,
+    seed_everything,
+)
 
 
 def _draw() -> tuple[float, float, float, list[float]]:
@@ -66,3 +72,46 @@ def test_event_lines_round_trip_and_are_checked() -> None:
         decode_event(encode_event("progress", {"batch_id": 1}))
     with pytest.raises(InvalidArgument, match="unknown event kind"):
         decode_event(encode_event("exploded", {}))
+
+
+class _Noisy(DigitsMLP):
+    """A trainer whose cached value draws random numbers while it is built."""
+
+    builds = 0
+
+    def init(self) -> None:
+        def build() -> torch.Tensor:
+            type(self).builds += 1
+            return torch.rand(4)
+
+        self.data = self.cached("noise", build)
+        super().init()
+
+
+def _bound(cls: type[DigitsMLP], **fixed: object) -> DigitsMLP:
+    trainer = cls()
+    trainer.bind(TrainerContext(fixed=fixed, seed=3))
+    return trainer
+
+
+def test_cached_keeps_a_value_per_fixed_part_and_leaves_the_random_streams_alone() -> None:
+    _Noisy.builds = 0
+    a = _bound(_Noisy, hidden=8)
+    seed_everything(3)
+    a.init()
+    after_build = _draw()
+    b = _bound(_Noisy, hidden=8)
+    seed_everything(3)
+    b.init()
+    after_kept = _draw()
+    assert _Noisy.builds == 1 and b.data is a.data  # kept for the same fixed part
+    assert after_kept == after_build  # the build's draws did not move the streams the trainer uses
+    c = _bound(_Noisy, hidden=16)
+    seed_everything(3)
+    c.init()
+    assert _Noisy.builds == 2 and c.data is not a.data  # another fixed part: built again ...
+    d = _bound(_Noisy, hidden=8)
+    seed_everything(3)
+    d.init()
+    assert _Noisy.builds == 3  # ... and only one fixed part's values are kept at a time
+    assert torch.equal(d.data, a.data)  # built from the same streams, the same value
