@@ -24,7 +24,7 @@ from stagetree.nodemanager.runtime.checkpoints import LocalCheckpointStore
 from stagetree.nodemanager.runtime.executor import run_batch
 from tests.unit.nodemanager.harness import Harness, spec_of, start_node_manager, until
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(600)
 
 # A user's trainer module that counts its imports: one line (the importing process's pid) per import,
 # and one per init, in files beside it.
@@ -73,6 +73,17 @@ def _worker_pids(caplog: pytest.LogCaptureFixture) -> dict[int, int]:
     }
 
 
+async def _started(tmp: Path, **kw: Any) -> Harness:
+    """A node manager whose workers are up (the fork server imports torch: on a loaded machine, a while)."""
+    h = await start_node_manager(tmp, **kw)
+    await asyncio.wait_for(h.nm.workers_ready(), 300)
+    return h
+
+
+async def _report(h: Harness, batch_id: int) -> Any:
+    return await h.report(batch_id, timeout=120)
+
+
 async def _stop(h: Harness) -> None:
     h.stop.set()
     await asyncio.wait_for(h.task, 30)
@@ -83,7 +94,7 @@ async def test_a_worker_runs_batch_after_batch_importing_the_trainer_once_until_
 ) -> None:
     caplog.set_level(logging.INFO, logger="stagetree.nodemanager.agent")
     imports, inits = _counted(tmp_path)
-    h = await start_node_manager(tmp_path, user_path=tmp_path)
+    h = await _started(tmp_path, user_path=tmp_path)
     specs = [
         _versioned(spec_of(1, steps=3, trainer=COUNTED_ENTRY, hidden=16), "v1"),
         _versioned(spec_of(2, steps=3, trainer=COUNTED_ENTRY, hidden=24), "v1"),
@@ -92,7 +103,7 @@ async def test_a_worker_runs_batch_after_batch_importing_the_trainer_once_until_
     try:
         for spec in specs:
             h.run(spec)
-            assert (await h.report(spec.batch_id)).ok
+            assert (await _report(h, spec.batch_id)).ok
     finally:
         await _stop(h)
     pids = _worker_pids(caplog)
@@ -109,10 +120,10 @@ async def test_a_batch_that_starts_where_the_last_ended_continues_from_memory_as
     hp = {"lr": MultiStep(0.1, [8], 0.5), "momentum": 0.9, "bs": MultiStep(16, [4, 10], 2)}
     fixed = {"dropout": 0.2, "hidden": 32}
     head = digits_batch([(1, 0, 6, hp)], batch_id=1, fixed_values=fixed, saves=[(1, 6)], evals=[(1, 6)])
-    h = await start_node_manager(tmp_path)
+    h = await _started(tmp_path)
     try:
         h.run(head)
-        (checkpoint,) = (await h.report(1)).checkpoints
+        (checkpoint,) = (await _report(h, 1)).checkpoints
         tail = digits_batch(
             [(1, 6, 12, hp)],
             batch_id=2,
@@ -121,9 +132,9 @@ async def test_a_batch_that_starts_where_the_last_ended_continues_from_memory_as
             evals=[(1, 12)],
         )
         h.run(tail)
-        from_memory = await h.report(2)
+        from_memory = await _report(h, 2)
         h.run(replace(tail, batch_id=3))  # the same batch again: this worker's trainer is at step 12 now
-        from_checkpoint = await h.report(3)
+        from_checkpoint = await _report(h, 3)
     finally:
         await _stop(h)
     pids = _worker_pids(caplog)
@@ -162,21 +173,21 @@ async def test_a_worker_whose_batch_failed_or_was_preempted_is_replaced(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="stagetree.nodemanager.agent")
-    h = await start_node_manager(tmp_path)
+    h = await _started(tmp_path)
     try:
         h.run(spec_of(1, steps=3, trainer=FAULTY))
-        assert (await h.report(1)).ok
+        assert (await _report(h, 1)).ok
         h.run(spec_of(2, steps=3, trainer=FAULTY, fault="raise", fault_step=1))
-        failed = await h.report(2)
+        failed = await _report(h, 2)
         assert not failed.ok and failed.user_error and "injected fault" in failed.error
         h.run(spec_of(3, steps=3, trainer=FAULTY))
-        assert (await h.report(3)).ok
+        assert (await _report(h, 3)).ok
         h.run(spec_of(4, steps=400, trainer=FAULTY, sleep_s=0.02))
         await until(lambda: h.nm._attempts.get((4, 1)) and h.nm._attempts[(4, 1)].started)
         h.send(PREEMPT, 4)
-        assert (await h.report(4)).preempted
+        assert (await _report(h, 4)).preempted
         h.run(spec_of(5, steps=3, trainer=FAULTY))
-        assert (await h.report(5)).ok
+        assert (await _report(h, 5)).ok
     finally:
         await _stop(h)
     pids = _worker_pids(caplog)
@@ -189,15 +200,14 @@ async def test_workers_waiting_on_other_slots_import_the_trainer_of_the_work_sen
 ) -> None:
     caplog.set_level(logging.INFO, logger="stagetree.nodemanager.agent")
     imports, _ = _counted(tmp_path)
-    h = await start_node_manager(tmp_path, slots=2, user_path=tmp_path)
+    h = await _started(tmp_path, slots=2, user_path=tmp_path)
     try:
-        await h.nm.workers_ready()
         h.run(spec_of(1, steps=3, trainer=COUNTED_ENTRY), slot_id="cpu0")
-        assert (await h.report(1)).ok
+        assert (await _report(h, 1)).ok
         # cpu1's worker, started ahead, imported the module of the work cpu0 was sent, with no batch of its own
         await until(lambda: len(_lines(imports)) == 2, timeout=60)
         h.run(spec_of(2, steps=3, trainer=COUNTED_ENTRY), slot_id="cpu1")
-        assert (await h.report(2)).ok
+        assert (await _report(h, 2)).ok
     finally:
         await _stop(h)
     pids = _worker_pids(caplog)
