@@ -280,6 +280,7 @@ class WorkerLauncher(ABC):
         self._fresh: dict[str, WorkerProcess] = {}  # slot -> a worker started ahead that ran no batch yet
         self._used: dict[str, WorkerProcess] = {}  # slot -> a worker that ran batches there, waiting
         self._busy: dict[str, WorkerProcess] = {}  # slot -> the worker running its batch
+        self._spawning: set[str] = set()  # slots whose next batch is being handed to a worker
         self._starting: dict[str, asyncio.Task[None]] = {}
         self._waiting: set[asyncio.Task[None]] = set()  # what waits for a worker's exit (_after_exit)
         self._last: dict[str, BatchSpec] = {}  # slot -> the last batch it was given
@@ -340,7 +341,8 @@ class WorkerLauncher(ABC):
         what to import (``_hint``)."""
         if self._closed or not self.prestart or slot.id in self._starting or _alive(self._fresh.get(slot.id)):
             return
-        if not slot.is_gpu and (_alive(self._busy.get(slot.id)) or _alive(self._used.get(slot.id))):
+        busy = slot.id in self._spawning or _alive(self._busy.get(slot.id))
+        if not slot.is_gpu and (busy or _alive(self._used.get(slot.id))):
             return
 
         async def start() -> None:
@@ -378,6 +380,13 @@ class WorkerLauncher(ABC):
         worker that last ran a batch there, else the one started ahead, when it may run this batch's
         trainer (``reuse.retire_before_batch``; one that may not is ended), else one started now."""
         self._slots[slot.id] = slot
+        self._spawning.add(slot.id)  # a worker that exits meanwhile is not replaced ahead: this batch takes one
+        try:
+            return await self._spawn(spec, slot)
+        finally:
+            self._spawning.discard(slot.id)
+
+    async def _spawn(self, spec: BatchSpec, slot: SlotInfo) -> WorkerProcess:
         starting = self._starting.get(slot.id)
         if starting is not None:
             await asyncio.shield(starting)

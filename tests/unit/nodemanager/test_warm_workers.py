@@ -86,7 +86,7 @@ async def _report(h: Harness, batch_id: int) -> Any:
 
 async def _stop(h: Harness) -> None:
     h.stop.set()
-    await asyncio.wait_for(h.task, 30)
+    await asyncio.wait_for(h.task, 120)
 
 
 async def test_a_worker_runs_batch_after_batch_importing_the_trainer_once_until_the_code_version_changes(
