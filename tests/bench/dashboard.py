@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"drawn: {tree_nodes} tree nodes, {page.get_attribute('#tree', 'data-rows')} rows open", flush=True)
             if ns.shots is not None:
                 ns.shots.mkdir(parents=True, exist_ok=True)
-                page.fill("#tree-search", "trial-4321")
+                page.fill("#tree-search", f"trial-{min(4321, ns.tree_trials - 1)}")
                 page.press("#tree-search", "Enter")
                 page.wait_for_selector("#node-trials")
                 page.wait_for_timeout(500)

@@ -175,10 +175,10 @@ export async function renderTree(main, studyId, gen) {
 
   function rebuild(keepZoom = true) { layout(); draw(keepZoom); }
 
-  function zoomTo(row) {
+  function zoomTo(row, rowsInView = null) {
     const [a, b] = viewRows();
-    if (row >= a && row <= b) return;
-    const half = Math.floor(Math.min(INITIAL_WINDOW, b - a + 1) / 2);
+    if (rowsInView === null && row >= a && row <= b) return;
+    const half = Math.floor(Math.min(rowsInView || INITIAL_WINDOW, b - a + 1) / 2);
     const start = Math.max(0, row - half);
     chart.dispatchAction({ type: "dataZoom", dataZoomId: "zy", startValue: start, endValue: start + 2 * half });
   }
@@ -272,7 +272,7 @@ export async function renderTree(main, studyId, gen) {
     const n = st.matchList[st.matchAt];
     reveal(n);
     if (!rowOf.has(n)) rebuild();
-    zoomTo(rowOf.get(n));
+    zoomTo(rowOf.get(n), Math.min(LABEL_ROWS / 2, rows.length)); // near enough to read its neighbours' names
     select(n);
   }
   document.getElementById("tree-search").addEventListener("change", (e) => search(e.target.value));
