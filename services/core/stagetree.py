@@ -173,7 +173,9 @@ def build_stage_tree(
                 if i >= 0 and steps[i] > start:
                     best = steps[i]
             for _lo, end, batch_id, progress in cover.get(p.node, ()):
-                if best < end < p.step and end > start and (progress < end or Point(p.node, end) in planned):
+                # a point the batch has passed is still to come when it keeps every step (its pack)
+                passed_ok = Point(p.node, end) in planned or batch_id in snapshotting
+                if best < end < p.step and end > start and (progress < end or passed_ok):
                     best, best_batch = end, batch_id
             if best >= 0:
                 q = Point(p.node, best)

@@ -58,7 +58,7 @@ def _sim(grid: tuple[list[Config], list[int], int, int], snapshots: bool) -> Any
     return Simulator(LateGrid(configs, steps, first), workers, snapshots=snapshots, boundaries=False).run()
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(late_grids())
 def test_with_snapshots_executed_steps_equal_unique_steps(grid: tuple[list[Config], list[int], int, int]) -> None:
     report = _sim(grid, snapshots=True)
