@@ -3,6 +3,7 @@ daemon that left its parent, and whatever outlives the grace period is ended and
 
 from __future__ import annotations
 
+import os
 import sys
 import textwrap
 
@@ -39,7 +40,10 @@ def test_descendants_follow_the_parent_table() -> None:
 
 
 def test_parse_stat_takes_names_with_spaces_and_parens() -> None:
-    assert parse_stat("42 (ray::IDLE (x)) S 7 42 42 0") == ("ray::IDLE (x)", 7)
+    raw = "42 (ray::IDLE (x)) S 7 42 42 0 -1 4194304 100 0 0 0 250 50 0 0 20 0 1 0"
+    comm, ppid, cpu = parse_stat(raw)
+    assert (comm, ppid) == ("ray::IDLE (x)", 7)
+    assert cpu == (250 + 50) / os.sysconf("SC_CLK_TCK")
 
 
 def test_a_daemon_that_left_its_parent_is_counted() -> None:
@@ -48,6 +52,32 @@ def test_a_daemon_that_left_its_parent_is_counted() -> None:
     assert usage.leftover == 0
     assert usage.cpu_s >= 0.6  # both burns (and the interpreter's start-up)
     assert usage.wall_s > 0
+
+
+# A parent that ignores SIGCHLD: the kernel reaps its child, whose CPU reaches no RUSAGE_CHILDREN.
+_IGNORING = textwrap.dedent(
+    """
+    import os, signal, time
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    if os.fork() == 0:
+        t = time.process_time()
+        while time.process_time() - t < 1.0:
+            pass
+        os._exit(0)
+    time.sleep(1.0)
+    while True:  # until the kernel has reaped the child
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+    """
+)
+
+
+def test_a_child_of_a_parent_that_ignores_sigchld_is_counted_by_the_polls() -> None:
+    usage = run_counted([sys.executable, "-c", _IGNORING], grace_s=30.0)
+    assert usage.rc == 0
+    assert usage.cpu_s >= 0.7  # the child's second, less what ran after the last poll
 
 
 def test_what_outlives_the_grace_period_is_ended_and_counted() -> None:
