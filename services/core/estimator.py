@@ -314,21 +314,8 @@ class CostModel:
     def slots_for(self, plan_key: str, asked: int, most: int) -> int:
         """The slots a batch of this plan takes: what its study ``asked`` for, or more when the plan ran
         out of memory before (``record_oom``). ``most``: the most slots one node manager has; asking for
-        more raises ``ResourceExhausted`` with what happened and what to do."""
-        asked, most = _slots(asked), _slots(most)
-        need = max(asked, self._min_gpus.get(plan_key, COLD_GPUS))
-        if need <= most:
-            return need
-        if need > asked:
-            raise ResourceExhausted(
-                f"out of memory on {need // 2} slot(s): the retry would take {need} slots and the largest node "
-                f"manager has {most}; lower the batch size or the model size, or add a node manager with "
-                f"{need} slots"
-            )
-        raise ResourceExhausted(
-            f"the study asks for {asked} slots per batch and the largest node manager has {most}; ask for at "
-            f"most {most} (a batch's slots are on one node manager)"
-        )
+        more raises ``ResourceExhausted`` with what happened and what to do (``batch_slots``)."""
+        return batch_slots(asked, self._min_gpus.get(plan_key, COLD_GPUS), most)
 
     def min_slots(self, plan_key: str) -> int:
         """The slots a batch of this plan starts with (1 unless it ran out of memory before)."""
@@ -442,3 +429,23 @@ def _features(features: Mapping[str, float]) -> dict[str, float]:
             raise InvalidArgument(f"features[{k!r}]: must be a finite number, got {v!r}")
         out[k] = float(v)
     return out
+
+
+def batch_slots(asked: int, floor: int, most: int) -> int:
+    """The slots a batch takes: what its study ``asked`` for, at least ``floor`` (twice what ran out of
+    memory), when one node manager has that many (``most``); else ``ResourceExhausted`` saying why and
+    what to do."""
+    asked, most = _slots(asked), _slots(most)
+    need = max(asked, floor)
+    if need <= most:
+        return need
+    if need > asked:
+        raise ResourceExhausted(
+            f"out of memory on {need // 2} slot(s): the retry would take {need} slots and the largest node "
+            f"manager has {most}; lower the batch size or the model size, or add a node manager with "
+            f"{need} slots"
+        )
+    raise ResourceExhausted(
+        f"the study asks for {asked} slots per batch and the largest node manager has {most}; ask for at "
+        f"most {most} (a batch's slots are on one node manager)"
+    )

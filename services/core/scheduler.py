@@ -1,19 +1,14 @@
-"""One scheduling round as a pure function: stage forest + free slots -> actions.
+"""The cut of a stage forest into batches, in the order a tree-order policy serves it.
 
-Steps (ARCHITECTURE §5), each pluggable:
-
-1. **Order**: an ``OrderPolicy`` picks which tree to serve next (its root key) and which child to follow
-   (``pick``). ``critical_path`` (TreeML §4.3) serves the longest estimated remaining path first;
-   ``bfs`` and ``most_children`` (TreeML §6.3's BFS and THR) are the baselines.
+1. **Order** of the cut: an ``OrderPolicy`` picks which tree to serve next (its root key) and which
+   child to follow (``pick``). ``critical_path`` (TreeML §4.3) serves the longest estimated remaining
+   path first; ``bfs`` and ``most_children`` (TreeML §6.3's BFS and THR) are the baselines.
 2. **Batch**: the chosen path becomes one stage batch run back to back with no reload; the points where
    work hangs off the path become central checkpoints (saved in the background), and the subtrees
    hanging there rejoin the queue, runnable once that checkpoint exists.
-3. **Place**: runnable batches go to free slots (first fit here; packing policies plug in later). A
-   batch of a plan whose batches take ``n`` slots (``slots_of``: data parallel on ``n`` ranks) goes to
-   ``n`` free slots of one node manager (the first that has them; several node managers per batch
-   are a later step), or waits while none has; the batches after it are still placed.
 
-The round keeps no state: everything comes in as arguments and goes out as ``Dispatch`` actions.
+The scheduling round (``stagetree.core.round``) cuts each plan's forest this way, lazily, and orders,
+places and preempts from there.
 """
 
 from __future__ import annotations
@@ -25,8 +20,8 @@ from typing import Protocol
 
 from stagetree.core.batch import Point
 from stagetree.core.errors import InvalidArgument
-from stagetree.core.slots import Slot
-from stagetree.core.stagetree import InflightBatch, Stage, StageForest
+from stagetree.core.ids import NO_PLAN, PlanId, RequestId
+from stagetree.core.stagetree import Stage, StageForest
 
 StageCost = Callable[[Stage], float]
 # Steps strictly inside a stage where its config starts a new piece: likely future branch points.
@@ -42,42 +37,19 @@ class PlannedBatch:
     ready: bool
     saves: set[Point] = field(default_factory=set)
     evals: set[Point] = field(default_factory=set)
-    requests: list[int] = field(default_factory=list)
+    requests: list[RequestId] = field(default_factory=list)
     cost: float = 0.0
-    plan: str = ""
+    plan: PlanId = NO_PLAN
     slots: int = 1  # data-parallel ranks, one slot each, on one node manager
+    rank: tuple[float, ...] = ()  # the order policy's key of its first stage: smaller was cut first
 
     @property
     def steps(self) -> int:
         return sum(s.steps for s in self.stages)
 
-
-@dataclass(frozen=True)
-class Dispatch:
-    batch: PlannedBatch
-    slot: Slot  # rank 0's
-    slots: tuple[Slot, ...] = ()  # every rank's, in rank order, when the batch takes several
-
     @property
-    def all_slots(self) -> tuple[Slot, ...]:
-        return self.slots or (self.slot,)
-
-
-@dataclass(frozen=True)
-class Amend:
-    """Ask the in-flight batch ``batch`` to also save (and evaluate) at ``point``."""
-
-    batch: int
-    point: Point
-
-
-@dataclass
-class RoundResult:
-    dispatches: list[Dispatch]
-    queue: list[PlannedBatch]  # batches looked at and not dispatched, in order (all of them unless every slot filled)
-    amendments: list[Amend]
-    attachments: dict[int, int]
-    queued: int = 0  # every batch of the forest not dispatched this round (len(queue) or more)
+    def end(self) -> Point:
+        return self.stages[-1].end_point
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,9 +200,9 @@ def iter_batches(
         heap.append((policy.root_key(st), r, st.source, st.ready))
     heapq.heapify(heap)
     while heap:
-        _, sid, source, ready = heapq.heappop(heap)
+        rank, sid, source, ready = heapq.heappop(heap)
         path: list[Stage] = []
-        batch = PlannedBatch(path, source, ready, plan=stages[sid].plan)
+        batch = PlannedBatch(path, source, ready, plan=stages[sid].plan, rank=rank)
         while True:
             st = stages[sid]
             path.append(st)
@@ -252,61 +224,6 @@ def iter_batches(
                         heapq.heappush(heap, (policy.root_key(stages[c]), c, end, False))
             sid = nxt
         yield batch
-
-
-def take_slots(free: list[Slot], n: int) -> tuple[Slot, ...] | None:
-    """``n`` slots of one node manager taken out of ``free`` (first fit, in ``free``'s order), or None
-    (``free`` unchanged) when no node manager has that many free."""
-    if n == 1:
-        return (free.pop(0),) if free else None
-    by_nm: dict[str, list[int]] = {}
-    for i, s in enumerate(free):
-        idx = by_nm.setdefault(s.node_manager, [])
-        idx.append(i)
-        if len(idx) == n:
-            taken = tuple(free[j] for j in idx)
-            for j in reversed(idx):
-                del free[j]
-            return taken
-    return None
-
-
-def schedule_round(
-    forest: StageForest,
-    free_slots: Sequence[Slot],
-    cost: StageCost,
-    policy: OrderPolicy | str = "critical_path",
-    boundaries: Boundaries | None = None,
-    inflight: Iterable[InflightBatch] = (),
-    slots_of: Callable[[str], int] | None = None,
-) -> RoundResult:
-    """One round. With ``boundaries``, running batches are also asked to save at branch candidates
-    learned since they were dispatched (if they have not passed them yet). ``slots_of(plan)``: the slots
-    a batch of that plan takes (1 without it); ``cost`` should count its stages at that many."""
-    pol = order_policy(policy) if isinstance(policy, str) else policy
-    free = list(free_slots)
-    dispatches: list[Dispatch] = []
-    queue: list[PlannedBatch] = []
-    for b in iter_batches(forest, pol, cost, boundaries) if free else ():
-        if slots_of is not None:
-            b.slots = slots_of(b.plan)
-        taken = take_slots(free, b.slots) if b.ready and free else None
-        if taken is not None:
-            dispatches.append(Dispatch(b, taken[0], taken if len(taken) > 1 else ()))
-            if not free:
-                break  # first fit: nothing after this can be placed this round
-        else:
-            queue.append(b)
-    amendments = [Amend(b, p) for p, b in forest.amendments.items()]
-    if boundaries is not None:
-        for ib in inflight:
-            for ist in ib.stages:
-                for step in boundaries(ist.node, max(ist.start, ist.progress), ist.end):
-                    p = Point(ist.node, step)
-                    if p not in ib.saves and p not in forest.amendments:
-                        amendments.append(Amend(ib.id, p))
-    queued = count_batches(forest) - len(dispatches)
-    return RoundResult(dispatches, queue, amendments, dict(forest.attachments), queued)
 
 
 def steps_cost(step_seconds: float = 1.0) -> StageCost:

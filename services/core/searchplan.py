@@ -89,9 +89,13 @@ def check_step(step: Any, what: str = "step") -> int:
 
 
 class SearchPlan:
-    """One search plan (one fixed part). Ids come from counters unless the caller supplies them."""
+    """One search plan (one fixed part). Ids come from counters unless the caller supplies them; plans
+    that must not reuse each other's node or request ids (several plans of one simulation) share the
+    counters ``node_ids`` and ``request_ids``."""
 
-    def __init__(self, key: str = "") -> None:
+    def __init__(
+        self, key: str = "", node_ids: Iterator[int] | None = None, request_ids: Iterator[int] | None = None
+    ) -> None:
         self.key = key
         self.nodes: dict[int, Node] = {}
         self.roots: list[int] = []
@@ -99,8 +103,8 @@ class SearchPlan:
         self.by_point: dict[Point, list[int]] = {}  # live (NOT_SCHED or SCHED) request ids
         self.checkpoints: dict[Point, Checkpoint] = {}
         self.metrics: dict[Point, dict[str, float]] = {}
-        self._node_ids: Iterator[int] = itertools.count(1)
-        self._request_ids: Iterator[int] = itertools.count(1)
+        self._node_ids: Iterator[int] = itertools.count(1) if node_ids is None else node_ids
+        self._request_ids: Iterator[int] = itertools.count(1) if request_ids is None else request_ids
         # (parent or None for a root, branch step, hash of the values in force there) -> the node: a walk
         # takes the child at a branch point in one lookup instead of comparing every sibling (a node, or
         # the plan's roots, may have thousands)
@@ -253,6 +257,15 @@ class SearchPlan:
             still_needed = any(r.batch == batch for r in self.live())
             return CancelResult(False, None if still_needed else batch)
         return CancelResult(False, None)
+
+    def fail(self, request_id: int) -> bool:
+        """A NOT_SCHED request that can never run (no node manager can take its work) fails; whether it did."""
+        req = self.requests[request_id]
+        if req.state is not RequestState.NOT_SCHED:
+            return False
+        self._unlink(req)
+        req.state = RequestState.FAILED
+        return True
 
     def _unlink(self, req: Request) -> None:
         ids = self.by_point.get(req.point)

@@ -6,12 +6,14 @@ Walks are memoized, so shared prefixes are visited once. The points met on each 
 and chained; each link ``(n, a) -> (n, b)`` is a stage "load the model at a, train node n's config to
 b". A stage whose source is a promise is not runnable until that checkpoint exists.
 
-In-flight batches matter twice: a request whose point lies ahead of a running batch is *attached* to
-it (the master asks the batch to also evaluate/save there: an amendment), and a request past a
-running batch's end starts from the checkpoint that batch will leave. Either way no step is trained
-twice while its model is on its way. A batch that keeps a *snapshot* of every step it trains (a small
-model: ``InflightBatch.snapshots``, written when it ends) also covers the points it has already passed:
-a request that branches there waits for that snapshot instead of training the prefix again.
+In-flight batches promise the checkpoints they will save (``saves``: their branch points and their
+end): work past such a point starts from it once it is saved, so no step is trained twice while its
+model is on its way. A batch that keeps a *snapshot* of every step it trains (a small model:
+``InflightBatch.snapshots``, written as one pack when it ends) promises every point of its stages, those
+it has passed too: work that branches there waits for that snapshot instead of training the prefix
+again. Any other point a running batch passes without saving it is not promised (a running batch is
+never asked to save more than it was sent with): work there starts from the nearest checkpoint before
+it now rather than waiting for a model that will not be kept.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from stagetree.core.batch import Point
+from stagetree.core.ids import NO_PLAN, PlanId, RequestId
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ class Stage:
 
     __slots__ = ("children", "end", "id", "node", "parent", "plan", "ready", "requests", "source", "start")
 
-    def __init__(self, sid: int, plan: str, node: int, start: int, end: int) -> None:
+    def __init__(self, sid: int, plan: PlanId, node: int, start: int, end: int) -> None:
         self.id = sid
         self.plan = plan
         self.node = node
@@ -65,7 +68,7 @@ class Stage:
         self.children: list[int] = []
         self.source: Point | None = None
         self.ready = False
-        self.requests: list[int] = []
+        self.requests: list[RequestId] = []
 
     @property
     def steps(self) -> int:
@@ -84,20 +87,6 @@ class Stage:
 class StageForest:
     stages: list[Stage] = field(default_factory=list)
     roots: list[int] = field(default_factory=list)
-    attachments: dict[int, int] = field(default_factory=dict)  # request id -> in-flight batch
-    amendments: dict[Point, int] = field(default_factory=dict)  # point to add to an in-flight batch
-
-    def extend(self, other: StageForest) -> None:
-        offset = len(self.stages)
-        for s in other.stages:
-            s.id += offset
-            if s.parent is not None:
-                s.parent += offset
-            s.children = [c + offset for c in s.children]
-            self.stages.append(s)
-        self.roots.extend(r + offset for r in other.roots)
-        self.attachments.update(other.attachments)
-        self.amendments.update(other.amendments)
 
 
 _ORIGIN = -1  # source kind markers
@@ -108,29 +97,29 @@ _PROMISED = 0
 def build_stage_tree(
     nodes: Mapping[int, NodeInfo] | Mapping[int, object],
     checkpoints: Mapping[int, Sequence[int]],
-    pending: Iterable[tuple[int, Point]],
+    pending: Iterable[tuple[RequestId, Point]],
     inflight: Iterable[InflightBatch] = (),
-    plan: str = "",
+    plan: PlanId = NO_PLAN,
 ) -> StageForest:
     """Algorithm 1, memoized. ``nodes`` maps node id to anything with ``parent`` and ``start``;
     ``checkpoints`` maps node id to its sorted checkpoint steps; ``pending`` is (request id, canonical
     point) of the NOT_SCHED requests."""
-    cover: dict[int, list[tuple[int, int, int, int]]] = {}  # node -> [(lo, end, batch, progress)]
+    cover: dict[int, list[tuple[int, int, int, bool]]] = {}  # node -> [(lo, end, progress, snapshots)]
     planned: set[Point] = set()
-    snapshotting: set[int] = set()
+    snapped: dict[int, list[tuple[int, int]]] = {}  # node -> (start, end] a snapshotting batch covers
     for b in inflight:
         planned.update(b.saves)
-        if b.snapshots:
-            snapshotting.add(b.id)
         for ist in b.stages:
-            lo = ist.start if b.snapshots else max(ist.start, ist.progress)
-            cover.setdefault(ist.node, []).append((lo, ist.end, b.id, ist.progress))
+            cover.setdefault(ist.node, []).append((max(ist.start, ist.progress), ist.end, ist.progress, b.snapshots))
+            if b.snapshots:
+                snapped.setdefault(ist.node, []).append((ist.start, ist.end))
+    planned_at: dict[int, list[int]] = {}  # node -> the steps running batches will save, sorted
+    for q in sorted(planned):
+        planned_at.setdefault(q.node, []).append(q.step)
 
     sources: dict[Point, int] = {}  # point -> _READY / _PROMISED / _ORIGIN
     needed: set[Point] = set()
     eval_only: set[Point] = set()
-    amend: dict[Point, int] = {}
-    promised_by: dict[Point, int] = {}
 
     def has_ckpt(p: Point) -> bool:
         steps = checkpoints.get(p.node)
@@ -139,18 +128,6 @@ def build_stage_tree(
         i = bisect.bisect_left(steps, p.step)
         return i < len(steps) and steps[i] == p.step
 
-    def covering(p: Point) -> int | None:
-        for lo, end, batch, _ in cover.get(p.node, ()):
-            if lo < p.step <= end:
-                return batch
-        return None
-
-    def promise(p: Point, batch: int) -> None:
-        sources[p] = _PROMISED
-        promised_by[p] = batch
-        if p not in planned and batch not in snapshotting:
-            amend[p] = batch
-
     def walk(p: Point) -> None:
         while True:
             if p in needed or p in sources:
@@ -158,32 +135,33 @@ def build_stage_tree(
             if has_ckpt(p):
                 sources[p] = _READY
                 return
-            batch = covering(p)
-            if batch is not None:
-                promise(p, batch)
+            if p in planned or any(a < p.step <= b for a, b in snapped.get(p.node, ())):
+                sources[p] = _PROMISED  # a running batch saves it (or has just saved it): wait for that checkpoint
                 return
             needed.add(p)
             info = nodes[p.node]
             start: int = info.start  # type: ignore[attr-defined]
             best = -1
-            best_batch: int | None = None
+            promised = False
             steps = checkpoints.get(p.node)
             if steps:
                 i = bisect.bisect_left(steps, p.step) - 1
                 if i >= 0 and steps[i] > start:
                     best = steps[i]
-            for _lo, end, batch_id, progress in cover.get(p.node, ()):
+            for _lo, end, progress, snaps in cover.get(p.node, ()):
                 # a point the batch has passed is still to come when it keeps every step (its pack)
-                passed_ok = Point(p.node, end) in planned or batch_id in snapshotting
+                passed_ok = Point(p.node, end) in planned or snaps
                 if best < end < p.step and end > start and (progress < end or passed_ok):
-                    best, best_batch = end, batch_id
+                    best, promised = end, True
+            saved = planned_at.get(p.node)
+            if saved:  # a save a running batch will make before p
+                i = bisect.bisect_left(saved, p.step) - 1
+                if i >= 0 and saved[i] > max(best, start):
+                    best, promised = saved[i], True
             if best >= 0:
                 q = Point(p.node, best)
                 if q not in sources:
-                    if best_batch is None:
-                        sources[q] = _READY
-                    else:
-                        promise(q, best_batch)
+                    sources[q] = _PROMISED if promised else _READY
                 return
             parent: int | None = info.parent  # type: ignore[attr-defined]
             if parent is None:
@@ -191,7 +169,7 @@ def build_stage_tree(
                 return
             p = Point(parent, start)
 
-    req_at: dict[Point, list[int]] = {}
+    req_at: dict[Point, list[RequestId]] = {}
     for rid, p in pending:
         req_at.setdefault(p, []).append(rid)
     forest = StageForest()
@@ -200,12 +178,6 @@ def build_stage_tree(
             eval_only.add(p)
             continue
         walk(p)
-
-    for p, rids in req_at.items():
-        if p in sources and sources[p] == _PROMISED:
-            for rid in rids:
-                forest.attachments[rid] = promised_by[p]
-    forest.amendments = amend
 
     by_node: dict[int, list[int]] = {}
     for p in needed:

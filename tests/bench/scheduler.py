@@ -18,14 +18,15 @@ import statistics
 import time
 
 from stagetree.core.config import Config
-from stagetree.core.scheduler import schedule_round
+from stagetree.core.round import plan_round
 from stagetree.core.searchplan import SearchPlan
 from stagetree.core.sequences import Constant, MultiStep, Piecewise, Warmup
-from stagetree.core.simulator import ASHADriver, GridDriver, SimReport, simulate, synthetic_curve
+from stagetree.core.simulator import SimReport, simulate, synthetic_curve
 from stagetree.core.slots import Slot
-from stagetree.core.stagetree import build_stage_tree
 from tests.bench import refs
 from tests.bench.record import record
+from tests.sim.drivers import ASHADriver, GridDriver
+from tests.sim.inputs import plan_input
 
 POLICIES = ("critical_path", "bfs", "most_children")
 WORKERS = (8, 40)
@@ -95,15 +96,13 @@ def round_ms(n_requests: int, repeats: int = 5) -> float:
     steps = (25, 50, 100, 150, 200, 300)
     while len(plan.requests) < n_requests:
         plan.add_request(rng.choice(configs), rng.choice(steps))
-    pending = [(r.id, r.point) for r in plan.pending()]
     slots = [Slot(f"w{i}") for i in range(40)]
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        forest = build_stage_tree(plan.nodes, plan.checkpoint_steps(), pending)
-        result = schedule_round(forest, slots, lambda st: float(st.end - st.start), "critical_path")
+        result = plan_round(plan_input(plan, slots))
         times.append((time.perf_counter() - t0) * 1000)
-        assert len(result.dispatches) + len(result.queue) > 0
+        assert len(result.dispatches) == len(slots)
     return statistics.median(times)
 
 

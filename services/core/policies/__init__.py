@@ -1,24 +1,24 @@
 """Scheduling policies of the four other systems (Hermes, HyperDrive POP, HyperSack, GENIE) and their baselines.
 
-Each paper's method is a pure plug-in step of the scheduling pipeline (ARCHITECTURE §5), with the
-baselines its paper compared against beside it, and an event-driven simulator that reproduces the
-comparison (``tests/bench/policies.py``):
+Each paper's method is a pure plug-in of the scheduling round's steps (ARCHITECTURE §5,
+``stagetree.core.round``), with the baselines its paper compared against beside it, each registered by
+name so that a study selects it (``study.parse_policies``):
 
-============  ==================================================  ===================================
-module        step and entry points                               simulator
-============  ==================================================  ===================================
-``hermes``    Preempt: ``node_round``, ``time_share_policy``;     ``hermes_sim.simulate_time_sharing``
-              Place: ``place_jobs`` / ``find_available_gpu``
-``pop``       Order + kill/suspend: ``search_policy`` (SAP with   ``pop_sim.simulate_search``
+============  ==========================================================  ==========================
+module        step and entry points                                       registry
+============  ==========================================================  ==========================
+``hermes``    Preempt: ``node_round``; Place: ``find_available_gpu``;     ``TIME_SHARE_POLICIES``
+              Order: ``TimeSharePolicy.score``
+``pop``       Order + kill/suspend: ``search_policy`` (SAP with           ``SEARCH_POLICIES``
               ``on_epoch``, ``next_job``, ``priority``)
 ``curves``    learning-curve model: ``fit_curve`` -> ``CurveFit``
-``packing``   Place: ``place``, ``exact_place``, ``Usage``,       ``packing_sim.simulate_packing``
-              ``ProfileBook``
-``genie``     Order + Place for multi-GPU work with deadlines:    ``genie_sim.simulate_qos``
-              ``plan_queue``, ``launch``, ``fit_perf_model``
-============  ==================================================  ===================================
+``packing``   Place: ``place``, ``exact_place``, ``Usage``, ``ProfileBook`` ``PLACE_POLICIES``
+``genie``     Order + width of multi-slot work with deadlines:            ``WIDTH_POLICIES``,
+              ``choose_width``; the paper's queue planner ``plan_queue``   ``QUEUE_POLICIES``
+============  ==========================================================  ==========================
 
-``live`` is the step of the live master's round that applies them per study; ``state`` keeps what that
-step learns across rounds, with a per-study ``snapshot``/``restore`` as plain JSON so that it survives a
-change of leading master. Everything here takes plain data and returns plain data; randomness is seeded.
+``study`` validates what a study chooses; ``state`` keeps what the round's policies learn across rounds,
+with a per-study ``snapshot``/``restore`` as plain JSON so that it survives a change of leading master.
+The papers' comparisons run these through the round on ``core.simulator`` (``tests/bench/policies.py``).
+Everything here takes plain data and returns plain data; randomness is seeded.
 """

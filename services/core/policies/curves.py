@@ -16,7 +16,7 @@ nothing beyond numpy:
   Jeffreys' prior on the Gaussian noise ``sigma``;
 * **likelihood** raised to the power ``1 / tempering`` (a power posterior, "safe Bayes"): no family fits a
   real curve exactly, the residuals are correlated, and the plain posterior is overconfident. On the
-  synthetic CIFAR-like traces of ``pop_sim``, tempering 3 brings the 80% predictive interval of the
+  synthetic CIFAR-like traces of ``tests/sim/papers/pop.py``, tempering 3 brings the 80% predictive interval of the
   accuracy at epoch 120, from 10-50 observed epochs, to 70-98% coverage (60-75% untempered);
 * **posterior**: ``phi`` on a grid (quadrature, refined once around the mass), ``beta`` and ``sigma``
   integrated in closed form (the Gaussian-linear model gives a Student-t marginal), the truncation of

@@ -30,9 +30,10 @@ Plug-in interface (the master's Order + Place steps for multi-GPU stages and stu
 
 ``free`` maps each node to its free GPUs; tasks are launched in the returned order while they fit.
 
-Live (the master's round, ``policies.live``), a batch's width is chosen by ``choose_width``: Alg. 1 for
-one task over widths ``n`` on one node, with the latency the master's cost model predicts on ``n``
-slots standing in for Eq. 1-3 (it is fitted on the batches that ran, ``t = a + b / n`` per step).
+In the scheduling round (``stagetree.core.round``), a batch's width is chosen by ``choose_width``: Alg. 1
+for one task over widths ``n`` on one node, with the latency the master's cost model predicts on ``n``
+slots standing in for Eq. 1-3 (it is fitted on the batches that ran, ``t = a + b / n`` per step); the
+baselines are there too, by name (``WIDTH_POLICIES``).
 """
 
 from __future__ import annotations
@@ -408,11 +409,83 @@ def choose_width(
     Returns ``(n, latency, waiting allowance)``."""
     if qos not in QOS_CLASSES:
         raise InvalidArgument(f"qos must be one of {QOS_CLASSES}, got {qos!r}")
+    opts = _width_options(latency_by_width, shape)
+    lbar = min(opts)[1]
+    ect_abs = arrival + {"urgent": 0.0, "prior": lbar, "normal": 2.0 * lbar}[qos]
+    opts = _cer_order(opts, shape, theta)
+    n, lat = next((o for o in opts if now + o[1] <= ect_abs), opts[0])
+    return n, lat, ect_abs - (now + lat)
+
+
+def _cer_order(opts: Sequence[tuple[int, float]], shape: ClusterShape, theta: float) -> list[tuple[int, float]]:
+    """Widths by decreasing cost-effective ratio (Eq. 5 with throughput ``1 / latency``), fewer on ties."""
+    return sorted(opts, key=lambda o: (-(1.0 / o[1]) / cost(Placement(1, o[0]), shape, theta), o[0]))
+
+
+def _width_options(latency_by_width: Sequence[tuple[int, float]], shape: ClusterShape) -> list[tuple[int, float]]:
     opts = [(int(n), float(lat)) for n, lat in latency_by_width if 1 <= n <= shape.gpus_per_node and lat > 0]
     if not opts:
         raise InvalidArgument(f"choose_width: no width of 1..{shape.gpus_per_node} with a positive latency")
-    lbar = min(opts)[1]
-    ect_abs = arrival + {"urgent": 0.0, "prior": lbar, "normal": 2.0 * lbar}[qos]
-    opts.sort(key=lambda o: (-(1.0 / o[1]) / cost(Placement(1, o[0]), shape, theta), o[0]))
-    n, lat = next((o for o in opts if now + o[1] <= ect_abs), opts[0])
-    return n, lat, ect_abs - (now + lat)
+    return opts
+
+
+# (qos, arrival, (n, latency) per width, now, cluster shape, most free slots on one node now)
+#   -> (n, latency, order key: smaller serves first)
+WidthPolicy = Callable[[str, float, Sequence[tuple[int, float]], float, ClusterShape, int], tuple[int, float, float]]
+
+
+def _genie_width(
+    qos: str, arrival: float, widths: Sequence[tuple[int, float]], now: float, shape: ClusterShape, most_free: int
+) -> tuple[int, float, float]:
+    return choose_width(qos, arrival, widths, now, shape)
+
+
+def _maxocc_width(
+    qos: str, arrival: float, widths: Sequence[tuple[int, float]], now: float, shape: ClusterShape, most_free: int
+) -> tuple[int, float, float]:
+    opts = _width_options(widths, shape)
+    fitting = [o for o in opts if o[0] <= max(most_free, 1)] or [min(opts)]
+    n, lat = max(fitting)
+    return n, lat, arrival
+
+
+def _minocc_width(
+    qos: str, arrival: float, widths: Sequence[tuple[int, float]], now: float, shape: ClusterShape, most_free: int
+) -> tuple[int, float, float]:
+    n, lat = min(_width_options(widths, shape))
+    return n, lat, arrival
+
+
+def _perfpre_width(
+    qos: str, arrival: float, widths: Sequence[tuple[int, float]], now: float, shape: ClusterShape, most_free: int
+) -> tuple[int, float, float]:
+    n, lat = min(_width_options(widths, shape), key=lambda o: (o[1], o[0]))
+    return n, lat, arrival
+
+
+def _cerpre_width(
+    qos: str, arrival: float, widths: Sequence[tuple[int, float]], now: float, shape: ClusterShape, most_free: int
+) -> tuple[int, float, float]:
+    n, lat = _cer_order(_width_options(widths, shape), shape, DEFAULT_THETA)[0]
+    return n, lat, arrival
+
+
+# How the live round picks the width of a batch of a study with a QoS class, by the name the study gives
+# (``"width"``): GENIE's Alg. 1 (served by waiting allowance) or one of §IV-A's baselines (served in
+# arrival order): ``maxocc`` the most slots one node has free now, ``minocc`` one slot, ``perfpre`` the
+# lowest predicted latency, ``cerpre`` the highest cost-effective ratio.
+WIDTH_POLICIES: Mapping[str, WidthPolicy] = {
+    "genie": _genie_width,
+    "maxocc": _maxocc_width,
+    "minocc": _minocc_width,
+    "perfpre": _perfpre_width,
+    "cerpre": _cerpre_width,
+}
+DEFAULT_WIDTH_POLICY = "genie"
+
+
+def width_policy(name: str) -> WidthPolicy:
+    fn = WIDTH_POLICIES.get(name)
+    if fn is None:
+        raise InvalidArgument(f"unknown width policy {name!r}; known: {sorted(WIDTH_POLICIES)}")
+    return fn

@@ -101,6 +101,9 @@ class TimeShareJob:
             self.milestones_passed = max(self.milestones_passed, sum(1 for m in milestones if shed >= m))
         return q
 
+    def copy(self) -> TimeShareJob:
+        return TimeShareJob(self.id, self.arrival, list(self.quanta), self.milestones_passed)
+
     @property
     def last_run(self) -> float:
         return self.quanta[-1].end if self.quanta else -math.inf

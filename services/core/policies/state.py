@@ -1,31 +1,37 @@
 """The live policy step's soft state across rounds, and its per-study snapshot.
 
-``PolicyState`` is what the master's policy step (``stagetree.master.policies.PolicyStep``) learns
-between rounds: Hermes' per-job quanta and the start of each running batch's current quantum, the
-preemptions in flight, POP's per-study policy objects and per trial what was fed to them, the killed
-trials, and the decisions taken but not yet known to be carried out (``pending_*``). Every entry
-belongs to one study (the study whose work it serves, as last seen); ``snapshot(study)`` gives that
-study's entries as plain JSON data and ``restore(study, data, search)`` puts them back, so that a new
-leader decides from then on as the old one would have. Format (version 1)::
+``PolicyState`` is what the scheduling round's policies (``stagetree.core.round``) learn between
+rounds: Hermes' per-job quanta and the start of each running batch's current quantum, the preemptions
+in flight, POP's per-study policy objects and per trial what was fed to them and when it was last
+suspended, the killed trials, and the decisions taken but not yet known to be carried out
+(``pending_*``). A round takes it in its input and returns the next one (``clone``: the input's is never
+changed). Every entry belongs to one study (the study whose work it serves, as last seen);
+``snapshot(study)`` gives that study's entries as plain JSON data and ``restore(study, data, search)``
+puts them back, so that a new leader decides from then on as the old one would have. Format (version 1;
+``suspended_at`` and ``devices`` may be absent)::
 
     {"version": 1,
-     "hermes": {"jobs": {job: TimeShareJob.snapshot()}, "quantum_start": {batch: t}, "preempting": [batch]},
+     "hermes": {"jobs": {job: TimeShareJob.snapshot()}, "devices": {job: device},
+                "quantum_start": {batch: t}, "preempting": [batch]},
      "search": {"started": t, "policy": SearchPolicy.snapshot()} | null,
      "trials": {job: {"fed_at": t, "reports": [first t, last t, count], "epochs": n}},
+     "suspended_at": {job: t},
      "killed": [job],
      "pending": {"preempts": [batch], "kills": [{"job", "reason"}]}}
 
-A job is ``"plan:node:step"`` (the end point of its batches), a batch a batch id (a string key in JSON);
-non-finite floats are strings (``plain``).
+A job is a ``JobKey`` as text (``"plan:node:step"``, the end point of its batches), a batch a batch id
+(a string key in JSON); non-finite floats are strings (``plain``).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from stagetree.core.errors import InvalidArgument
+from stagetree.core.ids import JobKey
 from stagetree.core.policies import hermes, pop
 from stagetree.core.policies.plain import dec, enc
 
@@ -35,24 +41,25 @@ VERSION = 1
 @dataclass(frozen=True)
 class Kill:
     """A trial a study's search policy killed: the study's live requests at the trial's end point (its
-    ``job``, ``"plan:node:step"``) are cancelled, and ``reason`` says why."""
+    ``job``) are cancelled, and ``reason`` says why."""
 
     study: str
-    job: str
+    job: JobKey
     reason: str
 
     @property
     def node(self) -> int:
-        return int(self.job.rsplit(":", 2)[1])
+        return self.job.node
 
     @property
     def step(self) -> int:
-        return int(self.job.rsplit(":", 2)[2])
+        return self.job.step
 
 
 @dataclass
 class PolicyState:
     jobs: dict[str, hermes.TimeShareJob] = field(default_factory=dict)  # Hermes: per job, its quanta
+    device: dict[str, str] = field(default_factory=dict)  # Hermes: the device a job is placed on (Alg. 1-2)
     quantum_start: dict[int, float] = field(default_factory=dict)  # running batch -> its current quantum's start
     preempting: set[int] = field(default_factory=set)  # batches asked to yield, still running
     search: dict[str, pop.SearchPolicy] = field(default_factory=dict)  # study -> its search policy
@@ -61,10 +68,34 @@ class PolicyState:
     reports: dict[str, tuple[float, float, int]] = field(default_factory=dict)  # trial -> first, last time, count
     epochs: dict[str, int] = field(default_factory=dict)  # trial -> reports fed (POP epochs)
     killed: set[str] = field(default_factory=set)
+    suspended_at: dict[str, float] = field(default_factory=dict)  # trial -> when its search policy suspended it
     pending_preempts: set[int] = field(default_factory=set)  # decided; not yet known to be sent
     pending_kills: dict[str, Kill] = field(default_factory=dict)  # trial -> kill decided; not yet known done
     job_study: dict[str, str] = field(default_factory=dict)
     batch_study: dict[int, str] = field(default_factory=dict)
+
+    def clone(self) -> PolicyState:
+        """A copy that shares nothing mutable with this one (a round changes its copy only)."""
+        return PolicyState(
+            jobs={j: t.copy() for j, t in self.jobs.items()},
+            device=dict(self.device),
+            quantum_start=dict(self.quantum_start),
+            preempting=set(self.preempting),
+            search=copy.deepcopy(self.search),
+            search_start=dict(self.search_start),
+            fed_at=dict(self.fed_at),
+            reports=dict(self.reports),
+            epochs=dict(self.epochs),
+            killed=set(self.killed),
+            suspended_at=dict(self.suspended_at),
+            pending_preempts=set(self.pending_preempts),
+            pending_kills=dict(self.pending_kills),
+            job_study=dict(self.job_study),
+            batch_study=dict(self.batch_study),
+        )
+
+    def empty(self) -> bool:
+        return not any(getattr(self, f.name) for f in fields(self))
 
     def own_job(self, job: str, study: str) -> None:
         self.job_study[job] = study
@@ -87,7 +118,19 @@ class PolicyState:
         """Drop the Hermes jobs whose work is no longer in the stage tree or running."""
         for j in [j for j in self.jobs if j not in live]:
             del self.jobs[j]
-        keep = {*self.jobs, *self.fed_at, *self.reports, *self.epochs, *self.killed, *self.pending_kills}
+        for j in [j for j in self.device if j not in live]:
+            del self.device[j]
+        for j in [j for j in self.suspended_at if j not in live]:
+            del self.suspended_at[j]
+        keep = {
+            *self.jobs,
+            *self.fed_at,
+            *self.reports,
+            *self.epochs,
+            *self.killed,
+            *self.pending_kills,
+            *self.suspended_at,
+        }
         for j in [j for j in self.job_study if j not in keep]:
             del self.job_study[j]
 
@@ -113,6 +156,7 @@ class PolicyState:
             "version": VERSION,
             "hermes": {
                 "jobs": {j: t.snapshot() for j, t in self.jobs.items() if j in jobs},
+                "devices": {j: d for j, d in sorted(self.device.items()) if j in jobs},
                 "quantum_start": {str(b): enc(t) for b, t in sorted(self.quantum_start.items()) if b in batches},
                 "preempting": sorted(b for b in self.preempting if b in batches),
             },
@@ -122,6 +166,7 @@ class PolicyState:
                 for j, t in self.fed_at.items()
                 if j in jobs
             },
+            "suspended_at": {j: enc(t) for j, t in sorted(self.suspended_at.items()) if j in jobs},
             "killed": sorted(j for j in self.killed if j in jobs),
             "pending": {
                 "preempts": sorted(b for b in self.pending_preempts if b in batches),
@@ -136,10 +181,12 @@ class PolicyState:
         version reads; nothing is changed then."""
         try:
             part = _of_snapshot(study, data, search)
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, InvalidArgument) as e:
             raise InvalidArgument(f"policy state of study {study}: unreadable snapshot ({e!r})") from None
         for j, tsj in part.jobs.items():
             self.jobs.setdefault(j, tsj)
+        for j, d in part.device.items():
+            self.device.setdefault(j, d)
         for b, t in part.quantum_start.items():
             self.quantum_start.setdefault(b, t)
         self.preempting |= part.preempting
@@ -151,6 +198,8 @@ class PolicyState:
                 self.fed_at[j], self.epochs[j] = t, part.epochs[j]
                 if j in part.reports:
                     self.reports[j] = part.reports[j]
+        for j, t in part.suspended_at.items():
+            self.suspended_at.setdefault(j, t)
         self.killed |= part.killed
         self.pending_preempts |= part.pending_preempts
         for j, k in part.pending_kills.items():
@@ -172,6 +221,7 @@ def _of_snapshot(study: str, data: Mapping[str, Any], search: pop.SearchPolicy |
     out = PolicyState()
     h = data["hermes"]
     out.jobs = {str(j): hermes.TimeShareJob.restore(str(j), d) for j, d in h["jobs"].items()}
+    out.device = {str(j): str(d) for j, d in h.get("devices", {}).items()}
     out.quantum_start = {int(b): dec(t) for b, t in h["quantum_start"].items()}
     out.preempting = {int(b) for b in h["preempting"]}
     if search is not None and data["search"] is not None:
@@ -182,10 +232,13 @@ def _of_snapshot(study: str, data: Mapping[str, Any], search: pop.SearchPolicy |
         if d["reports"] is not None:
             first, last, n = d["reports"]
             out.reports[j] = (dec(first), dec(last), int(n))
+    out.suspended_at = {str(j): dec(t) for j, t in data.get("suspended_at", {}).items()}
     out.killed = {str(j) for j in data["killed"]}
     out.pending_preempts = {int(b) for b in data["pending"]["preempts"]}
-    out.pending_kills = {str(k["job"]): Kill(study, str(k["job"]), str(k["reason"])) for k in data["pending"]["kills"]}
-    for j in {*out.jobs, *out.fed_at, *out.killed, *out.pending_kills}:
+    out.pending_kills = {
+        str(k["job"]): Kill(study, JobKey.parse(str(k["job"])), str(k["reason"])) for k in data["pending"]["kills"]
+    }
+    for j in {*out.jobs, *out.device, *out.fed_at, *out.killed, *out.pending_kills, *out.suspended_at}:
         out.job_study[j] = study
     for b in {*out.quantum_start, *out.preempting, *out.pending_preempts}:
         out.batch_study[b] = study

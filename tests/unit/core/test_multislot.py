@@ -9,6 +9,7 @@ import pytest
 from stagetree.core.config import Config
 from stagetree.core.errors import InvalidArgument, ResourceExhausted
 from stagetree.core.estimator import INV_SLOTS, CostModel
+from stagetree.core.ids import PlanId
 from stagetree.core.lifecycle import (
     AttemptEnd,
     BatchHead,
@@ -18,11 +19,12 @@ from stagetree.core.lifecycle import (
     RetryPolicy,
     end_attempt,
 )
-from stagetree.core.policies.live import parse_policies
-from stagetree.core.scheduler import schedule_round, steps_cost, take_slots
+from stagetree.core.policies.study import parse_policies
+from stagetree.core.round import BusySlot, plan_round
+from stagetree.core.round.place import SlotPool
 from stagetree.core.searchplan import SearchPlan
 from stagetree.core.slots import Slot
-from stagetree.core.stagetree import StageForest, build_stage_tree
+from tests.sim.inputs import plan_work, round_input
 
 PLAN, CPU = "plan-a", "cpu"
 
@@ -31,59 +33,57 @@ def _slots(*spec: tuple[str, int]) -> list[Slot]:
     return [Slot(f"{nm}-s{i}", nm) for nm, n in spec for i in range(n)]
 
 
-def _forest(*trials: tuple[float, int], plan: str = "1") -> StageForest:
+def _plan(*trials: tuple[float, int]) -> SearchPlan:
     sp = SearchPlan()
     for lr, steps in trials:
         sp.add_request(Config.of({"lr": lr, "bs": 32}), steps)
-    return build_stage_tree(sp.nodes, {}, [(r.id, r.point) for r in sp.pending()], plan=plan)
+    return sp
 
 
 # -- placement -------------------------------------------------------------------------------------
 
 
 def test_n_slots_come_from_one_node_manager_in_first_fit_order() -> None:
-    free = _slots(("a", 1), ("b", 3), ("c", 2))
-    got = take_slots(free, 2)
+    pool = SlotPool(_slots(("a", 1), ("b", 3), ("c", 2)), [], [], [], {})
+    got = pool.wide(2)
     assert got is not None and [s.id for s in got] == ["b-s0", "b-s1"]
-    assert [s.id for s in free] == ["a-s0", "b-s2", "c-s0", "c-s1"]
-    assert take_slots(free, 3) is None and len(free) == 4  # no node manager has 3 free: nothing taken
-    one = take_slots(free, 1)
-    assert one is not None and one[0].id == "a-s0"
+    pool.taken.update(got)
+    assert pool.wide(3) is None  # no node manager has 3 free: nothing taken
+    again = pool.wide(2)
+    assert again is not None and [s.id for s in again] == ["c-s0", "c-s1"]
+    first = pool.first_free()
+    assert first is not None and first.id == "a-s0"
 
 
 def test_a_batch_on_two_slots_waits_for_a_node_manager_with_two_free_while_others_are_placed() -> None:
-    two = _forest((0.1, 100), plan="1")  # the longest path, its plan takes 2 slots
-    one = _forest((0.5, 10), plan="2")
-    forest = StageForest()
-    forest.extend(two)
-    forest.extend(one)
-    slots_of = {"1": 2, "2": 1}.__getitem__
-    res = schedule_round(forest, _slots(("a", 1), ("b", 1)), steps_cost(), slots_of=slots_of)
-    assert [(d.batch.plan, [s.id for s in d.all_slots]) for d in res.dispatches] == [("2", ["a-s0"])]
-    assert [b.plan for b in res.queue] == ["1"] and res.queue[0].slots == 2
-    res = schedule_round(forest, _slots(("a", 1), ("b", 2)), steps_cost(), slots_of=slots_of)
-    placed = [(d.batch.plan, d.slot.id, [s.id for s in d.all_slots]) for d in res.dispatches]
-    assert placed == [("1", "b-s0", ["b-s0", "b-s1"]), ("2", "a-s0", ["a-s0"])]
-    assert res.dispatches[0].batch.slots == 2
+    two = plan_work(_plan((0.1, 100)), PlanId(1), slots=2)  # the longest path, its plan takes 2 slots
+    one = plan_work(_plan((0.5, 10)), PlanId(2))
+    b_busy = BusySlot(Slot("b-s1", "b"))  # b has two slots, one of them busy
+    dec = plan_round(round_input([two, one], _slots(("a", 1), ("b", 1)), busy=[b_busy]))
+    assert [(d.batch.plan, [s.id for s in d.slots]) for d in dec.dispatches] == [(2, ["a-s0"])]
+    assert dec.queued == 1 and not dec.unplaceable
+    dec = plan_round(round_input([two, one], _slots(("a", 1), ("b", 2))))
+    placed = [(d.batch.plan, d.slot.id, [s.id for s in d.slots]) for d in dec.dispatches]
+    assert placed == [(1, "b-s0", ["b-s0", "b-s1"]), (2, "a-s0", ["a-s0"])]
+    assert dec.dispatches[0].batch.slots == 2
 
 
 def test_the_critical_path_counts_a_stage_at_its_slots() -> None:
     """Two trials, 100 steps at 2 s/step on 1 slot and 150 steps on 4 slots at the ideal speedup
     (0.5 s/step): the 100-step one is the longer path and goes first."""
-    sp = SearchPlan()
-    sp.add_request(Config.of({"lr": 0.1, "bs": 32}), 100)
-    forest = build_stage_tree(sp.nodes, {}, [(r.id, r.point) for r in sp.pending()], plan="1")
-    sp2 = SearchPlan()
-    sp2.add_request(Config.of({"lr": 0.2, "bs": 32}), 150)
-    forest.extend(build_stage_tree(sp2.nodes, {}, [(r.id, r.point) for r in sp2.pending()], plan="2"))
-    slots = {"1": 1, "2": 4}
-    res = schedule_round(
-        forest,
-        _slots(("a", 1)),
-        lambda st: st.steps * 2.0 / slots[st.plan],
-        slots_of=slots.__getitem__,
-    )
-    assert [d.batch.plan for d in res.dispatches] == ["1"]
+    first = plan_work(_plan((0.1, 100)), PlanId(1), cost=lambda st: st.steps * 2.0)
+    second = plan_work(_plan((0.2, 150)), PlanId(2), cost=lambda st: st.steps * 2.0 / 4, slots=4)
+    dec = plan_round(round_input([first, second], _slots(("a", 1))))
+    assert [d.batch.plan for d in dec.dispatches] == [1]
+
+
+def test_a_plan_that_needs_more_slots_than_any_node_manager_has_is_unplaceable_with_why() -> None:
+    oom = plan_work(_plan((0.1, 10)), PlanId(1), slots=4, asked=1)
+    asked = plan_work(_plan((0.2, 10)), PlanId(2), slots=3)
+    dec = plan_round(round_input([oom, asked], _slots(("a", 2))))
+    assert dec.dispatches == ()
+    assert "out of memory on 2 slot(s)" in dec.unplaceable[PlanId(1)]
+    assert "the study asks for 3 slots per batch" in dec.unplaceable[PlanId(2)]
 
 
 # -- the cost model --------------------------------------------------------------------------------

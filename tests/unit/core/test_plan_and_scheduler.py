@@ -11,12 +11,15 @@ from hypothesis import strategies as st
 from stagetree.core.batch import Point
 from stagetree.core.config import Config, divergence
 from stagetree.core.errors import InvalidArgument, NotFound
-from stagetree.core.scheduler import ORDER_POLICIES, order_policy, schedule_round, steps_cost
+from stagetree.core.round import plan_round
+from stagetree.core.scheduler import ORDER_POLICIES, order_policy, steps_cost
 from stagetree.core.searchplan import Checkpoint, SearchPlan
 from stagetree.core.sequences import Constant, MultiStep, Piecewise, Warmup
-from stagetree.core.simulator import ASHADriver, Ask, GridDriver, Simulator, simulate, synthetic_curve
+from stagetree.core.simulator import Ask, Simulator, simulate, synthetic_curve
 from stagetree.core.slots import Slot
 from stagetree.core.stagetree import InflightBatch, InflightStage, build_stage_tree
+from tests.sim.drivers import ASHADriver, GridDriver
+from tests.sim.inputs import plan_input
 
 
 def cfg(m1: int, g: float = 0.1, warm: int = 0, bs: int = 32) -> Config:
@@ -92,22 +95,26 @@ def test_stage_tree_starts_from_latest_checkpoint() -> None:
     assert min((s.start, s.source) for s in forest.stages if s.source) == (10, Point(root, 10))
 
 
-def test_inflight_batches_are_waited_for_not_repeated() -> None:
+def test_inflight_batches_promise_what_they_save_and_nothing_else() -> None:
     plan = SearchPlan()
     root = plan.add_request(cfg(60), 60).point.node
-    running = InflightBatch(1, (InflightStage(root, 0, 60, progress=10),), frozenset({Point(root, 60)}))
+    saves = frozenset({Point(root, 20), Point(root, 60)})
+    running = InflightBatch(1, (InflightStage(root, 0, 60, progress=10),), saves)
     for r in plan.pending():
         plan.mark_scheduled([r.id], 1)
-    r_mid = plan.add_request(cfg(60), 30).request
-    child = plan.add_request(cfg(40), 80).point
-    after = plan.add_request(cfg(60), 90).point
+    plan.add_request(cfg(60), 30)  # inside the running batch, where it saves nothing
+    child = plan.add_request(cfg(40), 80).point  # branches at 40, where it saves nothing either
+    after = plan.add_request(cfg(60), 90).point  # past its end, which it saves
     pending = [(r.id, r.point) for r in plan.pending()]
     forest = build_stage_tree(plan.nodes, plan.checkpoint_steps(), pending, [running])
-    assert r_mid is not None and forest.attachments == {r_mid.id: 1}
-    assert forest.amendments == {Point(root, 30): 1, Point(root, 40): 1}
+    roots = sorted((forest.stages[i].node, forest.stages[i].start, forest.stages[i].ready) for i in forest.roots)
+    # 30 and the branch at 40 wait for the save at 20 (not for points the batch will not keep); 90 for its end
+    assert roots == [(root, 20, False), (root, 60, False)]
+    assert after.node == root and child.node != root
+    snapping = InflightBatch(1, running.stages, saves, snapshots=True)  # it keeps every step: wait for 30, 40
+    forest = build_stage_tree(plan.nodes, plan.checkpoint_steps(), pending, [snapping])
     roots = sorted((forest.stages[i].node, forest.stages[i].start, forest.stages[i].ready) for i in forest.roots)
     assert roots == [(root, 60, False), (child.node, 40, False)]
-    assert after.node == root
 
 
 def test_unknown_policy_lists_known_ones() -> None:
@@ -121,13 +128,10 @@ def test_critical_path_serves_longest_path_first() -> None:
     plan = SearchPlan()
     short = plan.add_request(Config.of({"lr": 0.5, "bs": 32}), 10).point
     long = plan.add_request(Config.of({"lr": 0.1, "bs": 32}), 100).point
-    forest = build_stage_tree(plan.nodes, {}, [(r.id, r.point) for r in plan.pending()])
-    res = schedule_round(forest, [Slot("only")], steps_cost(), "critical_path")
-    assert [d.batch.stages[-1].end_point for d in res.dispatches] == [long]
-    res = schedule_round(
-        build_stage_tree(plan.nodes, {}, [(r.id, r.point) for r in plan.pending()]), [Slot("only")], steps_cost(), "bfs"
-    )
-    assert res.dispatches[0].batch.stages[-1].end_point in (short, long)
+    res = plan_round(plan_input(plan, [Slot("only")], cost=steps_cost(), order="critical_path"))
+    assert [d.batch.end for d in res.dispatches] == [long]
+    res = plan_round(plan_input(plan, [Slot("only")], cost=steps_cost(), order="bfs"))
+    assert res.dispatches[0].batch.end in (short, long)
 
 
 def test_the_simulator_decides_with_the_cost_it_is_given_and_times_with_the_true_one() -> None:
@@ -139,14 +143,16 @@ def test_the_simulator_decides_with_the_cost_it_is_given_and_times_with_the_true
 
     def first_trained(sim: Simulator) -> Config:
         sim.run()
-        return sim.plan.nodes[sim.executed[0][0]].config
+        plan_id, node, _, _ = min(sim.executed, key=lambda e: sim.step_done[(sim.by_id[e[0]].key, e[1], e[2] + 1)])
+        return sim.by_id[plan_id].plan.nodes[node].config
 
-    oracle = Simulator(GridDriver([cheap, dear], 10, evals=[10]), 1, step_time=step_time)
+    oracle = Simulator(GridDriver([cheap, dear], 10, evals=[10]), 1, step_time=step_time, record_steps=True)
     assert first_trained(oracle) == dear  # it knows the bs=128 trial is the longer path
     believer = Simulator(GridDriver([cheap, dear], 10), 1, step_time=step_time, decision_cost=steps_cost())
     believer.run()
-    assert believer.now == oracle.now == 50.0  # whatever it decides, time comes from the true costs
-    longer = Simulator(GridDriver([cheap], 12), 1, step_time=step_time, decision_cost=steps_cost())
+    # whatever it decides, time comes from the true costs (and a round follows each end by round_delay_s)
+    assert believer.report.makespan == pytest.approx(oracle.report.makespan) == pytest.approx(50.01)
+    longer = Simulator(GridDriver([cheap], 12), 1, step_time=step_time, decision_cost=steps_cost(), record_steps=True)
     longer._submit([Ask("dear", dear, 10)])
     assert first_trained(longer) == cheap  # 12 steps > 10 steps: what it believes, not what is true
 

@@ -1,4 +1,5 @@
-"""Hermes: Eq. 2-4 and Alg. 1-3 by hand, the quantum's growth, and the time-sharing simulator's invariants."""
+"""Hermes: Eq. 2-4 and Alg. 1-3 by hand, the quantum's growth, and time-sharing studies through the live
+round on the simulator (``tests.sim.papers.hermes``)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from stagetree.core.policies.hermes import (
     representative_loss,
     time_share_policy,
 )
-from stagetree.core.policies.hermes_sim import MODELS, LossJob, hermes_bin, simulate_time_sharing
+from tests.sim.papers.hermes import MODELS, hermes_bin, run_time_sharing
 
 
 def test_convergence_by_hand() -> None:
@@ -110,7 +111,7 @@ def test_baseline_scores() -> None:
         time_share_policy("lottery")
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     seed=st.integers(0, 1000),
     bin_type=st.sampled_from([1, 2]),
@@ -123,46 +124,24 @@ def test_every_job_finishes_and_preemption_loses_no_iteration(
 ) -> None:
     jobs = hermes_bin(bin_type, seed, iterations=200, n_jobs=8)
     model = MODELS["googlenet"]
-    run = simulate_time_sharing(jobs, time_share_policy(policy), model, gpus=gpus, g_thres=g_thres)
-    assert set(run.finished) == {j.id for j in jobs}
+    run = run_time_sharing(jobs, policy, model, n_gpus=gpus, g_thres=g_thres)
+    finished = run.report.served_at
+    assert set(finished) == {j.id for j in jobs}
     work = sum(j.iterations for j in jobs) * model.iter_s
-    assert run.makespan >= work / gpus - 1e-6
+    assert run.report.makespan >= work / gpus - 1e-6
+    # nothing redone, nothing skipped: every iteration trained once
+    assert run.report.executed_steps == run.report.unique_steps == sum(j.iterations for j in jobs)
     # every measured job got to the goal before (or when) it finished
-    assert all(run.reach[j] <= run.finished[j] + 1e-9 for j in run.reach)
+    assert all(run.reach[j] <= finished[j] + 1e-9 for j in run.reach)
     if policy == "fifo":
-        assert run.preemptions == 0
-
-
-def test_iterations_are_accounted_exactly() -> None:
-    """Sum of the iterations each quantum reported equals the job's length: nothing redone, nothing skipped."""
-    jobs = [LossJob(f"j{i}", 7.0, 2.5, 100.0, True, tuple(7.0 - 0.01 * k for k in range(137))) for i in range(5)]
-    seen: dict[str, int] = {}
-    pol = Hermes()
-    orig = TimeShareJob.record
-
-    def spy(self: TimeShareJob, losses: list[float], now: float, milestones: tuple[float, ...] = ()) -> object:
-        seen[self.id] = seen.get(self.id, 0) + len(losses)
-        return orig(self, losses, now, milestones)
-
-    TimeShareJob.record = spy  # type: ignore[method-assign,assignment]
-    try:
-        simulate_time_sharing(jobs, pol, MODELS["vgg16"], gpus=2)
-    finally:
-        TimeShareJob.record = orig  # type: ignore[method-assign]
-    assert seen == {j.id: 137 for j in jobs}
+        assert run.report.preemptions == 0
 
 
 def test_hermes_gets_the_good_jobs_there_sooner_than_fifo_and_rr() -> None:
     model = MODELS["vgg16"]
     mean = {}
     for name in ("fifo", "rr", "hermes"):
-        times = []
-        for seed in range(3):
-            run = simulate_time_sharing(
-                hermes_bin(1, seed), time_share_policy(name), model, g_thres=1 if name == "fifo" else 4
-            )
-            times.append(run.mean_reach)
-        mean[name] = statistics.mean(times)
+        mean[name] = statistics.mean(run_time_sharing(hermes_bin(1, seed), name, model).mean_reach for seed in range(3))
     assert math.isfinite(mean["hermes"])
     assert mean["hermes"] < mean["rr"] < mean["fifo"]
 
@@ -171,6 +150,6 @@ def test_hermes_gets_the_good_jobs_there_sooner_than_fifo_and_rr() -> None:
 def test_a_job_alone_on_its_gpu_pays_no_preemption(policy: str) -> None:
     jobs = hermes_bin(1, 0, iterations=300, n_jobs=2)
     model = MODELS["vgg19"]
-    run = simulate_time_sharing(jobs, time_share_policy(policy), model, gpus=2)
-    assert run.preemptions == 0
-    assert run.makespan == pytest.approx(300 * model.iter_s)
+    run = run_time_sharing(jobs, policy, model, n_gpus=2)
+    assert run.report.preemptions == 0
+    assert run.report.makespan == pytest.approx(300 * model.iter_s)

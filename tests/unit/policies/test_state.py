@@ -13,12 +13,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stagetree.core.config import Config
 from stagetree.core.errors import InvalidArgument
+from stagetree.core.ids import BatchId, JobKey, PlanId, StudyId
 from stagetree.core.policies import hermes, pop
 from stagetree.core.policies.curves import CurveFit
-from stagetree.core.policies.live import Running, Work, on_reports, parse_policies, plan_round
 from stagetree.core.policies.state import Kill, PolicyState
+from stagetree.core.policies.study import parse_policies
+from stagetree.core.round import RoundDecision, RunningAttempt, plan_round
+from stagetree.core.round.learn import on_reports
+from stagetree.core.searchplan import SearchPlan
 from stagetree.core.slots import Slot
+from tests.sim.inputs import plan_work, round_input
 
 
 def round_trip(data: dict[str, Any]) -> Any:
@@ -164,7 +170,7 @@ def _state() -> PolicyState:
         on_reports(s.search["pop"], job, 1, values, 10.0, s.epoch_s(job), 1)
         s.own_job(job, "pop")
     s.killed.add("2:6:30")
-    s.pending_kills["2:6:30"] = Kill("pop", "2:6:30", "poor trial")
+    s.pending_kills["2:6:30"] = Kill("pop", JobKey.parse("2:6:30"), "poor trial")
     return s
 
 
@@ -188,22 +194,44 @@ def test_each_study_snapshot_restores_its_entries() -> None:
     assert s.snapshot("hermes")["search"] is None and s.snapshot("pop")["hermes"]["jobs"] == {}
 
 
+def _plan(study: str, nodes: list[int], step: int) -> SearchPlan:
+    """A plan of one study whose trials are the nodes ``nodes``, each to ``step``."""
+    plan = SearchPlan(study, node_ids=iter(nodes))
+    for n in nodes:
+        plan.add_request(Config.of({"trial": n}), step, study=study)
+    return plan
+
+
+def _decided(dec: RoundDecision) -> tuple[object, ...]:
+    snaps = {study: dec.state.snapshot(study) for study in POLICIES}
+    return (
+        [(d.batch.end, [s.id for s in d.slots]) for d in dec.dispatches],
+        dec.preempts,
+        dec.kills,
+        dec.wake_at,
+        snaps,
+    )
+
+
 def test_a_restored_state_plans_the_same_round() -> None:
     s, back = _state(), _restored(_state())
-    work = [Work(0, "hermes", "1:2:50", 5.0, 1.0), Work(1, "pop", "2:5:30", 5.0, 2.0), Work(2, "pop", "2:9:30", 5, 3)]
-    running = [Running(7, "cpu0", "hermes", "1:1:50", 5.0)]
-    free = [Slot("cpu1", "nm", cpu_cores=1)]
-    busy = {"cpu0": Slot("cpu0", "nm", cpu_cores=1)}
+    hermes_plan = _plan("hermes", [2], 50)  # job 1:2:50 waits; 1:1:50 runs
+    pop_plan = _plan("pop", [5, 9], 30)  # jobs 2:5:30 and 2:9:30 wait
+    works = [plan_work(hermes_plan, PlanId(1)), plan_work(pop_plan, PlanId(2))]
+    cpu0, cpu1 = Slot("cpu0", "nm", cpu_cores=1), Slot("cpu1", "nm", cpu_cores=1)
+    running = [RunningAttempt(BatchId(7), 1, PlanId(1), (cpu0,), ((1, 0, 50),), StudyId("hermes"), 5.0)]
     for now in (6.0, 8.0, 20.0):
-        assert plan_round(work, free, busy, running, POLICIES, back.jobs, now, back.search) == plan_round(
-            work, free, busy, running, POLICIES, s.jobs, now, s.search
+        a, b = (
+            plan_round(round_input(works, [cpu1], running=running, policies=POLICIES, state=st_, now=now))
+            for st_ in (s, back)
         )
+        assert _decided(a) == _decided(b)
     for st_ in (s, back):  # and the search policy goes on alike
         st_.add_reports("2:5:30", [116.0])
         st_.epochs["2:5:30"] = 3
-    a = on_reports(s.search["pop"], "2:5:30", 3, [0.7, 0.72], 20.0, s.epoch_s("2:5:30"), 1)
-    b = on_reports(back.search["pop"], "2:5:30", 3, [0.7, 0.72], 20.0, back.epoch_s("2:5:30"), 1)
-    assert a == b and back.snapshot("pop") == s.snapshot("pop")
+    a_v = on_reports(s.search["pop"], "2:5:30", 3, [0.7, 0.72], 20.0, s.epoch_s("2:5:30"), 1)
+    b_v = on_reports(back.search["pop"], "2:5:30", 3, [0.7, 0.72], 20.0, back.epoch_s("2:5:30"), 1)
+    assert a_v == b_v and back.snapshot("pop") == s.snapshot("pop")
 
 
 def test_restoring_keeps_what_is_already_there_and_forgets_by_liveness() -> None:
@@ -238,7 +266,7 @@ def test_an_unreadable_snapshot_is_an_invalid_argument_and_changes_nothing(bad: 
 
 
 def test_a_kill_names_its_point_and_non_finite_floats_stay_strict_json() -> None:
-    k = Kill("s", "12:345:600", "why")
+    k = Kill("s", JobKey.parse("12:345:600"), "why")
     assert (k.node, k.step) == (345, 600)
     s = PolicyState()
     s.jobs["1:1:5"] = hermes.TimeShareJob("1:1:5")
