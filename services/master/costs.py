@@ -29,6 +29,7 @@ from stagetree.core.batch import BatchSpec
 from stagetree.core.config import Config
 from stagetree.core.errors import StagetreeError
 from stagetree.core.estimator import CostModel, features_of
+from stagetree.core.ids import NO_PLAN, PlanId
 from stagetree.core.lifecycle import BatchState
 from stagetree.core.scheduler import StageCost
 from stagetree.core.stagetree import Stage
@@ -130,7 +131,7 @@ class CostLearner:
         plan_key_of: Callable[[int], str],
         config_of: Callable[[int, int], Config],
         gpu_type: str,
-        slots_of: Callable[[str], int] | None = None,
+        slots_of: Callable[[PlanId], int] | None = None,
     ) -> StageCost:
         """The scheduler's cost callable for one round: a stage of a plan (``stage.plan`` is its id) with
         data costs its steps times the fitted seconds per step at its midpoint, on the slots its plan's
@@ -144,10 +145,10 @@ class CostLearner:
             return self._stage_cost_on_slots(plan_key_of, config_of, gpu_type, slots_of)
         model, names = self.model, self.model.feature_names
         # per plan of the round: (its key, its kept stage costs), or None when it has no data
-        per_plan: dict[str, tuple[str, dict[tuple[int, int, int], float]] | None] = {}
+        per_plan: dict[PlanId, tuple[str, dict[tuple[int, int, int], float]] | None] = {}
 
-        def known(plan: str) -> tuple[str, dict[tuple[int, int, int], float]] | None:
-            plan_key = plan_key_of(int(plan)) if plan.isdigit() else None
+        def known(plan: PlanId) -> tuple[str, dict[tuple[int, int, int], float]] | None:
+            plan_key = plan_key_of(plan) if plan != NO_PLAN else None
             if plan_key is None or (plan_key, gpu_type) not in self._warm:
                 return None
             return plan_key, self._costs.setdefault((plan_key, gpu_type), {})
@@ -166,7 +167,7 @@ class CostLearner:
                 if stage.steps <= 0:
                     got = 0.0
                 else:
-                    config = config_of(int(stage.plan), stage.node)
+                    config = config_of(stage.plan, stage.node)
                     feats = features_of(config, (stage.start + stage.end) // 2, names)
                     got = stage.steps * model.seconds_per_step(plan_key, gpu_type, feats)
                 costs[k] = got
@@ -179,12 +180,12 @@ class CostLearner:
         plan_key_of: Callable[[int], str],
         config_of: Callable[[int, int], Config],
         gpu_type: str,
-        slots_of: Callable[[str], int],
+        slots_of: Callable[[PlanId], int],
     ) -> StageCost:
         """``stage_cost`` when some plan's batches take several slots (kept apart: the common case above
         stays as fast as it was)."""
         default, model, names = self.default_step_seconds, self.model, self.model.feature_names
-        memo: dict[tuple[str, int, int, int], float] = {}
+        memo: dict[tuple[PlanId, int, int, int], float] = {}
 
         def cost(stage: Stage) -> float:
             k = (stage.plan, stage.node, stage.start, stage.end)
@@ -192,13 +193,13 @@ class CostLearner:
             if got is not None:
                 return got
             n = slots_of(stage.plan)
-            plan_key = plan_key_of(int(stage.plan)) if stage.plan.isdigit() else None
+            plan_key = plan_key_of(stage.plan) if stage.plan != NO_PLAN else None
             if stage.steps <= 0:
                 got = 0.0
             elif plan_key is None or (plan_key, gpu_type) not in self._warm:
                 got = stage.steps * default / n
             else:
-                config = config_of(int(stage.plan), stage.node)
+                config = config_of(stage.plan, stage.node)
                 feats = features_of(config, (stage.start + stage.end) // 2, names)
                 got = stage.steps * model.seconds_per_step(plan_key, gpu_type, feats, n)
             memo[k] = got
@@ -206,13 +207,13 @@ class CostLearner:
 
         return cost
 
-    def width_scale(self, plan_key_of: Callable[[int], str], gpu_type: str) -> Callable[[str, int], float]:
+    def width_scale(self, plan_key_of: Callable[[int], str], gpu_type: str) -> Callable[[PlanId, int], float]:
         """Time per step of a plan's batch on ``n`` slots over that on 1 (``(plan id, n) -> ratio``): from
         the fit where the plan has data, else the ideal ``1 / n``."""
         model = self.model
 
-        def scale(plan: str, n: int) -> float:
-            key = plan_key_of(int(plan)) if plan.isdigit() else None
+        def scale(plan: PlanId, n: int) -> float:
+            key = plan_key_of(plan) if plan != NO_PLAN else None
             if key is None or (key, gpu_type) not in self._warm:
                 return 1.0 / n
             one = model.seconds_per_step(key, gpu_type, {}, 1)

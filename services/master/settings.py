@@ -44,8 +44,8 @@ class SchedulingSettings(BaseModel):
     round_interval_s: float = Field(default=5.0, gt=0)  # a round at least this often even without events
     # a busy slot whose batch should end within this many seconds is sent its next batch now, which its node
     # manager starts the moment the slot frees: the end's report, the round and the stream no longer stand
-    # between two batches (0: off). Only in rounds where no study chose policies and every batch takes one
-    # slot; the end is estimated from the learnt step costs (see SchedulingLoop.soon_free).
+    # between two batches (0: off). Offered to work on one slot whose place step allows it (first fit); the
+    # end is estimated from the learnt step costs (see master.round_read).
     lookahead_s: float = Field(default=3.0, ge=0)
     lease_ttl_s: float = Field(default=10.0, gt=0)
     max_attempts: int = Field(default=3, ge=1)  # failed attempts of a request's work before it fails

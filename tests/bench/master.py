@@ -117,7 +117,7 @@ async def bench(url: str, studies: int, trials: int, batch: int) -> str:
                 t0 = time.perf_counter()
                 d = app.scheduler.decide()
                 rounds.append((time.perf_counter() - t0) * 1000)
-                assert d.pending == studies * trials and len(d.result.dispatches) == 16
+                assert d.pending == studies * trials and len(d.decision.dispatches) == 16
             round_ms = statistics.median(rounds)
             if os.environ.get("STAGETREE_BENCH_PROFILE"):
                 import cProfile

@@ -153,6 +153,11 @@ class RoundReads:
     running: list[BatchRecord]
     # (batch, attempt) -> when its worker started, of the running ones whose batch_started was recorded
     started: dict[tuple[int, int], float] = field(default_factory=dict)
+    studies: dict[int, str] = field(default_factory=dict)  # pending request -> its study
+    arrivals: dict[int, float] = field(default_factory=dict)  # pending request -> when it was submitted
+    # running (batch, attempt) -> (the study of its last request, when it was dispatched)
+    served: dict[tuple[int, int], tuple[str | None, float]] = field(default_factory=dict)
+    owners: dict[str, str] = field(default_factory=dict)  # the owner of each study above
 
 
 @dataclass(frozen=True)

@@ -17,16 +17,23 @@ from stagetree.master.store.nodes import NodeRegistry
 from stagetree.master.store.records import BatchRecord, RoundReads, SlotInfo
 
 _R, _B, _S, _A = table(m.Request), table(m.Batch), table(m.Study), table(m.BatchAttempt)
-_PENDING = select(_R.c.id, _R.c.plan_id, _R.c.node_id, _R.c.step).where(_R.c.state == RequestState.NOT_SCHED)
+_PENDING = select(_R.c.id, _R.c.plan_id, _R.c.node_id, _R.c.step, _R.c.study_id, _R.c.created_at).where(
+    _R.c.state == RequestState.NOT_SCHED
+)
 _BUSY = select(_B.c.node_manager_id, _B.c.slot_id).where(
     _B.c.state == BatchState.RUNNING, _B.c.node_manager_id.is_not(None)
 )
 _RUNNING_KEYS = (
-    select(_B.c.id, _B.c.plan_id, _B.c.attempt, _B.c.node_manager_id, _B.c.slot_id, _A.c.started_at)
+    select(_B.c.id, _B.c.plan_id, _B.c.attempt, _B.c.node_manager_id, _B.c.slot_id, _A.c.started_at, _A.c.dispatched_at)
     .select_from(_B.outerjoin(_A, (_A.c.batch_id == _B.c.id) & (_A.c.attempt == _B.c.attempt)))
     .where(_B.c.state == BatchState.RUNNING)
 )
 _SPECS = select(_B.c.id, _B.c.attempt, _B.c.spec_json).where(_B.c.id.in_(bindparam("ids", expanding=True)))
+# the study a running batch serves: that of its last request
+_BATCH_STUDIES = (
+    select(_R.c.batch_id, _R.c.study_id).where(_R.c.batch_id.in_(bindparam("ids", expanding=True))).order_by(_R.c.id)
+)
+_OWNERS = select(_S.c.id, _S.c.owner).where(_S.c.id.in_(bindparam("ids", expanding=True)))
 _SPECS_PER_READ = 500
 PATH_NODES_READ = 20_000  # see RoundReader.path_checkpoints
 _POLICY_STUDIES = select(_S.c.id, _S.c.fixed_json).where(
@@ -43,8 +50,11 @@ class RoundReader:
         self.checkpoints = checkpoints
         # (batch id, attempt) -> the running batch's record: a spec (and slot) never changes once an attempt
         # is dispatched, so each round reads only the specs of attempts it has not seen (a few a round, not
-        # every running batch's kilobytes)
+        # every running batch's kilobytes); the same for the study it serves and when it was dispatched
         self._records: dict[tuple[int, int], BatchRecord] = {}
+        self._studies: dict[tuple[int, int], tuple[str | None, float]] = {}
+        self._owners: dict[str, str] = {}  # a study's owner never changes
+        self._dispatched: dict[tuple[int, int], float] = {}  # of the attempts a round sees for the first time
         self._slots: dict[str, tuple[float, tuple[SlotInfo, ...]]] = {}  # see NodeRegistry.node_managers_cached_in
 
     def round_reads(self) -> RoundReads:
@@ -53,11 +63,15 @@ class RoundReader:
         with self.db.tx("round reads") as s:
             nms = self.nodes.node_managers_cached_in(s, self._slots)
             policies = self._policy_studies_in(s)
-            pending = self._pending_in(s)
+            studies: dict[int, str] = {}
+            arrivals: dict[int, float] = {}
+            pending = self._pending_in(s, studies, arrivals)
             started: dict[tuple[int, int], float] = {}
             running = self._running_in(s, started)
+            served = self._served_in(s, running)
+            owners = self._owners_in(s, {*studies.values(), *(sid for sid, _ in served.values() if sid is not None)})
         busy = held_slots((b.node_manager_id, b.slot_id) for b in running if b.node_manager_id)
-        return RoundReads(nms, busy, policies, pending, running, started)
+        return RoundReads(nms, busy, policies, pending, running, started, studies, arrivals, served, owners)
 
     def path_checkpoints(self, nodes: list[int], plans: list[int]) -> dict[int, dict[Point, str]]:
         """Checkpoint uri per point, per node, on ``nodes`` (the pending work's paths in ``plans``). Past
@@ -79,9 +93,12 @@ class RoundReader:
         kept = self._records
         now: dict[tuple[int, int], BatchRecord] = {}
         new: list[tuple[int, int, int, str | None, str | None]] = []
-        for i, p, a, nm, slot, began in self.db.rows(s, _RUNNING_KEYS):
+        self._dispatched = {}
+        for i, p, a, nm, slot, began, sent in self.db.rows(s, _RUNNING_KEYS):
             if began is not None and started is not None:
                 started[(int(i), int(a))] = float(began)
+            if (i, a) not in self._studies and sent is not None:
+                self._dispatched[(int(i), int(a))] = float(sent)
             rec = kept.get((i, a))
             if rec is None:
                 new.append((int(i), int(p), int(a), nm, slot))
@@ -102,7 +119,7 @@ class RoundReader:
     def pending(self) -> dict[int, list[tuple[int, Point]]]:
         """(request id, point) of every NOT_SCHED request, per plan."""
         with self.db.tx("load pending") as s:
-            return self._pending_in(s)
+            return self._pending_in(s, {}, {})
 
     def busy_slots(self) -> set[tuple[str, str]]:
         """(node manager, slot) of every running batch."""
@@ -114,11 +131,42 @@ class RoundReader:
         with self.db.tx("policy studies") as s:
             return self._policy_studies_in(s)
 
-    def _pending_in(self, s: Session) -> dict[int, list[tuple[int, Point]]]:
+    def _pending_in(
+        self, s: Session, studies: dict[int, str], arrivals: dict[int, float]
+    ) -> dict[int, list[tuple[int, Point]]]:
+        """Per plan, (request id, point) of every NOT_SCHED request; each one's study into ``studies``
+        and its arrival into ``arrivals``."""
         out: dict[int, list[tuple[int, Point]]] = {}
-        for rid, pid, node, step in self.db.rows(s, _PENDING):
+        for rid, pid, node, step, sid, created in self.db.rows(s, _PENDING):
             out.setdefault(pid, []).append((rid, Point(node, step)))
+            studies[rid] = sid
+            arrivals[rid] = created
         return out
+
+    def _served_in(self, s: Session, running: list[BatchRecord]) -> dict[tuple[int, int], tuple[str | None, float]]:
+        """(batch, attempt) -> (the study of its last request, when it was dispatched), read once per
+        attempt (``_RUNNING_KEYS`` brought the dispatch times of the new ones)."""
+        kept = self._studies
+        now = {(b.id, b.attempt): kept[(b.id, b.attempt)] for b in running if (b.id, b.attempt) in kept}
+        new = [b for b in running if (b.id, b.attempt) not in kept]
+        if new:
+            last: dict[int, str] = {}
+            ids = sorted({b.id for b in new})
+            for k in range(0, len(ids), _SPECS_PER_READ):
+                for bid, sid in self.db.rows(s, _BATCH_STUDIES, {"ids": ids[k : k + _SPECS_PER_READ]}):
+                    last[int(bid)] = str(sid)
+            for b in new:
+                now[(b.id, b.attempt)] = (last.get(b.id), self._dispatched.get((b.id, b.attempt), 0.0))
+        self._studies = now
+        return now
+
+    def _owners_in(self, s: Session, studies: set[str]) -> dict[str, str]:
+        """Each of these studies' owner (kept: an owner never changes)."""
+        missing = sorted(sid for sid in studies if sid not in self._owners)
+        for k in range(0, len(missing), _SPECS_PER_READ):
+            for sid, owner in self.db.rows(s, _OWNERS, {"ids": missing[k : k + _SPECS_PER_READ]}):
+                self._owners[str(sid)] = str(owner)
+        return {sid: self._owners[sid] for sid in studies if sid in self._owners}
 
     def _busy_in(self, s: Session) -> set[tuple[str, str]]:
         return held_slots((str(a), str(b)) for a, b in self.db.rows(s, _BUSY))

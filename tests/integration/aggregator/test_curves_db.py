@@ -56,16 +56,25 @@ def test_a_curve_on_an_unknown_node_is_rejected_and_changes_nothing(store: Store
 
 
 def test_the_policies_learn_from_curve_points_too(store: Store) -> None:
-    from stagetree.master.policies import PolicyStep
+    from stagetree.core.ids import BatchId, PlanId, StudyId
+    from stagetree.core.policies.study import parse_policies
+    from stagetree.core.round import RunningAttempt
+    from stagetree.master.costs import CostLearner
+    from stagetree.master.plans import PlanCache
+    from stagetree.master.policies import PolicyStates
+    from stagetree.master.round_read import InputReader
 
     world = make_world(store)
     batch, _ = world.dispatch([(world.root, 4)])
     Ingestor(store).apply(
         [_curve(world, batch.id, 0, world.root, [1, 2, 3, 4]), world.metrics(batch.id, world.root, 4)]
     )
-    rows = PolicyStep(store)._reports_since([world.root], 0.0)
-    assert sorted(st for _, st, _, _ in rows) == [1, 2, 3, 4]
-    assert next(v for _, st, _, v in rows if st == 4) == {"loss": 1.0 / 5}  # the evaluation wins at its step
+    reader = InputReader(store, PlanCache(store), CostLearner(1.0), PolicyStates(store))
+    running = [RunningAttempt(BatchId(batch.id), 1, PlanId(1), (), ((world.root, 0, 4),), StudyId("s"))]
+    reports = reader._reports(running, {StudyId("s"): parse_policies({"search": "pop"})})
+    rows = [(st.step, st.values) for got in reports.values() for st in got]
+    assert sorted(st for st, _ in rows) == [1, 2, 3, 4]
+    assert next(v for st, v in rows if st == 4) == {"loss": 1.0 / 5}  # the evaluation wins at its step
 
 
 def test_series_reads_one_metric_thinned_in_the_database(store: Store) -> None:

@@ -11,12 +11,13 @@ import pytest
 import stagetree
 from stagetree.client.sdk import EvalCancelled, EvalFailed, Study
 from stagetree.client.spaces import GridSearchSpace, LogUniform, RandomSearchSpace
-from stagetree.client.tuners import ASHA, PBT, check_asha_trace
+from stagetree.client.tuners import ASHA, PBT
 from stagetree.core import errors as e
 from stagetree.core.config import Config
 from stagetree.core.sequences import Constant, MultiStep
 from tests.integration.client.conftest import TOKENS
 from tests.integration.client.harness import Platform, free_port, noop_metrics
+from tests.sim.asha_check import check_asha_trace
 
 ALICE, BOB, CAROL, DAVE = TOKENS["alice"], TOKENS["bob"], TOKENS["carol"], TOKENS["dave"]
 

@@ -51,6 +51,17 @@ def batches_of(cluster: Embedded, study_id: str) -> list[tuple[int, str, float, 
         )
 
 
+async def settled(cluster: Embedded, study_id: str) -> list[tuple[int, str, float, float, int, str | None]]:
+    """``batches_of`` once none is RUNNING: a result comes with its evaluation, before its batch's end is
+    recorded."""
+    deadline = time.monotonic() + 30
+    while True:
+        batches = await asyncio.to_thread(batches_of, cluster, study_id)
+        if all(s != "RUNNING" for _, s, *_ in batches) or time.monotonic() > deadline:
+            return batches
+        await asyncio.sleep(0.1)
+
+
 def straight_run(hps: dict[str, Any], step: int, tmp: Path, seed: int) -> dict[str, float]:
     got: dict[str, float] = {}
 
@@ -88,7 +99,7 @@ async def test_hermes_preempts_a_running_batch_that_resumes_exactly(tmp_path: Pa
         await wait_running(cluster)
         second = study.submit(b, end)
         got = await asyncio.wait_for(asyncio.gather(first, second), 300)
-        batches = await asyncio.to_thread(batches_of, cluster, study.id)
+        batches = await settled(cluster, study.id)
     states = [s for _, s, *_ in batches]
     assert "PREEMPTED" in states, batches  # a batch really yielded its slot ...
     assert states.count("DONE") >= 2  # ... and the rest of its work ran later
@@ -109,7 +120,7 @@ async def test_packing_decides_how_many_batches_share_the_device(
         )
         configs = [{"lr": 0.1, "bs": 32}, {"lr": 0.2, "bs": 32}]
         await asyncio.wait_for(asyncio.gather(*(study.eval(c, 300 + 100 * i) for i, c in enumerate(configs))), 300)
-        batches = await asyncio.to_thread(batches_of, cluster, study.id)
+        batches = await settled(cluster, study.id)
     assert len(batches) == 2 and all(s == "DONE" for _, s, *_ in batches)
     (_, _, _c1, u1, e1, s1), (_, _, c2, _u2, _e2, s2) = sorted(batches, key=lambda r: r[2])
     assert e1 == 400  # WFD: the longer work first

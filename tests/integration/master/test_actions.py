@@ -115,8 +115,9 @@ def test_checkpoints_over_budget_are_evicted_and_deleted_but_never_a_pinned_one(
     app.service.submit(ALICE, study, [app_item(specs[0], 40)])
     app.scheduler.settings.checkpoint_budget_bytes = 2500
     try:
-        forest = app.scheduler.snapshot()[0]
-        evicted = app.scheduler.enforce_checkpoint_budget(forest)
+        decided = app.scheduler.decide()  # the round chooses; only its evictions are carried out here
+        evicted = decided.decision.evictions
+        app.scheduler.applier.evict(evicted, decided.read, app.scheduler.files)
     finally:
         app.scheduler.settings.checkpoint_budget_bytes = None
     assert Point(first, 30) not in evicted

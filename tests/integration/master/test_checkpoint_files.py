@@ -41,7 +41,9 @@ def test_eviction_deletes_s3_checkpoints_from_the_object_store(
     app.scheduler.files = files
     app.scheduler.settings.checkpoint_budget_bytes = 1500
     try:
-        evicted = app.scheduler.enforce_checkpoint_budget(app.scheduler.snapshot()[0])
+        decided = app.scheduler.decide()  # the round chooses; only its evictions are carried out here
+        evicted = decided.decision.evictions
+        app.scheduler.applier.evict(evicted, decided.read, files)
     finally:
         app.scheduler.settings.checkpoint_budget_bytes = None
         files.close()  # waits for the background deletes

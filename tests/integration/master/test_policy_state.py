@@ -10,12 +10,16 @@ import math
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from stagetree.core.ids import JobKey
 from stagetree.core.lifecycle import RequestState
 from stagetree.core.policies import hermes
-from stagetree.core.policies.live import on_reports
 from stagetree.core.policies.plain import enc
 from stagetree.core.policies.state import Kill
-from stagetree.master.policies import PolicyStep
+from stagetree.core.round.learn import on_reports
+from stagetree.master.coordination import InProcessCoordination
+from stagetree.master.plans import PlanCache
+from stagetree.master.policies import PolicyStates
+from stagetree.master.round_apply import DecisionApplier
 from stagetree.master.store import models as m
 from stagetree.master.store.policy_state import PolicyStateStore
 from stagetree.master.store.records import NewNode, NewRequest
@@ -60,7 +64,7 @@ def test_a_new_leader_restores_the_saved_state_and_finishes_the_kills_left_pendi
     reqs = store.requests.add_requests(sid, pid, [NewRequest("a", node.id, 40), NewRequest("b", node.id, 60)])
     killed_job, live_job = f"{pid}:{node.id}:40", f"{pid}:{node.id}:60"
 
-    old = PolicyStep(store, save_every_s=0.0)  # the leader that crashes
+    old = PolicyStates(store, save_every_s=0.0)  # the leader that crashes
     policies = old.active([(sid, store.studies.get_study(sid).fixed_json or "")])
     old.load(policies)
     st = old.state
@@ -77,20 +81,21 @@ def test_a_new_leader_restores_the_saved_state_and_finishes_the_kills_left_pendi
     st.add_reports(killed_job, [2.0, 12.0])
     st.own_job(killed_job, sid)
     st.killed.add(killed_job)
-    st.pending_kills[killed_job] = Kill(sid, killed_job, "poor trial (test)")
+    st.pending_kills[killed_job] = Kill(sid, JobKey.parse(killed_job), "poor trial (test)")
     assert old.save(force=True) == [sid]
     assert old.save(force=True) == []  # unchanged: nothing written
     saved = old.state.snapshot(sid)
 
-    new = PolicyStep(store)  # the next leader: loads before its first round that serves the study
+    new = PolicyStates(store)  # the next leader: loads before its first round that serves the study
     new.load(new.active([(sid, store.studies.get_study(sid).fixed_json or "")]))
     assert new.state.snapshot(sid) == saved
     assert new.state.jobs[live_job].quanta == old.state.jobs[live_job].quanta  # not from zero
     assert new.save(force=True) == []  # what it loaded is what is saved
 
-    woken: list[str] = []
+    applier = DecisionApplier(store, PlanCache(store), InProcessCoordination(), new)
+    again = Kill(sid, JobKey.parse(killed_job), "again")
     for _ in range(2):  # the pending kill is carried out; doing it again changes nothing
-        new.carry_out([], list(new.state.pending_kills.values()) or [Kill(sid, killed_job, "again")], woken.append)
+        applier.carry_out([], list(new.state.pending_kills.values()) or [again])
         got = {r.id: r for r in store.requests.get_requests(sid)}
         assert got[reqs[0].id].state == RequestState.CANCELLED and got[reqs[0].id].error == "poor trial (test)"
         assert got[reqs[1].id].state == RequestState.NOT_SCHED

@@ -6,13 +6,15 @@ import json
 from typing import Any
 
 from stagetree.core.config import Config
-from stagetree.core.scheduler import schedule_round
+from stagetree.core.ids import PlanId
+from stagetree.core.round import plan_round
 from stagetree.core.searchplan import SearchPlan
 from stagetree.core.slots import Slot
 from stagetree.core.stagetree import build_stage_tree
 from stagetree.master.costs import CostLearner
 from stagetree.master.store.records import FinishedAttempt
 from stagetree.nodemanager.examples.digits import digits_batch
+from tests.sim.inputs import plan_input
 
 CHEAP = {"lr": 0.1, "bs": 32}
 DEAR = {"lr": 0.1, "bs": 128}
@@ -34,23 +36,23 @@ def test_cold_plans_cost_the_default_and_learned_ones_follow_the_batch_size() ->
     plan = SearchPlan()
     cheap = plan.add_request(Config.of(CHEAP), 50).point
     dear = plan.add_request(Config.of(DEAR), 40).point
-    forest = build_stage_tree(plan.nodes, {}, [(r.id, r.point) for r in plan.pending()], plan="7")
+    forest = build_stage_tree(plan.nodes, {}, [(r.id, r.point) for r in plan.pending()], plan=PlanId(7))
     cost = learner.stage_cost(lambda pid: _plan_key(), lambda pid, node: plan.nodes[node].config, "cpu")
     by_end = {s.end: cost(s) for s in forest.stages}
     assert by_end == {50: 50.0, 40: 40.0}  # no data: every step costs the default
     # the critical path is then the longer one in steps
-    first = schedule_round(forest, [Slot("w0")], cost, "critical_path").dispatches[0].batch.stages[-1]
-    assert first.end_point == cheap
+    first = plan_round(plan_input(plan, [Slot("w0")], cost=cost)).dispatches[0].batch
+    assert first.end == cheap
 
     assert learner.observe([_attempt(1, CHEAP, 10, 0.22, 100.0), _attempt(2, DEAR, 10, 0.88, 101.0)]) == 2
     assert learner.observe([_attempt(1, CHEAP, 10, 0.22, 100.0)]) == 0  # read again: not counted twice
     assert learner.knows(_plan_key(), "cpu") and not learner.knows(_plan_key({"hidden": 8}), "cpu")
     cost = learner.stage_cost(lambda pid: _plan_key(), lambda pid, node: plan.nodes[node].config, "cpu")
-    forest = build_stage_tree(plan.nodes, {}, [(r.id, r.point) for r in plan.pending()], plan="7")
+    forest = build_stage_tree(plan.nodes, {}, [(r.id, r.point) for r in plan.pending()], plan=PlanId(7))
     costs = {s.end: cost(s) for s in forest.stages}
     assert abs(costs[50] - 50 * 0.022) < 1e-6 and abs(costs[40] - 40 * 0.088) < 1e-6
-    first = schedule_round(forest, [Slot("w0")], cost, "critical_path").dispatches[0].batch.stages[-1]
-    assert first.end_point == dear  # 40 steps at bs=128 take longer than 50 at bs=32
+    first = plan_round(plan_input(plan, [Slot("w0")], cost=cost)).dispatches[0].batch
+    assert first.end == dear  # 40 steps at bs=128 take longer than 50 at bs=32
     other_plan = learner.stage_cost(
         lambda pid: _plan_key({"hidden": 8}), lambda pid, node: plan.nodes[node].config, "cpu"
     )
