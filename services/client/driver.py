@@ -15,7 +15,7 @@ outage, not a trial's result.
 
 The run is recorded like the simulator's (``simulate.Run``): the trace of every event with the actions
 the tuner answered, and one ``Job`` per eval with wall-clock times, so the same checks (for instance
-``asha_check.check_asha_trace``) apply to a live run.
+``tests/sim/asha_check.py``) apply to a live run.
 
 PBT's exploit needs nothing special here: the tuner's new trial is ``Piecewise([source, perturbed], [t])``,
 which the master places as a branch of the source's path at step t, trained from the source's

@@ -11,7 +11,7 @@ real node-manager RPCs, so only the platform is measured (``tests/integration/cl
    in that phase / 2,000 (SubmitRequests and StreamResults; batching makes it small).
 2. An ASHA study driven live (``stagetree.drive``): ``asha_promotions_ok`` is whether every decision of
    the run (its trace of results and submits) matches an independent re-implementation of Li et al.'s
-   Algorithm 2 on the same results (``stagetree.client.tuners.asha_check.check_asha_trace``).
+   Algorithm 2 on the same results (``tests.sim.asha_check.check_asha_trace``).
 
 Last line: ``evals_per_s=<n> rpcs_per_eval=<r> asha_promotions_ok=<true|false> evals_vs_grpc_unary=<q>``
 (targets: >= 1000, <= 0.1, true); the last field is evals a second over bare gRPC unary round trips a
@@ -39,7 +39,7 @@ from pydantic import SecretStr
 
 import stagetree
 from stagetree.client.spaces import Choice, GridSearchSpace, LogUniform, RandomSearchSpace
-from stagetree.client.tuners import ASHA, check_asha_trace
+from stagetree.client.tuners import ASHA
 from stagetree.core.config import Config
 from stagetree.core.sequences import MultiStep
 from stagetree.master.settings import AuthSettings, LimitSettings, MasterSettings
@@ -48,6 +48,7 @@ from stagetree.master.store.store import make_engine
 from tests.bench import refs
 from tests.bench.record import record
 from tests.integration.client.harness import in_process_master, metrics_of_values
+from tests.sim.asha_check import check_asha_trace
 
 TOKEN = "bench-token"
 TRAINER = "tests.bench.client:NoopTrainer"

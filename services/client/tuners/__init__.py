@@ -3,7 +3,6 @@
 ``simulate`` for drivers that run them without a server."""
 
 from stagetree.client.tuners.asha import ASHA
-from stagetree.client.tuners.asha_check import asha_promotions_ok, check_asha_trace
 from stagetree.client.tuners.base import (
     Action,
     Best,
@@ -49,8 +48,6 @@ __all__ = [
     "Submit",
     "Trial",
     "Tuner",
-    "asha_promotions_ok",
-    "check_asha_trace",
     "make_tuner",
     "run_sync",
     "simulate",

@@ -20,7 +20,7 @@ of the rung it was running to; a trial is never promoted twice from the same run
 Driven this way (get_job() for every free slot after every event), at most one configuration is
 promotable at any call: a completion adds one trial to one rung, which makes at most one new candidate,
 and frees one slot that takes it. So the top-down scan order is kept as in the paper but cannot show in a
-trace; ``asha_check`` verifies the rest against an independent re-implementation.
+trace; ``tests/sim/asha_check.py`` verifies the rest against an independent re-implementation.
 """
 
 from __future__ import annotations

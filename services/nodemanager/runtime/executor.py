@@ -54,7 +54,6 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from threading import Lock
 from typing import Any, Literal
 
 import torch
@@ -267,7 +266,7 @@ def new_trainer(
 
 
 class BatchRun:
-    """One attempt of one batch. ``run()`` it on one thread; ``amend()`` may be called from any."""
+    """One attempt of one batch, ``run()`` on one thread; its saves and evaluations are the spec's."""
 
     def __init__(
         self,
@@ -305,11 +304,9 @@ class BatchRun:
         self._progress_interval = progress_interval_s
         self._clock = clock
         self._ids = {"batch_id": spec.batch_id, "attempt": spec.attempt}
-        self._lock = Lock()
         self._saves = set(spec.saves)
         self._evals = set(spec.evals)
         self._point_steps = {p.step for p in self._saves | self._evals}
-        self._handled = spec.start_step - 1  # points at steps <= this were handled (under _lock)
         self._pending: deque[_Save] = deque()
         self._pool: ThreadPoolExecutor | None = None
         self._trainer: Trainer | None = None
@@ -330,23 +327,6 @@ class BatchRun:
     def trainer(self) -> Trainer | None:
         """The batch's trainer once it is built (after ``run``: at the step the batch stopped)."""
         return self._trainer
-
-    # -- control ------------------------------------------------------------------------------
-
-    def on_path(self, point: Point) -> bool:
-        if point == self.spec.source.point:
-            return True
-        return any(s.node == point.node and s.start <= point.step <= s.end for s in self.spec.stages)
-
-    def amend(self, point: Point, eval: bool) -> bool:
-        """Also save (``eval=False``) or evaluate (``eval=True``) at ``point``; False if the point is not
-        on this batch's path or the batch has already passed it."""
-        with self._lock:
-            if not self.on_path(point) or point.step <= self._handled:
-                return False
-            (self._evals if eval else self._saves).add(point)
-            self._point_steps.add(point.step)
-            return True
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -372,7 +352,7 @@ class BatchRun:
                 # The per-step path runs between two of the user's steps: keep it to a few local
                 # lookups (every bit of work here shows in a small model's step time).
                 emit, clock, should_preempt = self._emit, self._clock, self._should_preempt
-                lock, point_steps, interval = self._lock, self._point_steps, self._progress_interval
+                point_steps, interval = self._point_steps, self._progress_interval
                 periodic = spec.peripheral_every_steps > 0 or spec.peripheral_every_s > 0
                 # on a GPU a copy per step would wait for the device each step: CPU slots only
                 snapshots = (
@@ -437,10 +417,7 @@ class BatchRun:
                         if interval <= 0 or now - last_progress >= interval:
                             emit("progress", {"batch_id": batch_id, "attempt": attempt, "node": node, "step": step})
                             last_progress = now
-                        with lock:  # amend() sees either this step handled or its point in point_steps
-                            self._handled = step
-                            due = step in point_steps
-                        saved = due and self._handle_points(trainer, step)
+                        saved = step in point_steps and self._handle_points(trainer, step)
                         if not distributed:
                             periodic_due = periodic and self._peripheral_due(step, now)
                             preempt_now = False
@@ -565,13 +542,11 @@ class BatchRun:
         return tuple(pts)
 
     def _handle_points(self, trainer: Trainer, step: int, *, initial: bool = False) -> bool:
-        with self._lock:
-            self._handled = step
-            if step not in self._point_steps:
-                return False
-            candidates = self._points_at(step, initial)
-            evals = tuple(p for p in candidates if p in self._evals)
-            saves = tuple(p for p in candidates if p in self._saves)
+        if step not in self._point_steps:
+            return False
+        candidates = self._points_at(step, initial)
+        evals = tuple(p for p in candidates if p in self._evals)
+        saves = tuple(p for p in candidates if p in self._saves)
         if initial and self.spec.source.uri is not None:
             saves = ()  # the source checkpoint already holds this point
         if saves:

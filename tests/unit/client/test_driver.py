@@ -13,10 +13,11 @@ import pytest
 from stagetree.client.driver import drive
 from stagetree.client.sdk import Study
 from stagetree.client.spaces import GridSearchSpace, LogUniform, RandomSearchSpace
-from stagetree.client.tuners import ASHA, PBT, Failed, Result, Submit, Tuner, check_asha_trace
+from stagetree.client.tuners import ASHA, PBT, Failed, Result, Submit, Tuner
 from stagetree.client.tuners.base import Action, Trial
 from stagetree.core import errors as e
 from stagetree.core.config import Config
+from tests.sim.asha_check import check_asha_trace
 from tests.unit.client.fakes import FakeMaster, FakeRpcError, fake_client
 
 

@@ -208,38 +208,17 @@ def test_preemption_saves_and_resume_matches_straight(store, make_events) -> Non
     _close(resumed.metrics_at(30), straight.metrics_at(30))
 
 
-def test_amend_adds_points_not_yet_passed_and_evals_do_not_perturb_training(store, make_events) -> None:
+def test_extra_saves_and_evals_inside_a_batch_do_not_perturb_training(store, make_events) -> None:
     plain = make_events()
     _run(digits_batch([(1, 0, 20, HP)], fixed_values=FIXED, evals=[(1, 20)]), store, plain)
-
-    answers: dict[str, bool] = {}
     events = make_events()
-    spec = digits_batch([(1, 0, 20, HP)], fixed_values=FIXED, evals=[(1, 20)], batch_id=2)
-    run = BatchRun(spec, DigitsMLP, store, events)
-
-    def on_progress(kind: str, payload: dict[str, Any]) -> None:
-        if kind == "progress" and payload["step"] == 5:
-            answers["save later"] = run.amend(Point(1, 8), eval=False)
-            answers["eval later"] = run.amend(Point(1, 9), eval=True)
-            answers["save now"] = run.amend(Point(1, 5), eval=False)  # progress precedes its points
-            answers["passed"] = run.amend(Point(1, 3), eval=True)
-            answers["off path"] = run.amend(Point(7, 10), eval=False)
-            answers["beyond end"] = run.amend(Point(1, 21), eval=False)
-
-    events._on_emit = on_progress
-    assert run.run().status == "finished"
-    assert answers == {
-        "save later": True,
-        "eval later": True,
-        "save now": True,
-        "passed": False,
-        "off path": False,
-        "beyond end": False,
-    }
+    spec = digits_batch(
+        [(1, 0, 20, HP)], fixed_values=FIXED, saves=[(1, 5), (1, 8)], evals=[(1, 9), (1, 20)], batch_id=2
+    )
+    assert BatchRun(spec, DigitsMLP, store, events).run().status == "finished"
     assert [p["step"] for p in events.of("checkpoint_saved")] == [5, 8]
     assert [p["step"] for p in events.of("metrics")] == [9, 20]
     _close(events.metrics_at(20), plain.metrics_at(20))  # dropout RNG untouched by the extra eval
-    assert not run.amend(Point(1, 20), eval=True)
 
 
 @pytest.mark.parametrize(

@@ -14,13 +14,11 @@ from stagetree.client.tuners import (
     Result,
     Submit,
     Trial,
-    asha_promotions_ok,
-    check_asha_trace,
     run_sync,
     simulate,
 )
-from stagetree.client.tuners.asha_check import random_asha_run
 from stagetree.core.errors import InvalidArgument
+from tests.sim.asha_check import asha_promotions_ok, check_asha_trace, random_asha_run
 
 X = [5, 1, 8, 3, 9, 2, 7, 4, 6]  # trial i has metric X[i] at every step
 
