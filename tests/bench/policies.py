@@ -9,7 +9,7 @@ genie_qos_vs_best_baseline=<x> mixed_vs_single=<x> live_round=<true|false>``; ev
 than 1". ``live_round`` is true when the simulator's round is the very function object the master's
 loop calls and no paper has a simulation loop of its own. Workloads are seeded and shaped like the
 papers' (``tests/sim/papers``); several seeds are averaged. The figures go to
-``tests/bench/results/policies.json``.
+``tests/bench/results/policies.json`` (``tests.bench.record``).
 
 * Hermes (§4.2, Fig. 5-6): 16 jobs (4 or 12 good) on 4 GPUs, four CNNs, time until the (up to) four best
   jobs reach 90% of the best loss. Per scenario (bin x model) the best of FIFO / RR / SLAQ over Hermes,
@@ -35,16 +35,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import math
-import os
-import platform
 import random
 import statistics
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from stagetree.core import simulator
@@ -59,6 +55,7 @@ from stagetree.core.searchplan import SearchPlan
 from stagetree.core.simulator import Ask, Fault, Simulator, synthetic_curve
 from stagetree.core.slots import Slot
 from stagetree.core.stagetree import build_stage_tree
+from tests.bench.record import record
 from tests.bench.scheduler import asha_configs, step_time
 from tests.sim.drivers import ASHADriver
 from tests.sim.papers import genie as genie_w
@@ -67,7 +64,6 @@ from tests.sim.papers import hypersack as sack
 from tests.sim.papers import pop as pop_w
 
 VERBOSE = False
-RESULTS = Path(__file__).parent / "results" / "policies.json"
 ONE_PLAN = PlanId(1)
 
 
@@ -382,19 +378,6 @@ def live_round() -> bool:
     return getattr(scheduling, "plan_round", None) is simulator.ROUND is plan_round and not own_loops
 
 
-def write_results(figures: dict[str, Any], lines: list[str], seconds: float) -> None:
-    doc = {
-        "figures": figures,
-        "lines": lines,
-        "seconds": round(seconds),
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
-        "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "command": "python -m tests.bench.policies " + " ".join(sys.argv[1:]),
-    }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(doc, indent=1) + "\n")
-
-
 def main() -> None:
     global VERBOSE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -420,22 +403,12 @@ def main() -> None:
     live = live_round()
     took = time.perf_counter() - t0
     print(f"(simulated in {took:.0f} s)", file=sys.stderr, flush=True)
-    figures = {
-        "hermes_vs_best_baseline": round(h, 2),
-        "pop_vs_best_baseline": round(p, 2),
-        "wfd_vs_one_per_gpu": round(w, 2),
-        "wfd_occupancy_vs_exact": round(occ, 3),
-        "genie_qos_vs_best_baseline": round(g, 2),
-        "mixed_vs_single": round(m, 2),
-        "live_round": live,
-    }
-    write_results(figures, lines, took)
-    print(
+    last = (
         f"hermes_vs_best_baseline={h:.2f} pop_vs_best_baseline={p:.2f} wfd_vs_one_per_gpu={w:.2f} "
         f"wfd_occupancy_vs_exact={occ:.3f} genie_qos_vs_best_baseline={g:.2f} mixed_vs_single={m:.2f} "
-        f"live_round={str(live).lower()}",
-        flush=True,
+        f"live_round={str(live).lower()}"
     )
+    print(record("policies", last, extra={"lines": lines, "seconds": round(took)}), flush=True)
 
 
 if __name__ == "__main__":
