@@ -68,6 +68,9 @@ BENCHES = (
             "master_rss_mb <= 2048",
         ),
     ),
+    Bench("warm", "a user-style study of ~40 short batches, every process counted: this tree against another "
+          "commit's (warm workers, preload, the start)", ("cpu_ratio >= 1.0",),
+          command="python -m tests.bench.warm --base <commit>"),
     Bench("master", "10,000 requests through gRPC into Postgres, round time, cached evaluations",
           ("submit_per_s >= 2000", "round_ms_10k <= 250", "cached_eval_p99_ms <= 20")),
     Bench("worker", "the runtime against a plain PyTorch loop, checkpoint save and load, exact resume",
