@@ -14,6 +14,7 @@ The formatting functions are pure (plain JSON in, text out) so they are unit-tes
 from __future__ import annotations
 
 import argparse
+import email.utils
 import json
 import math
 import os
@@ -37,6 +38,8 @@ ENV_TOKEN = "STAGETREE_TOKEN"
 DEFAULT_URL = "http://127.0.0.1:8080"
 API = "/api/v1"
 MAX_TRIALS_SHOWN = 20
+RETRIES_429 = 8  # a master at its admission limit refused the call before doing anything: send it again
+MAX_RETRY_AFTER_S = 30.0
 _ERRORS: dict[str, type[StagetreeError]] = {cls.code: cls for cls in reversed(ALL_ERRORS)}
 
 # ---------------------------------------------------------------------------------------------
@@ -44,7 +47,9 @@ _ERRORS: dict[str, type[StagetreeError]] = {cls.code: cls for cls in reversed(AL
 
 
 class RestClient:
-    """A minimal JSON client of the master's REST API (``urllib``; no dependency)."""
+    """A minimal JSON client of the master's REST API (``urllib``; no dependency). A call the master
+    sheds at its admission limit (429) did nothing there: it is sent again after the ``Retry-After``
+    the answer gives, up to ``RETRIES_429`` times, whatever its method."""
 
     def __init__(
         self, url: str, token: str | None, timeout_s: float = 30.0, ssl_context: ssl.SSLContext | None = None
@@ -68,17 +73,45 @@ class RestClient:
         req.add_header("Accept", "application/json")
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
+        for attempt in range(RETRIES_429 + 1):
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout_s, context=self.ssl_context) as resp:
+                    return json.loads(resp.read() or b"null")
+            except urllib.error.HTTPError as e:
+                body = e.read()
+                if e.code != 429 or attempt == RETRIES_429:
+                    raise http_error(e.code, body) from None
+                time.sleep(retry_after_s(e.headers.get("Retry-After"), body))
+            except (urllib.error.URLError, OSError) as e:
+                reason = getattr(e, "reason", e)
+                raise Unavailable(
+                    f"cannot reach the master's REST API at {self.url} ({reason}); start it, or point "
+                    f"--url / ${ENV_URL} at it"
+                ) from None
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def retry_after_s(header: str | None, body: bytes) -> float:
+    """How long a 429 asks to wait: its ``Retry-After`` (seconds, or an HTTP date), else the body's
+    ``retry_after_s``, else one second; at most ``MAX_RETRY_AFTER_S``."""
+    wait: float | None = None
+    if header:
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s, context=self.ssl_context) as resp:
-                return json.loads(resp.read() or b"null")
-        except urllib.error.HTTPError as e:
-            raise http_error(e.code, e.read()) from None
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            raise Unavailable(
-                f"cannot reach the master's REST API at {self.url} ({reason}); start it, or point "
-                f"--url / ${ENV_URL} at it"
-            ) from None
+            wait = float(header)
+        except ValueError:
+            try:
+                wait = email.utils.parsedate_to_datetime(header).timestamp() - time.time()
+            except (TypeError, ValueError):
+                wait = None
+    if wait is None:
+        try:
+            obj = json.loads(body)
+            wait = float(obj["retry_after_s"]) if isinstance(obj, Mapping) else None
+        except (ValueError, KeyError, TypeError):
+            wait = None
+    if wait is None or not math.isfinite(wait):
+        wait = 1.0
+    return min(max(wait, 0.0), MAX_RETRY_AFTER_S)
 
 
 def http_error(status: int, body: bytes) -> StagetreeError:

@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from stagetree.client.cli import RestClient
 from stagetree.client.sdk import connect
 from stagetree.master.app import MasterApp
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
@@ -71,3 +72,24 @@ def test_rest_past_the_limit_is_429_with_retry_after_and_health_still_answers(
     while app.admission.in_flight and time.monotonic() < deadline:  # left once the answer went out
         time.sleep(0.01)
     assert app.admission.in_flight == 0
+
+
+def test_the_cli_rest_client_waits_out_a_429_and_sends_the_call_again(app: MasterApp, http: httpx.Client) -> None:
+    sid = http.post("/studies", json={"name": unique("cli"), "fixed": fixed()}, headers=ALICE).json()["id"]
+    item = {"client_request_id": "w", "config": {"tuned": {"lr": 0.1}}, "step": 3}
+    assert http.post(f"/studies/{sid}/requests", json={"items": [item]}, headers=ALICE).status_code == 200
+    app.admission.limit = 1  # the long poll below holds it for 2 s (the request never finishes)
+    refused = app.admission.refused
+    with httpx.Client(base_url=http.base_url, timeout=10) as other:
+        held = threading.Thread(
+            target=lambda: other.get(f"/studies/{sid}/requests", params={"wait_s": 2}, headers=ALICE)
+        )
+        held.start()
+        deadline = time.monotonic() + 5
+        while app.admission.in_flight < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        cli = RestClient(str(http.base_url), TOKENS["alice"])
+        studies = cli.get("/studies")  # 429 (Retry-After: 1) until the long poll ends, then served
+        held.join()
+    assert app.admission.refused > refused
+    assert sid in [s["id"] for s in studies]

@@ -213,3 +213,11 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert main_cli.main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"stagetree {version('stagetree')}"
+
+
+def test_a_429_is_waited_out_as_its_retry_after_says() -> None:
+    assert cli.retry_after_s("2", b"") == 2.0
+    assert cli.retry_after_s(None, b'{"retry_after_s": 0.5}') == 0.5
+    assert cli.retry_after_s("Thu, 01 Jan 1970 00:00:00 GMT", b"") == 0.0  # a date in the past: now
+    assert cli.retry_after_s("soon", b"not json") == 1.0
+    assert cli.retry_after_s("86400", b"") == cli.MAX_RETRY_AFTER_S
