@@ -131,3 +131,15 @@ def test_every_variable_the_docs_name_exists() -> None:
             if not ok:
                 unknown.append(f"{page.relative_to(ROOT)}: {var}")
     assert not unknown, "names no settings field or code knows:\n" + "\n".join(unknown)
+
+
+def _leaf_fields() -> set[str]:
+    """Every setting a variable sets: the fields of the settings classes, nested groups spelled out."""
+    groups = {g for names in _settings_fields().values() for n in names for g in [n.rsplit("__", 1)[0]] if "__" in n}
+    return {n for names in _settings_fields().values() for n in names if n not in groups}
+
+
+def test_every_setting_of_every_service_is_in_a_settings_table() -> None:
+    rows = "\n".join(line for line in (DOCS / "deployment.md").read_text().splitlines() if line.startswith("| `"))
+    missing = sorted(n for n in _leaf_fields() if not re.search(rf"`{n}`", rows))
+    assert not missing, "settings without a row in docs/deployment.md's tables:\n" + "\n".join(missing)
