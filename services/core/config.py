@@ -98,11 +98,14 @@ class FixedPart:
         values = obj.get("values", {})
         if not isinstance(values, Mapping):
             raise InvalidArgument("fixed.values: must be an object")
+        seed = obj.get("seed", 0)
+        if isinstance(seed, float) and seed.is_integer():  # JSON's 5.0 is the integer 5
+            seed = int(seed)
         return cls(
             trainer=obj.get("trainer"),  # type: ignore[arg-type]
             dataset=obj.get("dataset", ""),
             model=obj.get("model", ""),
-            seed=obj.get("seed", 0),
+            seed=seed,
             values=values,
             code_version=obj.get("code_version", ""),
         )

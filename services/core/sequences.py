@@ -612,6 +612,21 @@ _FAMILIES: dict[str, Any] = {
 }
 
 
+# the fields each family's JSON object may have besides "kind" (what its to_json writes)
+_FIELDS: dict[str, frozenset[str]] = {
+    "constant": frozenset({"value"}),
+    "linear": frozenset({"init", "slope"}),
+    "exponential": frozenset({"init", "gamma"}),
+    "step": frozenset({"init", "step_size", "gamma"}),
+    "multistep": frozenset({"init", "milestones", "gamma"}),
+    "cosine": frozenset({"init", "min_value", "period", "gamma"}),
+    "cyclic": frozenset({"init", "max_value", "period_up", "period_down"}),
+    "warmup": frozenset({"init", "period", "then"}),
+    "piecewise": frozenset({"pieces", "boundaries"}),
+    "segments": frozenset({"segments"}),
+}
+
+
 def _req(o: Mapping[str, Any], family: str, field: str) -> Any:
     if field not in o:
         raise SequenceError(family, field, "is required")
@@ -629,9 +644,14 @@ def from_json(obj: Any) -> Sequence:
     """A sequence from its JSON form (``{"kind": "multistep", ...}``); a plain value is a Constant."""
     if isinstance(obj, Mapping):
         kind = obj.get("kind")
-        factory = _FAMILIES.get(kind) if isinstance(kind, str) else None
-        if factory is None:
+        if not isinstance(kind, str) or kind not in _FAMILIES:
             raise SequenceError("sequence", "kind", f"unknown kind {kind!r}; known: {sorted(_FAMILIES)}")
+        factory = _FAMILIES[kind]
+        unknown = sorted(str(k) for k in obj if k != "kind" and k not in _FIELDS[kind])
+        if unknown:  # a misspelt field would otherwise be dropped silently ("gama": the default gamma)
+            raise SequenceError(
+                kind, unknown[0], f"is not a field of {kind}; its fields: {', '.join(sorted(_FIELDS[kind]))}"
+            )
         result: Sequence = factory(obj)
         return result
     if isinstance(obj, int | float | str | bool):

@@ -32,7 +32,7 @@ from stagetree.dashboard.cluster import LOG_TAIL_BYTES, MAX_LOG_TAIL_BYTES, Clus
 from stagetree.dashboard.tree import TreeViews
 from stagetree.dashboard.views import DashboardViews
 from stagetree.master.api.openapi import responses
-from stagetree.master.api.rest import PREFIX, Who
+from stagetree.master.api.rest import PREFIX, PlanKey, StudyId, Who
 from stagetree.master.auth import Principal
 from stagetree.master.curves import MAX_POINTS, CurveService
 from stagetree.master.service import CH_CURVES, CH_RESULTS, CH_ROUND, MAX_ID_LEN
@@ -50,8 +50,6 @@ DEFAULT_CURVE_POINTS = 20_000  # what the study page asks for: enough for the ey
 # A source of the latest GPU samples (the embedded mode's aggregator keeps them); none in cluster mode
 Telemetry = Callable[[], Sequence[Mapping[str, Any]]]
 
-PlanKey = Annotated[str, Query(max_length=MAX_ID_LEN, description="which of the study's plans (default: its only one)")]
-StudyId = Annotated[str, PathParam(min_length=1, max_length=MAX_ID_LEN)]
 Id = Annotated[int, PathParam(ge=1, le=INT64_MAX)]
 
 

@@ -50,9 +50,10 @@ class NodeCurve:
 
 
 def check_range(start: int, end: int | None, max_points: int) -> None:
+    """Steps and a point budget in range; ``end`` below ``start`` is an empty range (no points)."""
     check_step(start, "start")
-    if end is not None and check_step(end, "end") < start:
-        raise InvalidArgument(f"end ({end}) must be >= start ({start})")
+    if end is not None:
+        check_step(end, "end")
     if not 0 <= max_points <= MAX_POINTS:
         raise InvalidArgument(f"max_points must be in [0, {MAX_POINTS}] (0: every point), got {max_points}")
 
@@ -82,7 +83,8 @@ class CurveService:
         plan = self.service.plans.ensure(r.plan_id, {r.node})
         segments = plan.path(Point(r.node, r.step))
         hi = r.step if end is None else min(end, r.step)
-        pts = [CurvePoint(n, st, v) for n, st, v in self.store.curves.path_points(segments, start, hi)]
+        found = self.store.curves.path_points(segments, start, hi) if hi >= start else []
+        pts = [CurvePoint(n, st, v) for n, st, v in found]
         return TrialCurve(r.id, r.node, r.step, downsample(pts, max_points), len(pts))
 
     def metric_names(self, who: Principal, study_id: str, plan_key: str = "") -> list[str]:

@@ -257,20 +257,31 @@ class MasterService:
                 f"submit: {len(items)} items is over the limit of {self.limits.max_batch_items}; split the batch"
             )
         parsed: list[tuple[str, FixedPart, Config, int]] = []
-        seen: set[str] = set()
+        labels: list[str] = []
+        first_of: dict[str, int] = {}  # client request id -> its entry in parsed
+        entry: list[int] = []  # item -> its entry in parsed: an item repeated in the batch is one request
         configs: dict[str, tuple[FixedPart, Config]] = {}  # a trial asked at several steps is parsed once
         for i, it in enumerate(items):
             cid = check_text(it.client_request_id, f"items[{i}].client_request_id", MAX_ID_LEN)
-            if cid in seen:
-                raise InvalidArgument(f"items[{i}].client_request_id: {cid!r} appears twice in one batch")
             check_text(it.label, f"items[{i}].label", MAX_ID_LEN, empty=True)
-            seen.add(cid)
             step = check_step(it.step, f"items[{i}].step")
             got = configs.get(it.config_json)
             if got is None:
                 got = configs[it.config_json] = self._parse_config(study, it.config_json, f"items[{i}].config")
             fixed, config = got
+            j = first_of.get(cid)
+            if j is not None:  # as a resend in a later call: the same item is the same request
+                if parsed[j][1:] != (fixed, config, step):
+                    raise AlreadyExists(
+                        f"items[{i}].client_request_id: {cid!r} is also the id of another item in this batch; "
+                        "an id names one request (use a new client_request_id for a new request)"
+                    )
+                entry.append(j)
+                continue
+            first_of[cid] = len(parsed)
+            entry.append(len(parsed))
             parsed.append((cid, fixed, config, step))
+            labels.append(it.label)
         by_plan: dict[str, list[int]] = {}
         fixed_of: dict[str, FixedPart] = {}
         scope = self._scope(study)
@@ -286,13 +297,13 @@ class MasterService:
             recs = self.store.requests.add_requests(
                 study.id,
                 plan_id,
-                [NewRequest(parsed[i][0], p.node, p.step, items[i].label) for i, p in zip(idxs, points, strict=True)],
+                [NewRequest(parsed[i][0], p.node, p.step, labels[i]) for i, p in zip(idxs, points, strict=True)],
             )
             for i, r in zip(idxs, recs, strict=True):
                 out[i] = r
         log.debug("requests submitted", extra={"study_id": study.id, "items": len(items)})
         self.wakeups.notify(CH_ROUND)
-        return [r for r in out if r is not None]
+        return [r for r in (out[k] for k in entry) if r is not None]
 
     def _check_resends(
         self, study: StudyRecord, parsed: Sequence[tuple[str, FixedPart, Config, int]], by_plan: dict[str, list[int]]
@@ -388,17 +399,21 @@ class MasterService:
         return self._study_plan(self.get_study(who, study_id), plan_key)
 
     def _study_plan(self, study: StudyRecord, plan_key: str) -> tuple[str, int]:
-        """(key, id) of the plan ``plan_key`` of the study, or of its only plan when no key is given."""
+        """(key, id) of the plan ``plan_key`` of the study; without a key, of the study's own plan (that of
+        its fixed part), or of its only plan when it has no own one."""
         check_text(plan_key, "plan_key", MAX_ID_LEN, empty=True)
         plan_ids = self.store.plans.study_plan_ids(study.id)
         keys = {self.store.plans.plan_fixed(pid)[0]: pid for pid in plan_ids}
+        default_key = None
         if study.fixed_json is not None:
-            key = FixedPart.from_json(fixed_without_policies(study.fixed_json)).key(self._scope(study))
-            keys.update(self.store.plans.plan_ids_by_key([key]))
+            default_key = FixedPart.from_json(fixed_without_policies(study.fixed_json)).key(self._scope(study))
+            keys.update(self.store.plans.plan_ids_by_key([default_key]))
         if not plan_key:
-            if len(keys) != 1:
+            if not keys:
+                raise NotFound(f"study {study.id!r} has no plan yet: its plans start with its first request")
+            if default_key not in keys and len(keys) > 1:
                 raise InvalidArgument(f"plan_key: the study uses {len(keys)} plans; name one of {sorted(keys)}")
-            plan_key = next(iter(keys))
+            plan_key = default_key if default_key in keys else next(iter(keys))
         pid = keys.get(plan_key)
         if pid is None:
             raise NotFound(f"plan {plan_key!r} is not used by study {study.id!r}")
@@ -477,9 +492,11 @@ class MasterService:
             if not -1 <= info.gpu_index <= MAX_GPU_INDEX:
                 raise InvalidArgument(f"slots[{i}].gpu_index: must be in [-1, {MAX_GPU_INDEX}] (-1: a CPU slot)")
         slots = infos
-        ids = [s.id for s in infos]
-        if len(set(ids)) != len(ids) or any(not s for s in ids):
-            raise InvalidArgument("slots: slot ids must be non-empty and distinct")
+        first_of: dict[str, int] = {}
+        for i, info in enumerate(infos):
+            j = first_of.setdefault(info.id, i)
+            if j != i:
+                raise AlreadyExists(f"slots[{i}].id: {info.id!r} is slots[{j}]'s already; slot ids must be distinct")
         self.store.nodes.register_node_manager(nm_id, address, slots)
         log.info("node manager registered", extra={"node_manager_id": nm_id, "slots": len(slots)})
         if known is not None:

@@ -145,7 +145,7 @@ class StudyPolicies:
         if self.search is not None:
             sp = self.search
             out["search"] = sp.policy
-            out["search_params"] = {k: getattr(sp, k) for k in _PARAMS["search_params"]}
+            out["search_params"] = {k: getattr(sp, k) for k in POLICY_PARAMS["search_params"]}
         return out
 
 
@@ -158,7 +158,7 @@ POLICY_NAMES: Mapping[str, tuple[str, ...]] = {
     "width": tuple(sorted(genie.WIDTH_POLICIES)),
     "search": tuple(sorted(pop.SEARCH_POLICIES)),
 }
-_PARAMS: Mapping[str, Mapping[str, type]] = {
+POLICY_PARAMS: Mapping[str, Mapping[str, type]] = {
     "time_share_params": {
         "quantum_s": float,
         "growth": float,
@@ -188,7 +188,7 @@ def _params(obj: Mapping[str, Any], key: str) -> dict[str, Any]:
     raw = obj.get(key, {})
     if not isinstance(raw, Mapping):
         raise InvalidArgument(f"policies.{key}: must be an object")
-    known = _PARAMS[key]
+    known = POLICY_PARAMS[key]
     unknown = sorted(set(raw) - set(known))
     if unknown:
         raise InvalidArgument(f"policies.{key}: unknown parameters {unknown}; known: {sorted(known)}")
@@ -197,6 +197,8 @@ def _params(obj: Mapping[str, Any], key: str) -> dict[str, Any]:
         want = known[k]
         if want is float and isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
             out[k] = float(v)
+        elif want is int and isinstance(v, float) and v.is_integer():  # JSON's 5.0 is the integer 5
+            out[k] = int(v)
         elif (want is int and isinstance(v, int) and not isinstance(v, bool)) or (want is str and isinstance(v, str)):
             out[k] = v
         elif want is list and isinstance(v, list) and all(isinstance(x, int | float) for x in v):
@@ -210,7 +212,7 @@ def parse_policies(obj: Any) -> StudyPolicies:
     """Validate a study's ``"policies"`` object (see the master's ``stagetree.master.policies``)."""
     if not isinstance(obj, Mapping):
         raise InvalidArgument("policies: must be an object of step name -> policy name")
-    allowed = set(POLICY_NAMES) | set(_PARAMS) | {"slots"}
+    allowed = set(POLICY_NAMES) | set(POLICY_PARAMS) | {"slots"}
     unknown = sorted(set(obj) - allowed)
     if unknown:
         raise InvalidArgument(f"policies: unknown keys {unknown}; known: {sorted(allowed)}")
@@ -257,6 +259,8 @@ def parse_policies(obj: Any) -> StudyPolicies:
         except InvalidArgument as e:
             raise InvalidArgument(f"policies.search_params: {e.message}") from None
     slots = obj.get("slots", 1)
+    if isinstance(slots, float) and slots.is_integer():
+        slots = int(slots)
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise InvalidArgument(f"policies.slots: must be an integer >= 1 (slots per batch), got {slots!r}")
     width = names.get("width", genie.DEFAULT_WIDTH_POLICY)

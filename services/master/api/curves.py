@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field
 
 from stagetree.core.searchplan import MAX_STEP
 from stagetree.master.api.openapi import responses
-from stagetree.master.api.rest import PREFIX, RequestId, Who
+from stagetree.master.api.rest import PREFIX, PlanKey, RequestId, StudyId, Who
 from stagetree.master.curves import MAX_POINTS, CurvePoint, CurveService
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ def add_curve_routes(api: FastAPI, master: MasterApp) -> None:
 
     @api.get(f"{PREFIX}/studies/{{study_id}}/requests/{{request_id}}/curve", responses=responses(404))
     def trial_curve(
-        study_id: str,
+        study_id: StudyId,
         request_id: RequestId,
         who: Who,
         start: Step = 0,
@@ -66,9 +66,9 @@ def add_curve_routes(api: FastAPI, master: MasterApp) -> None:
 
     @api.get(f"{PREFIX}/studies/{{study_id}}/curves", responses=responses(404))
     def plan_curves(
-        study_id: str,
+        study_id: StudyId,
         who: Who,
-        plan_key: str = "",
+        plan_key: PlanKey = "",
         max_points: MaxPoints = 0,
         nodes: Annotated[list[Annotated[int, Field(ge=1)]] | None, Query()] = None,
     ) -> list[NodeCurveOut]:

@@ -6,6 +6,12 @@ decides what is valid (``stagetree.core.config``, ``stagetree.core.sequences``);
 the shapes it accepts, and ``tests/unit/master/test_openapi.py`` checks every family's ``to_json`` against
 them, so a new family or field cannot be left out of the spec.
 
+Where the server judges a text field (``core.text.check_text``: its length, no control character), the
+spec says so with ``minLength``/``maxLength`` and a ``pattern`` (:func:`text`); where a limit is a setting
+(a study name's length, the items of one submission), ``add_components`` writes this master's value.
+Rules that JSON Schema cannot state (a list strictly increasing, one boundary fewer than pieces) are in
+the schema's ``description``.
+
 Non-finite metric values (a diverged loss) are the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"``
 in every REST answer, as the store keeps them (JSON has no such numbers); gRPC carries the same values as
 IEEE doubles, so both sides say the same thing.
@@ -17,16 +23,37 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, WithJsonSchema
 
+from stagetree.core.policies.study import POLICY_NAMES, POLICY_PARAMS
+from stagetree.core.text import INT64_MAX
+from stagetree.master.service import MAX_ID_LEN
+from stagetree.master.settings import LimitSettings
+
+__all__ = ["MAX_ID_LEN", "add_components", "responses", "text"]
+
 NON_FINITE = ("NaN", "Infinity", "-Infinity")
+
+# core.text: no control character (C0 or DEL); a study name also needs one character that is not space
+CONTROL_FREE = "^[^\\x00-\\x1f\\x7f]*$"
+_SPACE = "\\x00-\\x20\\x7f\\x85\\xa0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000"  # str.isspace
+NOT_BLANK = f"^[^\\x00-\\x1f\\x7f]*[^{_SPACE}][^\\x00-\\x1f\\x7f]*$"
+
+
+def text(max_len: int, *, empty: bool = False, blank: bool = True) -> dict[str, Any]:
+    """The schema of a text field ``core.text.check_text`` accepts (``blank=False``: not only spaces)."""
+    return {"minLength": 0 if empty else 1, "maxLength": max_len, "pattern": CONTROL_FREE if blank else NOT_BLANK}
+
 
 _NUMBER = {"type": "number"}
 _STEPS = {"type": "integer", "minimum": 1, "maximum": 2**63 - 1}
 _SEQ = {"$ref": "#/components/schemas/Sequence"}
 
 
+_NAME = {"minLength": 1, "maxLength": 128}  # a hyper-parameter's name (core.config._check_name)
+
+
 def _family(kind: str, required: dict[str, Any], optional: dict[str, Any] | None = None) -> dict[str, Any]:
     props = {"kind": {"type": "string", "enum": [kind]}, **required, **(optional or {})}
-    return {"type": "object", "required": ["kind", *required], "properties": props}
+    return {"type": "object", "required": ["kind", *required], "properties": props, "additionalProperties": False}
 
 
 # one schema per sequence family, keyed by its "kind" (stagetree.core.sequences._FAMILIES)
@@ -92,17 +119,27 @@ SEQUENCE = {
     ],
 }
 
+_MORE = "(\\.[A-Za-z_][A-Za-z0-9_]*)*"  # more dotted names
+
 FIXED_PART = {
     "description": "what must be equal for two trials to share anything: it names the search plan",
     "type": "object",
     "required": ["trainer"],
     "properties": {
-        "trainer": {"type": "string", "minLength": 1, "maxLength": 128, "description": "module:Class"},
+        "trainer": {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": 128,
+            # core.entrypoints in ASCII, the module not starting with "_" (so never __main__)
+            "pattern": f"^[A-Za-z][A-Za-z0-9_]*{_MORE}:[A-Za-z_][A-Za-z0-9_]*{_MORE}$",
+            "description": "the trainer's entry point, package.module:Class",
+        },
         "dataset": {"type": "string"},
         "model": {"type": "string"},
         "seed": {"type": "integer"},
         "values": {
             "type": "object",
+            "propertyNames": _NAME,
             "additionalProperties": {"type": ["number", "string", "boolean", "null"]},
             "description": "fixed hyper-parameters",
         },
@@ -111,12 +148,72 @@ FIXED_PART = {
     "additionalProperties": False,
 }
 
+# a study's policies (core.policies.live.parse_policies); a bound the core states between two fields
+# (compute <= 100 * oversub, y_max > y_min) is written as a stricter one on each field
+_PARAM_BOUNDS: dict[str, dict[str, dict[str, Any]]] = {
+    "time_share_params": {
+        "quantum_s": {"exclusiveMinimum": 0},
+        "growth": {"minimum": 1},
+        "eval_every": {"minimum": 1},
+        "g_thres": {"minimum": 1},
+    },
+    "placement_params": {
+        "compute": {"exclusiveMinimum": 0, "maximum": 100, "description": "at most 100 * oversub"},
+        "memory_bytes": {"minimum": 0},
+        "cpus": {"minimum": 0},
+        "oversub": {"minimum": 1},
+    },
+    "search_params": {
+        "t_max_s": {"exclusiveMinimum": 0},
+        "eval_every": {"minimum": 1},
+        "report_every": {"minimum": 1},
+        "k": {"minimum": 1},
+        "max_epochs": {"minimum": 0, "description": "0: none; earlyterm needs one >= 1"},
+        "y_min": {"maximum": 0, "description": "below y_max"},
+        "y_max": {"exclusiveMinimum": 0, "description": "above y_min"},
+    },
+}
+_JSON_TYPES = {float: {"type": "number"}, int: {"type": "integer"}, str: {"type": "string"}}
+
+
+def _param_schema(group: str, name: str, kind: type) -> dict[str, Any]:
+    base = {"type": "array", "items": {"type": "number"}} if kind is list else dict(_JSON_TYPES[kind])
+    return {**base, **_PARAM_BOUNDS.get(group, {}).get(name, {})}
+
+
+def _policies() -> dict[str, Any]:
+    props: dict[str, Any] = {k: {"enum": [*names, None]} for k, names in POLICY_NAMES.items()}
+    for group, params in POLICY_PARAMS.items():
+        props[group] = {
+            "type": "object",
+            "properties": {n: _param_schema(group, n, t) for n, t in params.items()},
+            "additionalProperties": False,
+        }
+    props["slots"] = {"type": "integer", "minimum": 1, "description": "slots per batch (data parallel)"}
+    return {
+        "type": "object",
+        "description": "the study's scheduling policies (docs/policies.md)",
+        "properties": props,
+        "additionalProperties": False,
+        # a step's parameters need the step; earlyterm predicts at max_epochs, so it needs one
+        "dependentSchemas": {
+            f"{step}_params": {"required": [step], "properties": {step: {"type": "string"}}}
+            for step in ("time_share", "placement", "search")
+        },
+        "if": {"properties": {"search": {"const": "earlyterm"}}, "required": ["search"]},
+        "then": {
+            "required": ["search_params"],
+            "properties": {"search_params": {"required": ["max_epochs"], "properties": {"max_epochs": {"minimum": 1}}}},
+        },
+    }
+
+
 STUDY_FIXED = {
     **FIXED_PART,
     "description": "the study's default fixed part, and optionally its scheduling policies",
     "properties": {
         **FIXED_PART["properties"],  # type: ignore[dict-item]
-        "policies": {"type": "object", "description": "the study's scheduling policies (docs/policies.md)"},
+        "policies": _policies(),
     },
 }
 
@@ -125,14 +222,16 @@ TRIAL_CONFIG = {
     "type": "object",
     "required": ["tuned"],
     "properties": {
-        "fixed": {"$ref": "#/components/schemas/FixedPart"},
+        "fixed": {"anyOf": [{"$ref": "#/components/schemas/FixedPart"}, {"type": "null"}]},
         "tuned": {
             "type": "object",
             "minProperties": 1,
+            "propertyNames": _NAME,
             "additionalProperties": _SEQ,
             "description": "hyper-parameter name -> sequence",
         },
     },
+    "additionalProperties": False,
 }
 
 METRIC_VALUE = {
@@ -198,7 +297,35 @@ def responses(*statuses: Status) -> dict[int | str, dict[str, Any]]:
     return out
 
 
-def add_components(spec: dict[str, Any]) -> dict[str, Any]:
-    """The spec FastAPI generated, with the core's schemas added under ``components.schemas``."""
-    spec.setdefault("components", {}).setdefault("schemas", {}).update(COMPONENTS)
+def add_components(spec: dict[str, Any], limits: LimitSettings) -> dict[str, Any]:
+    """The spec FastAPI generated, with the core's schemas added under ``components.schemas``, this
+    master's limits written in, and every integer's bounds exact."""
+    schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+    schemas.update(COMPONENTS)
+    if "StudyIn" in schemas:
+        schemas["StudyIn"]["properties"]["name"]["maxLength"] = limits.max_name_len
+    if "SubmitIn" in schemas:
+        schemas["SubmitIn"]["properties"]["items"]["maxItems"] = limits.max_batch_items
+    _exact_integer_bounds(spec)
     return spec
+
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _exact_integer_bounds(node: Any) -> None:
+    """FastAPI's OpenAPI model types every bound as a float: past 2**53 that rounds (INT64_MAX became
+    2**63, and a fuzzer drew 2**63 as valid). An integer's bounds are integers; the only one past 2**53
+    any route declares is INT64_MAX."""
+    if isinstance(node, dict):
+        kind = node.get("type")
+        if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
+            for key in _BOUNDS:
+                v = node.get(key)
+                if isinstance(v, float):
+                    node[key] = INT64_MAX if v >= float(INT64_MAX) else int(v)
+        for v in node.values():
+            _exact_integer_bounds(v)
+    elif isinstance(node, list):
+        for v in node:
+            _exact_integer_bounds(v)

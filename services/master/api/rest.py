@@ -13,14 +13,17 @@ import dataclasses
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, get_args
 
 from fastapi import FastAPI, Path, Query, Request, Security
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match
 
 from stagetree.core.batch import MAX_CURVE_EVERY_STEPS, MAX_CURVE_RATE
 from stagetree.core.errors import StagetreeError
@@ -30,7 +33,15 @@ from stagetree.core.text import INT64_MAX
 from stagetree.master import metrics as prometheus
 from stagetree.master.api.admission import AdmissionGuard
 from stagetree.master.api.guard import BodyGuard
-from stagetree.master.api.openapi import MetricValue, StudyFixedJson, TrialConfigJson, add_components, responses
+from stagetree.master.api.openapi import (
+    MAX_ID_LEN,
+    MetricValue,
+    StudyFixedJson,
+    TrialConfigJson,
+    add_components,
+    responses,
+    text,
+)
 from stagetree.master.auth import Principal, bearer
 from stagetree.master.service import CH_RESULTS, SubmitItem
 from stagetree.master.store.records import RequestRecord, SlotInfo, StudyRecord
@@ -47,11 +58,27 @@ MAX_WAIT_S = 60.0  # the longest a long poll may hold a request
 STEP = Field(description="training steps", json_schema_extra={"minimum": 0, "maximum": MAX_STEP})
 
 
-class StudyIn(BaseModel):
-    name: str
+class In(BaseModel):
+    """A request body: where the spec says number, true and false are refused (pydantic would read them as
+    1 and 0)."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, v: Any, info: ValidationInfo) -> Any:
+        if isinstance(v, bool) and info.field_name:
+            kind = cls.model_fields[info.field_name].annotation
+            if {kind, *get_args(kind)} & {int, float}:
+                raise ValueError("must be a number, not true or false")
+        return v
+
+
+class StudyIn(In):
+    name: str = Field(json_schema_extra=text(256, blank=False))  # maxLength: the master's max_name_len
     fixed: StudyFixedJson | None = None
     retry_user_errors: bool = Field(
-        False, description="retry work whose failure was the user's code raising (default: it fails at once)"
+        False,
+        strict=True,  # JSON true/false only, as the spec says (not 0, 1 or "yes")
+        description="retry work whose failure was the user's code raising (default: it fails at once)",
     )
     curve_every_steps: int | None = Field(
         None,
@@ -64,6 +91,7 @@ class StudyIn(BaseModel):
         ge=0,
         le=MAX_CURVE_RATE,
         allow_inf_nan=False,
+        strict=True,  # a JSON number: not false, not "5"
         description="learning curves: at most this many points a second per batch (0: no limit; default: the master's)",
     )
 
@@ -79,15 +107,21 @@ class StudyOut(BaseModel):
     curve_max_per_s: float | None = None
 
 
-class ItemIn(BaseModel):
-    client_request_id: str
+class ItemIn(In):
+    client_request_id: str = Field(
+        json_schema_extra=text(MAX_ID_LEN),
+        description="the caller's id of this request: sent again (in this batch or a later one) with the same "
+        "item, it answers with the same request; with another item, 409",
+    )
     config: TrialConfigJson = Field(description='{"fixed": {...}, "tuned": {name: sequence}}; fixed may be omitted')
     step: int = STEP
-    label: str = Field("", max_length=128, description="the tuner's trial this request belongs to")
+    label: str = Field(
+        "", json_schema_extra=text(MAX_ID_LEN, empty=True), description="the tuner's trial this request belongs to"
+    )
 
 
 class SubmitIn(BaseModel):
-    items: list[ItemIn]
+    items: list[ItemIn] = Field(json_schema_extra={"minItems": 1})  # maxItems: the master's max_batch_items
 
 
 class RequestOut(BaseModel):
@@ -113,7 +147,7 @@ class StudyDeleted(BaseModel):
     plans: str = Field(description="what happened to the study's plans")
 
 
-class MetricsQuery(BaseModel):
+class MetricsQuery(In):
     config: TrialConfigJson
     step: int = STEP
 
@@ -127,20 +161,20 @@ class MetricsOut(BaseModel):
     step: int | None = None
 
 
-class SlotIn(BaseModel):
-    id: str = Field(min_length=1, max_length=128)
-    gpu_type: str = Field(default="cpu", max_length=64)
+class SlotIn(In):
+    id: str = Field(json_schema_extra=text(MAX_ID_LEN), description="distinct among the node manager's slots")
+    gpu_type: str = Field(default="cpu", json_schema_extra=text(64))
     memory_bytes: int = Field(default=0, ge=0, le=INT64_MAX)
-    compute_capability: str = Field(default="", max_length=16)
-    share: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    compute_capability: str = Field(default="", json_schema_extra=text(16, empty=True))
+    share: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False, strict=True)
     cpu_cores: int = Field(default=0, ge=0, le=1 << 16)
     gpu_index: int = Field(default=-1, ge=-1, le=1 << 10)
 
 
 class NodeManagerIn(BaseModel):
-    node_manager_id: str
-    address: str = ""
-    slots: list[SlotIn] = Field(default_factory=list)
+    node_manager_id: str = Field(json_schema_extra=text(MAX_ID_LEN))
+    address: str = Field("", json_schema_extra=text(256, empty=True))
+    slots: list[SlotIn] = Field(min_length=1)
 
 
 _scheme = HTTPBearer(auto_error=False, description="a user's token, or the admin token for /nodes")
@@ -155,6 +189,10 @@ def _principal(
 
 Who = Annotated[Principal, Security(_principal)]
 RequestId = Annotated[int, Path(ge=1, le=INT64_MAX)]
+StudyId = Annotated[str, Path(json_schema_extra=text(MAX_ID_LEN))]
+PlanKey = Annotated[
+    str, Query(json_schema_extra=text(MAX_ID_LEN, empty=True), description="which plan (default: the study's own)")
+]
 
 
 def _study(s: StudyRecord) -> StudyOut:
@@ -216,6 +254,10 @@ def mount_docs(api: FastAPI) -> None:
         )
 
 
+def _methods(route: BaseRoute) -> set[str]:
+    return set(getattr(route, "methods", None) or ())
+
+
 def create_rest_app(master: MasterApp) -> FastAPI:
     svc = master.service
     api = FastAPI(
@@ -233,7 +275,7 @@ def create_rest_app(master: MasterApp) -> FastAPI:
     def openapi() -> dict[str, Any]:
         if api.openapi_schema is None:
             spec = get_openapi(title=api.title, version=api.version, routes=api.routes, description=api.description)
-            api.openapi_schema = add_components(spec)
+            api.openapi_schema = add_components(spec, master.settings.limits)
         return api.openapi_schema
 
     api.openapi = openapi  # type: ignore[method-assign]
@@ -248,6 +290,18 @@ def create_rest_app(master: MasterApp) -> FastAPI:
         message = "; ".join(f"{'.'.join(str(x) for x in d['loc'])}: {d['msg']}" for d in detail[:5])
         return JSONResponse(
             status_code=422, content={"error": "INVALID_ARGUMENT", "message": message, "detail": detail}
+        )
+
+    @api.exception_handler(StarletteHTTPException)
+    async def _no_route(req: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code != 405:
+            return await http_exception_handler(req, exc)
+        # Starlette names the methods of the first route on the path only: name them all (RFC 9110)
+        allowed = sorted({m for r in api.router.routes if r.matches(req.scope)[0] != Match.NONE for m in _methods(r)})
+        return JSONResponse(
+            status_code=405,
+            content={"error": "UNIMPLEMENTED", "message": f"{req.method} is not served here; use {', '.join(allowed)}"},
+            headers={"Allow": ", ".join(allowed)},
         )
 
     @api.exception_handler(StagetreeError)
@@ -291,11 +345,11 @@ def create_rest_app(master: MasterApp) -> FastAPI:
         return [_study(s) for s in svc.list_studies(who)]
 
     @api.get(f"{PREFIX}/studies/{{study_id}}", responses=responses(404))
-    def get_study(study_id: str, who: Who) -> StudyOut:
+    def get_study(study_id: StudyId, who: Who) -> StudyOut:
         return _study(svc.get_study(who, study_id))
 
     @api.delete(f"{PREFIX}/studies/{{study_id}}", responses=responses(404, 413))
-    def delete_study(study_id: str, who: Who) -> StudyDeleted:
+    def delete_study(study_id: StudyId, who: Who) -> StudyDeleted:
         """Cancel the study's live requests, then delete it and its requests. Its plans are kept: they
         belong to the owner (or team) and keep answering other studies; ``POST .../plan/forget`` first
         to drop what they computed."""
@@ -304,7 +358,7 @@ def create_rest_app(master: MasterApp) -> FastAPI:
 
     @api.get(f"{PREFIX}/studies/{{study_id}}/stats", responses=responses(404))
     def stats(
-        study_id: str,
+        study_id: StudyId,
         who: Who,
         code_version: Annotated[
             str | None, Query(max_length=128, description="only the requests of this trainer code version")
@@ -315,19 +369,19 @@ def create_rest_app(master: MasterApp) -> FastAPI:
         return svc.study_stats(who, study_id, code_version).to_json()
 
     @api.post(f"{PREFIX}/studies/{{study_id}}/plan/forget", responses=responses(404, 412, 413))
-    def forget_plan(study_id: str, who: Who, plan_key: str = "") -> dict[str, int]:
+    def forget_plan(study_id: StudyId, who: Who, plan_key: PlanKey = "") -> dict[str, int]:
         """Drop the plan's checkpoints and metrics and the finished requests they answered (every study of
         the owner's scope); refused (412) while a request on it is live."""
         return dataclasses.asdict(svc.forget_plan(who, study_id, plan_key))
 
     @api.post(f"{PREFIX}/studies/{{study_id}}/requests", responses=responses(404, 409, 413))
-    def submit(study_id: str, body: SubmitIn, who: Who) -> list[RequestOut]:
+    def submit(study_id: StudyId, body: SubmitIn, who: Who) -> list[RequestOut]:
         items = [SubmitItem(i.client_request_id, json.dumps(i.config), i.step, i.label) for i in body.items]
         return [_request(r) for r in svc.submit(who, study_id, items)]
 
     @api.get(f"{PREFIX}/studies/{{study_id}}/requests", responses=responses(404))
     async def get_requests(
-        study_id: str,
+        study_id: StudyId,
         who: Who,
         ids: Annotated[list[Annotated[int, Field(ge=1, le=INT64_MAX)]] | None, Query()] = None,
         wait_s: Annotated[
@@ -352,18 +406,18 @@ def create_rest_app(master: MasterApp) -> FastAPI:
                 await wakeups.close()
 
     @api.delete(f"{PREFIX}/studies/{{study_id}}/requests/{{request_id}}", responses=responses(404, 413))
-    def cancel(study_id: str, request_id: RequestId, who: Who) -> RequestOut:
+    def cancel(study_id: StudyId, request_id: RequestId, who: Who) -> RequestOut:
         return _request(svc.cancel(who, study_id, request_id))
 
     @api.post(f"{PREFIX}/studies/{{study_id}}/metrics/query", responses=responses(404, 413))
-    def metrics(study_id: str, body: MetricsQuery, who: Who) -> MetricsOut:
+    def metrics(study_id: StudyId, body: MetricsQuery, who: Who) -> MetricsOut:
         point, values = svc.get_metrics(who, study_id, json.dumps(body.config), body.step)
         if point is None or values is None:
             return MetricsOut(found=False)
         return MetricsOut(found=True, metrics=values, node=point.node, step=point.step)
 
     @api.get(f"{PREFIX}/studies/{{study_id}}/plan", responses=responses(404))
-    def plan(study_id: str, who: Who, plan_key: str = "") -> dict[str, Any]:
+    def plan(study_id: StudyId, who: Who, plan_key: PlanKey = "") -> dict[str, Any]:
         view = svc.get_plan(who, study_id, plan_key)
         return {
             "key": view.key,
@@ -383,7 +437,7 @@ def create_rest_app(master: MasterApp) -> FastAPI:
             ],
         }
 
-    @api.post(f"{PREFIX}/nodes", status_code=201, responses=responses(403, 413))
+    @api.post(f"{PREFIX}/nodes", status_code=201, responses=responses(403, 409, 413))
     def register_node(body: NodeManagerIn, who: Who) -> dict[str, str]:
         who.require_admin()
         master.coordination.heartbeat(body.node_manager_id, master.settings.scheduling.heartbeat_ttl_s)

@@ -95,7 +95,7 @@ async def test_bad_items_are_rejected_and_change_nothing(
     call = stub.SubmitRequests(pb.SubmitRequestsRequest(study_id=s.id, items=[good, bad]), metadata=ALICE)
     assert await _code(call) == code
     plan = stub.GetPlan(pb.GetPlanRequest(study_id=s.id), metadata=ALICE)
-    assert await _code(plan) == grpc.StatusCode.INVALID_ARGUMENT  # the study uses no plan: nothing was written
+    assert await _code(plan) == grpc.StatusCode.NOT_FOUND  # the study has no plan: nothing was written
 
 
 async def test_unknown_study_and_oversized_batch(stub: pb_grpc.MasterServiceStub) -> None:

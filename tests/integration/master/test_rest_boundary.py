@@ -194,3 +194,26 @@ def test_sequences_nested_as_deep_as_a_user_writes_them_pass_the_limit(http: htt
     item = {"client_request_id": "nested", "config": {"tuned": {"lr": seq}}, "step": 3}
     r = http.post(f"/studies/{study}/requests", json={"items": [item]}, headers=ALICE)
     assert r.status_code == 200, r.text
+
+
+def test_an_id_repeated_in_one_call_is_one_request_or_a_409_and_unknown_fields_are_named(
+    http: httpx.Client, study: str
+) -> None:
+    item = {"client_request_id": "twice", "config": {"tuned": {"lr": 0.1}}, "step": 3}
+    first, again = http.post(f"/studies/{study}/requests", json={"items": [item, item]}, headers=ALICE).json()
+    assert first["request_id"] == again["request_id"]  # the same item twice: one request, as a resend is
+    other = {**item, "step": 4}
+    r = http.post(
+        f"/studies/{study}/requests",
+        json={"items": [{**item, "client_request_id": "x"}, {**other, "client_request_id": "x"}]},
+        headers=ALICE,
+    )
+    assert r.status_code == 409 and r.json()["error"] == "ALREADY_EXISTS"
+    slot = {"id": "g0"}
+    r = http.post("/nodes", json={"node_manager_id": "nm-dup", "slots": [slot, slot]}, headers=ADMIN)
+    assert r.status_code == 409 and "slots[1].id" in r.json()["message"]
+    typo = {"kind": "cosine", "init": 0.1, "min_value": 0.0, "period": 5, "gama": 2.0}
+    bad = {"client_request_id": "typo", "config": {"tuned": {"lr": typo}}, "step": 3}
+    r = http.post(f"/studies/{study}/requests", json={"items": [bad]}, headers=ALICE)
+    assert r.status_code == 422 and "gama: is not a field of cosine" in r.json()["message"]
+    assert [x["client_request_id"] for x in http.get(f"/studies/{study}/requests", headers=ALICE).json()] == ["twice"]

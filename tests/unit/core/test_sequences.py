@@ -182,3 +182,14 @@ def test_config_of_accepts_the_canonical_segment_form_it_gives() -> None:
 def test_a_segment_with_a_list_where_a_name_belongs_is_a_sequence_error(segment: list[object], field: str) -> None:
     with pytest.raises(SequenceError, match=field.replace("[", r"\[").replace("]", r"\]")):
         segments_from_json([segment])
+
+
+@given(sequences(), st.text(min_size=1, max_size=12))
+def test_an_unknown_field_in_a_family_object_is_refused_naming_it(seq, extra: str) -> None:  # type: ignore[no-untyped-def]
+    obj = seq.to_json()
+    assert from_json(obj) == seq  # what the core writes, it reads: every field it writes is known
+    if extra in obj:
+        return
+    with pytest.raises(SequenceError) as err:
+        Config.of({"lr": {**obj, extra: 1}})
+    assert err.value.field == extra and f"is not a field of {obj['kind']}" in str(err.value)

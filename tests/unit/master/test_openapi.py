@@ -61,6 +61,7 @@ def test_the_spec_refuses_what_is_not_a_sequence_and_declares_non_finite_metrics
 
 def test_a_studys_fixed_part_may_name_its_policies_a_trials_may_not() -> None:
     fixed = FixedPart("m:Net").to_json()
-    assert _validator("StudyFixed").is_valid({**fixed, "policies": {"preempt": "hermes"}})
+    assert _validator("StudyFixed").is_valid({**fixed, "policies": {"time_share": "hermes"}})
+    assert not _validator("StudyFixed").is_valid({**fixed, "policies": {"preempt": "hermes"}})
     assert not _validator("FixedPart").is_valid({**fixed, "policies": {}})
     assert not _validator("FixedPart").is_valid({**fixed, "typo": 1})
