@@ -46,7 +46,7 @@ def trial(i: int) -> dict[str, object]:
 async def submit_all(stub: pb_grpc.MasterServiceStub, studies: int, trials: int, batch: int, step: int) -> float:
     ids = []
     for s in range(studies):
-        fixed = {"trainer": f"bench-{s}", "dataset": "d", "model": "m", "seed": 0, "values": {}}
+        fixed = {"trainer": f"bench{s}:Trainer", "dataset": "d", "model": "m", "seed": 0, "values": {}}
         st = await stub.CreateStudy(pb.CreateStudyRequest(name=f"s{s}", fixed_json=json.dumps(fixed)), metadata=MD)
         ids.append(st.id)
     calls = [

@@ -170,7 +170,7 @@ async def growth(url: str, nms: int, gpus: int, sizes: list[int], rounds: int, s
             stub = pb_grpc.MasterServiceStub(ch)
             ids = []
             for s in range(studies):
-                fixed = {"trainer": f"scale-{s}", "dataset": "d", "model": "m", "seed": 0, "values": {}}
+                fixed = {"trainer": f"scale{s}:Trainer", "dataset": "d", "model": "m", "seed": 0, "values": {}}
                 st = await stub.CreateStudy(
                     pb.CreateStudyRequest(name=f"s{s}", fixed_json=json.dumps(fixed)), metadata=MD
                 )
