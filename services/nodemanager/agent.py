@@ -252,7 +252,7 @@ class NodeManager:
 
     async def _connection_loop(self) -> None:
         delay = self.reconnect_initial_s
-        # Whether the last session ended in an error a retry cannot fix (a bug in the master, a refused
+        # Whether the last connection to the master ended in an error a retry cannot fix (a bug in the master, a refused
         # call): registering again then keeps the backoff, so a call the master keeps failing is repeated
         # ever more slowly (up to reconnect_max_s) instead of once per heartbeat.
         keep_backoff = False
