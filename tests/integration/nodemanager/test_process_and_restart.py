@@ -16,8 +16,10 @@ import pytest
 from stagetree.master.app import MasterApp
 from stagetree.master.coordination import InProcessCoordination
 from stagetree.master.service import CH_ROUND
+from stagetree.master.settings import SchedulingSettings
 from tests.integration.conftest import ADMIN_TOKEN, master_settings
 from tests.integration.nodemanager.helpers import (
+    ADMIN,
     FAULTY,
     config_json,
     finished,
@@ -41,13 +43,13 @@ class NodeManagerProcess:
 
     @classmethod
     async def start(
-        cls, target: str, tmp: Path, token: str = ADMIN_TOKEN, cwd: Path | None = None
+        cls, target: str, tmp: Path, token: str = ADMIN_TOKEN, cwd: Path | None = None, nm_id: str = ""
     ) -> NodeManagerProcess:
         env = {
             **os.environ,
             "STAGETREE_NM_MASTER_TARGET": target,
             "STAGETREE_NM_ADMIN_TOKEN": token,
-            "STAGETREE_NM_NODE_MANAGER_ID": unique("nm-proc"),
+            "STAGETREE_NM_NODE_MANAGER_ID": nm_id or unique("nm-proc"),
             "STAGETREE_NM_CHECKPOINT_ROOT": str(tmp / "ckpt"),
             "STAGETREE_NM_WORK_DIR": str(tmp / "work"),
             "STAGETREE_NM_CPU_SLOTS": "1",
@@ -115,8 +117,8 @@ class Master:
         self.task: asyncio.Task[None] | None = None
 
     @classmethod
-    async def start(cls, url: str, port: int = 0, schedule: bool = True) -> Master:
-        app = MasterApp.build(master_settings(url), coordination=InProcessCoordination())
+    async def start(cls, url: str, port: int = 0, schedule: bool = True, **settings: object) -> Master:
+        app = MasterApp.build(master_settings(url, **settings), coordination=InProcessCoordination())
         server, bound = await app.start_grpc(port=port)
         master = cls(app, server, bound)
         if schedule:
@@ -172,3 +174,51 @@ async def test_workers_survive_a_master_restart_and_report_to_the_new_master(
         assert end.status == "finished"
     finally:
         await nm.close()
+
+
+async def test_a_stopped_node_manager_is_alive_again_once_it_is_back_and_its_slot_gets_work(
+    fresh_db_url: str, masters: list[Master], tmp_path: Path
+) -> None:
+    """Stopped, it is LOST; paused past its heartbeat's lapse, LOST too. Started again under its id (or
+    resumed: heartbeating again), it is ALIVE and the rounds send its slot work."""
+    master = await Master.start(fresh_db_url, scheduling=SchedulingSettings(heartbeat_ttl_s=2.0, round_interval_s=0.5))
+    masters.append(master)
+    target, nm_id = f"127.0.0.1:{master.port}", unique("nm-back")
+
+    def state() -> str:
+        (rec,) = [n for n in master.app.service.list_node_managers(ADMIN) if n.id == nm_id]
+        return str(rec.state)
+
+    async def runs_a_request_there(lr: float) -> None:  # a config of its own: nothing answers it but training
+        study, ids = await submit(master.app, [(config_json(fixed_part(), lr=lr), 2)])
+        (rec,) = await finished(master.app, study, ids, timeout=240)
+        assert rec.state == "DONE" and rec.batch_id is not None, rec.error
+        assert master.app.store.ledger.get_batch(rec.batch_id).node_manager_id == nm_id
+
+    nm = await NodeManagerProcess.start(target, tmp_path, nm_id=nm_id)
+    try:
+        await until(lambda: nm.saw("registered with the master") or nm.proc.returncode is not None, 180, "register")
+        await runs_a_request_there(0.1)
+        nm.proc.send_signal(signal.SIGTERM)
+        assert await nm.wait() == 0, "".join(nm.lines)
+        await until(lambda: state() == "LOST", 30, "the stopped node manager to be lost")
+    finally:
+        nm.kill()
+
+    again = await NodeManagerProcess.start(target, tmp_path, nm_id=nm_id)
+    try:
+        await until(lambda: state() == "ALIVE", 180, "the node manager started again to be alive")
+        await runs_a_request_there(0.2)
+
+        again.proc.send_signal(signal.SIGSTOP)  # its heartbeats stop; the process and its connection stay
+        try:
+            await until(lambda: state() == "LOST", 30, "the paused node manager to be lost")
+        finally:
+            again.proc.send_signal(signal.SIGCONT)
+        await until(lambda: state() == "ALIVE", 30, "the resumed node manager to be alive")
+        await runs_a_request_there(0.3)
+        await asyncio.sleep(3.0)  # past a heartbeat TTL: it stays alive
+        assert state() == "ALIVE"
+    finally:
+        again.kill()
+        await again.wait(30)  # reaped while the loop runs (its pipes close with it)
