@@ -131,6 +131,9 @@ class InputReader:
         )
         budget = self._budget(settings)
         running = self._attempts(reads, nms)
+        # the policies learn from the running trials' reports whether or not any work is pending: a POP
+        # study whose trials all run (nothing waits) still kills its poor ones
+        reports = self._reports(running, policies) if learning else {}
         base = RoundInput(
             now=now,
             plans=(),
@@ -141,6 +144,7 @@ class InputReader:
             policies=policies,
             owners={StudyId(k): v for k, v in reads.owners.items()},
             state=self.policies.state,
+            reports=reports,
             settings=RoundSettings(settings.policy, settings.lookahead_s),
             checkpoints=budget,
         )
@@ -160,7 +164,7 @@ class InputReader:
             owners=base.owners,
             arrivals=arrivals,
             state=self.policies.state,
-            reports=self._reports(running, policies) if learning else {},
+            reports=reports,
             settings=base.settings,
             checkpoints=budget,
         )

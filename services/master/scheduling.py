@@ -6,7 +6,8 @@ function the simulator calls) and carries its decision out (``master.round_apply
 the leader lease runs rounds (``run``); a standby keeps trying to take the lease and takes over when it
 lapses, and loads the policies' saved state before its first round (``master.policies``). The loop wakes
 on every wake-up, at least every ``round_interval_s``, and when the round asks (``wake_at``: a busy slot
-coming within the lookahead of its end, a time-sharing quantum's end).
+coming within the lookahead of its end, a time-sharing quantum's end, a search trial's next evaluation
+boundary).
 """
 
 from __future__ import annotations

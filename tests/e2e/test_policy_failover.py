@@ -67,11 +67,6 @@ def _quanta(state: dict[str, Any]) -> dict[str, list[Any]]:
     return {j: d["quanta"] for j, d in state["hermes"]["jobs"].items()}
 
 
-@pytest.mark.xfail(
-    reason="regression under investigation (issue 39): since the master runs the pure plan_round, no POP kill is "
-    "saved within 60 s on the process cluster",
-    strict=False,
-)
 async def test_a_restarted_master_goes_on_from_the_saved_policy_state(cluster: ProcessCluster, client: Client) -> None:
     pop_study = await _study(client, "pop-failover", POP)
     hermes_study = await _study(client, "hermes-failover", HERMES)

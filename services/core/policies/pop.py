@@ -161,6 +161,11 @@ class SearchPolicy(Protocol):
 
     def priority(self, job: str) -> float | None: ...
 
+    def next_decision(self, epoch: int) -> int | None:
+        """The first epoch after ``epoch`` whose report may change a trial's verdict (an evaluation
+        boundary), or None when none will."""
+        ...
+
     def snapshot(self) -> dict[str, Any]:
         """What the policy learnt so far, as plain JSON data (its config is not in it)."""
         ...
@@ -169,6 +174,12 @@ class SearchPolicy(Protocol):
         """Take over a ``snapshot`` of a policy of the same config: from then on this one decides as that
         one would have."""
         ...
+
+
+def _next_boundary(epoch: int, every: int, last: int | None) -> int | None:
+    """The first multiple of ``every`` after ``epoch``; None from ``last`` on (no verdict at or after it)."""
+    nxt = (epoch // every + 1) * every
+    return None if last is not None and nxt >= last else nxt
 
 
 def _fifo(idle: Sequence[IdleJob]) -> str | None:
@@ -206,6 +217,9 @@ class Default:
     def priority(self, job: str) -> float | None:
         return None
 
+    def next_decision(self, epoch: int) -> int | None:
+        return None
+
     def snapshot(self) -> dict[str, Any]:
         return {}
 
@@ -233,6 +247,9 @@ class Bandit(Default):
         if epoch % self.eval_every == 0 and not best * (1.0 + self.eps) > self.global_best:
             return Verdict.TERMINATE
         return Verdict.CONTINUE
+
+    def next_decision(self, epoch: int) -> int | None:
+        return _next_boundary(epoch, self.eval_every, None)
 
     def snapshot(self) -> dict[str, Any]:
         return {"job_best": {j: enc(v) for j, v in self.job_best.items()}, "global_best": enc(self.global_best)}
@@ -281,6 +298,9 @@ class EarlyTerm(Default):
         if fit.prob_at_least(best, float(self.max_epochs)) < self.delta:
             return Verdict.TERMINATE
         return Verdict.CONTINUE
+
+    def next_decision(self, epoch: int) -> int | None:
+        return _next_boundary(epoch, self.eval_every, self.max_epochs)
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -385,6 +405,9 @@ class Pop:
 
     def priority(self, job: str) -> float | None:
         return self.promising.get(job)
+
+    def next_decision(self, epoch: int) -> int | None:
+        return _next_boundary(epoch, self.cfg.eval_every, self.cfg.max_epochs)
 
     def classes(self) -> Mapping[str, str]:
         """Every trial seen so far: ``promising``, ``opportunistic`` or ``poor``."""

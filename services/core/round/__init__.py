@@ -22,7 +22,7 @@ policies select (``steps_for``), and the lookahead (busy slots about to free, so
 offered to the work whose place step allows it. The decision also carries the checkpoints to evict
 when the catalog is over its budget, the plans no node manager can run (and why), when the next
 round is due without an event (``wake_at``: a busy slot coming within the lookahead of its end, a
-time-sharing quantum's end) and the policies' next state.
+time-sharing quantum's end, a search trial's next evaluation boundary) and the policies' next state.
 """
 
 from stagetree.core.round.model import (

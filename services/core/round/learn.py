@@ -294,6 +294,33 @@ def time_share_preempt(
     return out
 
 
+def search_wakes(
+    state: PolicyState, running: Sequence[RunningAttempt], policies: Mapping[StudyId, StudyPolicies], now: float
+) -> list[float]:
+    """When each running trial of a search study should next be looked at: half an epoch after its next
+    evaluation boundary's report is due (its last report plus the epochs to go at its mean epoch), by
+    when that report is normally stored and the next one has not come. None for a trial whose policy
+    decides nothing more, that has fewer than two reports (no epoch length yet), or whose time passed."""
+    out = []
+    for r in running:
+        pol = policies.get(r.study) if r.study is not None else None
+        if pol is None or pol.search is None or r.study not in state.search or r.batch in state.preempting:
+            continue
+        job = str(job_of(r))
+        first, last, n = state.reports.get(job, (0.0, 0.0, 0))
+        if job in state.killed or n < 2 or last <= first:
+            continue
+        epoch = state.epochs.get(job, 0)
+        nxt = state.search[r.study].next_decision(epoch)
+        if nxt is None:
+            continue
+        epoch_s = state.epoch_s(job)
+        due = last + (nxt - epoch + 0.5) * epoch_s
+        if due > now:
+            out.append(due)
+    return out
+
+
 def quantum_ends(
     running: Sequence[TimeShared], policies: Mapping[StudyId, StudyPolicies], jobs: Mapping[str, hermes.TimeShareJob]
 ) -> list[float]:

@@ -21,6 +21,7 @@ from stagetree.core.round.learn import (
     eval_points,
     observe,
     quantum_ends,
+    search_wakes,
     time_share_preempt,
 )
 from stagetree.core.round.model import Dispatch, PlanWork, RoundDecision, RoundInput
@@ -166,7 +167,10 @@ class _Round:
             for r in observed.time_shared
             if r.batch not in preempts
         ]
-        for q in quantum_ends(kept, self.policies, self.state.jobs):
+        wakes = quantum_ends(kept, self.policies, self.state.jobs)
+        if self.learning:
+            wakes += search_wakes(self.state, inp.running, self.policies, self.now)
+        for q in wakes:
             wake_at = q if wake_at is None else min(wake_at, q)
         if self.learning:
             live = {w.key for ws in whole.values() for w in ws} | {

@@ -164,11 +164,6 @@ async def test_genie_serves_urgent_work_before_normal_work(tmp_path: Path) -> No
     assert blocker_batch[2] < urgent_batch[2] < normal_batch[2]
 
 
-@pytest.mark.xfail(
-    reason="regression under investigation (issue 39): since the master runs the pure plan_round, POP's kill can "
-    "come after the poor trial has finished (it passes alone, failed in a full run)",
-    strict=False,
-)
 async def test_pop_kills_poor_trials_early_and_lets_promising_ones_finish(tmp_path: Path) -> None:
     policies = {
         "search": "pop",

@@ -193,6 +193,41 @@ def test_pop_kills_a_poor_trial_from_its_reports_and_serves_promising_trials_fir
     assert dec.state.killed == {"2:7:10"} and dec.state.fed_at["2:7:10"] == 3.0
 
 
+def test_pop_kills_a_running_trial_when_no_work_waits_and_wakes_at_its_next_boundary() -> None:
+    sp = parse_policies(
+        {"search": "pop", "search_params": {"kill_threshold": 0.5, "eval_every": 4, "target": 0.9, "report_every": 1}}
+    )
+    running = [RunningAttempt(BatchId(4), 1, PlanId(2), (CPU0,), ((7, 0, 20),), StudyId("s"), 0.0)]
+    reports = {(PlanId(2), 7): [Report(e, float(e), {"accuracy": 0.1 * e}) for e in (1, 2, 3)]}
+    dec = plan_round(round_input([], [], busy=[BusySlot(CPU0)], running=running, policies={"s": sp}, reports=reports))
+    assert dec.kills == () and dec.state.epochs["2:7:20"] == 3
+    # one epoch a second so far: the boundary's report (epoch 4) is due at 4.0, looked at half an epoch on
+    assert dec.wake_at == 4.5
+    late = plan_round(
+        round_input([], [], busy=[BusySlot(CPU0)], running=running, policies={"s": sp}, reports=reports, now=5.0)
+    )
+    assert late.wake_at is None  # its time passed: the periodic round looks
+    # the boundary's report below the kill threshold: killed though nothing waits
+    reports[(PlanId(2), 7)].append(Report(4, 4.0, {"accuracy": 0.4}))
+    dec = plan_round(
+        round_input(
+            [], [], busy=[BusySlot(CPU0)], running=running, policies={"s": sp}, reports=reports, state=dec.state, now=4.5
+        )
+    )
+    assert [str(k.job) for k in dec.kills] == ["2:7:20"] and dec.wake_at is None
+
+
+def test_search_policies_say_their_next_decision() -> None:
+    from stagetree.core.policies import pop
+
+    cfg = pop.PopConfig(target=0.9, t_max_s=60, kill_threshold=0.5, eval_every=4, max_epochs=12)
+    assert pop.Pop(cfg, 2).next_decision(0) == 4 and pop.Pop(cfg, 2).next_decision(4) == 8
+    assert pop.Pop(cfg, 2).next_decision(8) is None  # no verdict at max_epochs
+    assert pop.Bandit(eval_every=10).next_decision(13) == 20 and pop.Default().next_decision(3) is None
+    assert pop.EarlyTerm(30, eval_every=10).next_decision(19) == 20
+    assert pop.EarlyTerm(30, eval_every=10).next_decision(20) is None
+
+
 def test_studies_with_different_policies_share_one_round_and_the_lookahead_serves_those_that_allow_it() -> None:
     pols = {"ts": parse_policies({"time_share": "rr", "time_share_params": {"quantum_s": 1}})}
     ts = plan_work(trials("ts", 30, 30), PlanId(1))
