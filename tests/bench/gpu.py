@@ -1,7 +1,7 @@
-"""stagetree on a real GPU (issue 24): exact resume on CUDA, out of memory, preemption, Ray Tune, packing.
+"""stagetree on a real GPU: exact resume on CUDA, out of memory, preemption, Ray Tune, packing, NCCL.
 
-    python -m tests.bench.gpu [--phases probe,resume,oom,preempt,raytune,packing] [--json FILE]
-                              [--merge FILE] [--work DIR]
+    python -m tests.bench.gpu [--phases probe,resume,oom,preempt,raytune,packing,nccl] [--json FILE]
+                              [--merge FILE] [--work DIR] [--budget-s S] [--snapshots DIR] ...
 
 Without a GPU (CUDA and NVML see none) it says so and exits 2. Every phase runs the platform's own code
 on the GPU: worker processes started as the node manager starts them (``tests.gpu_workers``), and the
@@ -28,29 +28,43 @@ reported with its error and the others still run; ``--json`` is rewritten after 
   the process and the GPU's used memory falls by at least 90% of what NVML said it held. The resumed run
   must equal a straight run bit for bit (part of ``resume_exact``). ``cold_resume_s``: the same resume by
   a worker started when the batch arrives (imports and CUDA context on the batch's time).
-* raytune: ``tests.bench.vs_raytune``'s S1 (48 trials x 40 steps of the digits MLP, the learning rate
-  branching in three phases: merge rate 3.2) with both systems on the GPU, each running 2 trials at a
-  time on half of it: stagetree embedded with 2 slots on the GPU, Ray Tune with ``num_gpus=0.5`` per
-  trial and ``reuse_actors``. GPU-seconds: the slot time of the work (stagetree: every batch attempt
+* raytune: ``tests.bench.vs_raytune``'s S1 (its first ``--s1-trials`` trials, 24 by default: 24 trials x
+  40 steps of the digits MLP, the learning rate branching in three phases, merge rate 3.2, as the whole
+  S1's 48) with both systems on the GPU, each running 2 trials at a time on half of it: Ray Tune with
+  ``num_gpus=0.5`` per trial and ``reuse_actors``, then stagetree embedded with 2 slots on the GPU. Ray
+  runs first, stopped after ``--ray-cap-s`` (its ``time_budget_s``): stopped early, its GPU-seconds and
+  end-to-end time are lower bounds (``ratio_is_lower_bound``, ``ray_trials_finished``), and stagetree's
+  run is measured in any case. GPU-seconds: the slot time of the work (stagetree: every batch attempt
   from being sent to its node manager to its end, from the ledger; Ray: every trial from the start of
   the trainable to its last report) times the slot's half GPU. ``gpu_s_ratio_vs_raytune`` is Ray's over
-  stagetree's (target: 0.8 x the merge rate); the finals must agree to 1e-6 (both trained the same) and
-  stagetree must train exactly the unique steps. Each system warms up first (4 short trials); unless
-  ``--no-cold``, stagetree runs S1 a second time with its workers' CUDA contexts not created ahead. On
-  an H100, Ray Tune's S1 run had not ended when the time lent ran out (twice, after the other phases):
-  give this phase a call of its own.
+  stagetree's (target: 0.8 x the merge rate), ``e2e_ratio_vs_raytune`` likewise of the wall times; the
+  finals of the trials both finished must agree to 1e-6 and stagetree must train exactly the unique
+  steps. Each system warms up first (4 short trials).
 * packing (HyperSack): 8 independent trials of a small ``CifarResNet`` (width 16, 128 images x 8 a step,
-  150 steps; no shared prefix) on embedded clusters with 1 slot on the GPU (one trial at a time), 4
-  slots (packed, time-sliced) and 4 slots under the node manager's MPS daemon (25% of the SMs each).
-  Throughput in trials per hour over the study's wall time; NVML sampled every 0.1 s (the GPU's
-  utilization, i.e. the share of time a kernel ran, the memory used, and per-process SM utilization).
-  ``mps_packing_vs_one`` is MPS-packed over one at a time (HyperSack: 2.5-2.8x on A100s).
+  150 steps; no shared prefix) on embedded clusters, placed by the master's round: 1 slot on the GPU
+  with HyperSack's ``one_per_gpu`` baseline (one trial at a time), and 4 slots (plain time-slicing:
+  ``packed``; under the node manager's MPS daemon, 25% of the SMs each: ``mps``) with ``wfd`` and each
+  batch declaring 25% of the GPU. ``--packing`` picks the configurations. Throughput in trials per hour
+  over the study's wall time; ``max_concurrent_batches`` from the ledger; NVML sampled every 0.1 s (the
+  GPU's utilization, i.e. the share of time a kernel ran, the memory used, and per-process SM
+  utilization). ``mps_packing_vs_one`` is MPS-packed over one at a time (HyperSack: 2.5-2.8x on A100s).
+  While the trials run, the dashboard's cluster view (``/api/v1/dashboard/cluster``: the slots and the
+  GPU telemetry NVML sent through the aggregator) is read every second; with ``--snapshots DIR`` the
+  busiest one is written to ``DIR/cluster-<configuration>.json`` (``tests.bench.gpu_screenshot`` draws
+  the Cluster page from it).
+* nccl: a batch of 2 ranks through the node manager (assignment, worker group, report) on two slots of
+  the one GPU, so NCCL on CUDA; ``nccl_batch_ok`` when it trained and its workers joined over NCCL.
+  NCCL may refuse two ranks on one GPU: the phase then also runs one rank over NCCL alone (an
+  all-reduce), which says whether NCCL itself works on the machine.
+
+Each phase has its own time limit (``PHASE_CAPS``) and, with ``--budget-s``, no more than what is left
+of the run; a phase past its limit is stopped and reported with its error, and the next one runs.
 
 The last line printed is ``device=<name> resume_exact=<b> mps_packing_vs_one=<r> preempt_s=<t>
-preempt_frees_memory=<b> gpu_s_ratio_vs_raytune=<r>`` (a figure whose phase failed reads ``nan`` or
-``false``); ``--json`` holds it with the driver and CUDA versions and every phase's details.
-``--cpu`` runs the phases on CPU slots with small sizes: a dry run of the bench's own code (its figures
-mean nothing, NVML parts are skipped).
+preempt_frees_memory=<b> gpu_s_ratio_vs_raytune=<r> e2e_ratio_vs_raytune=<r> raytune_merge_rate=<r>
+nccl_batch_ok=<b>`` (a figure whose phase failed reads ``nan`` or ``false``); ``--json`` holds it with
+the driver and CUDA versions and every phase's details. ``--cpu`` runs the phases on CPU slots with small
+sizes: a dry run of the bench's own code (its figures mean nothing, NVML parts are skipped).
 """
 
 from __future__ import annotations
@@ -84,7 +98,7 @@ from stagetree.nodemanager.examples.faults import ENTRY_POINT as FAULTY
 from stagetree.nodemanager.slots import CUBLAS_WORKSPACE, build_slots
 from tests.gpu_workers import Nvml, SlotWorker, checkpoint_state, differences, gpu_slots, has_gpu
 
-PHASES = ("probe", "resume", "oom", "preempt", "raytune", "packing")
+PHASES = ("probe", "resume", "oom", "preempt", "raytune", "packing", "nccl")
 PACKING_TIMEOUT_S = 150.0
 NEEDS_GPU = "tests.bench.gpu needs an NVIDIA GPU: CUDA and NVML see none on this machine (see docs/gpu.md)"
 
@@ -95,9 +109,11 @@ class Context:
     cpu: bool  # the --cpu dry run
     slot: SlotInfo
     nvml: Nvml | None
-    runs: int = 1
     minibatches: int = 50
-    cold: bool = True
+    s1_trials: int = 24
+    ray_cap_s: float = 150.0
+    packing: tuple[str, ...] = ("one", "packed", "mps")
+    snapshots: Path | None = None  # where the packing phase writes the dashboard's cluster view it saw
     log: Callable[[str], None] = print
     ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
@@ -353,77 +369,62 @@ async def _raytune(ctx: Context) -> dict[str, Any]:
     from tests.bench.vs_raytune import RaySide, RunFigures, StagetreeSide
 
     fixed = {"hidden": 256, "minibatches": ctx.minibatches}
-    s1 = s1_work()
-    if ctx.cpu:
-        s1 = s1[:6]
+    s1 = s1_work()[: ctx.scaled(ctx.s1_trials, 6)]
     warm = [TrialWork(w.trial_id, w.config, (3,)) for w in s1[:4]]
     share = 0.0 if ctx.cpu else 0.5
     home = ctx.work / "raytune"
     # Ray's actors train with the cuBLAS workspace stagetree's GPU workers get (slots.worker_env): the
     # same kernels, so both systems' finals can be compared to 1e-6
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    # Ray first, under its own time budget: a run that does not end in time still gives a lower bound of
+    # Ray's GPU-seconds (and the trials it finished), and stagetree's run after it always gets measured.
     ray_side = RaySide(home, fixed, gpu_per_trial=share)
-    st_runs: list[RunFigures] = []
-    ray_runs: list[RunFigures] = []
+    await asyncio.to_thread(ray_side.start)
+    try:
+        await asyncio.to_thread(ray_side.run, "warmup", warm)
+        ray = await asyncio.to_thread(ray_side.run, "S1", s1, ctx.ray_cap_s)
+        ctx.log(f"  {ray.line()}  ({ray.notes['complete']} of {len(s1)} trials finished)")
+    finally:
+        await asyncio.to_thread(ray_side.stop)
     async with StagetreeSide(home / "stagetree", fixed, slots_per_gpu=2) as st:
-        await asyncio.to_thread(ray_side.start)
-        try:
-            await asyncio.to_thread(ray_side.run, "warmup", warm)
-            await st.run("warmup", warm)
-            for i in range(ctx.runs):
-                for system in ("stagetree", "ray") if i % 2 == 0 else ("ray", "stagetree"):
-                    if system == "stagetree":
-                        st_runs.append(await st.run("S1", s1))
-                    else:
-                        ray_runs.append(await asyncio.to_thread(ray_side.run, "S1", s1))
-                    ctx.log(f"  {(st_runs if system == 'stagetree' else ray_runs)[-1].line()}")
-        finally:
-            await asyncio.to_thread(ray_side.stop)
-    cold: RunFigures | None = None
-    if ctx.cold:
-        os.environ["STAGETREE_NM_WORKER_WARM_CUDA"] = "false"
-        try:
-            async with StagetreeSide(home / "stagetree-cold", fixed, slots_per_gpu=2) as st_cold:
-                await st_cold.run("warmup", warm)
-                cold = await st_cold.run("S1", s1)
-                ctx.log(f"  {cold.line()}   (workers without a CUDA context made ahead)")
-        finally:
-            os.environ.pop("STAGETREE_NM_WORKER_WARM_CUDA", None)
+        await st.run("warmup", warm)
+        st_run: RunFigures = await st.run("S1", s1)
+        ctx.log(f"  {st_run.line()}")
 
     gpu_share = share or 1.0
-    st_gpu = statistics.median(r.slot_s for r in st_runs) * gpu_share
-    ray_gpu = statistics.median(r.slot_s for r in ray_runs) * gpu_share
-    st_e2e = statistics.median(r.e2e_s for r in st_runs)
-    ray_e2e = statistics.median(r.e2e_s for r in ray_runs)
-    worst = max(
-        max_abs_diff(ray_runs[0].metrics[t], r.metrics.get(t, {})) for r in st_runs for t in ray_runs[0].metrics
-    )
-    unique = unique_steps(s1)
-    m1 = merge_rate(s1)
+    st_gpu, ray_gpu = st_run.slot_s * gpu_share, ray.slot_s * gpu_share
+    complete = int(ray.notes["complete"])
+    capped = complete < len(s1)
+    common = [t for t in ray.metrics if t in st_run.metrics]
+    worst = max((max_abs_diff(ray.metrics[t], st_run.metrics[t]) for t in common), default=math.nan)
+    unique, m1 = unique_steps(s1), merge_rate(s1)
     out: dict[str, Any] = {
         "trials": len(s1),
+        "steps_per_trial": max(w.stop for w in s1),
         "merge_rate": m1,
         "unique_steps": unique,
-        "executed_steps": [r.executed for r in st_runs],
+        "executed_steps": st_run.executed,
         "stagetree_gpu_s": st_gpu,
         "ray_gpu_s": ray_gpu,
+        "ray_trials_finished": complete,
+        "ray_capped_s": ctx.ray_cap_s if capped else None,
+        # Ray stopped by its budget: its GPU-seconds (and so the ratio) are lower bounds
+        "ratio_is_lower_bound": capped,
         "gpu_s_ratio_vs_raytune": ray_gpu / st_gpu,
         "target": 0.8 * m1,
-        "stagetree_e2e_s": st_e2e,
-        "ray_e2e_s": ray_e2e,
-        "e2e_ratio_vs_raytune": ray_e2e / st_e2e,
+        "stagetree_e2e_s": st_run.e2e_s,
+        "ray_e2e_s": ray.e2e_s,
+        "e2e_ratio_vs_raytune": ray.e2e_s / st_run.e2e_s,
         "max_abs_diff_vs_ray": worst,
-        "exact": worst <= 1e-6 and all(r.executed == unique for r in st_runs),
-        "runs": ctx.runs,
+        "compared_trials": len(common),
+        "exact": worst <= 1e-6 and st_run.executed == unique,
         "minibatches_per_step": ctx.minibatches,
     }
-    if cold is not None:
-        out["stagetree_cold_gpu_s"] = cold.slot_s * gpu_share
-        out["stagetree_cold_e2e_s"] = cold.e2e_s
-        out["gpu_s_ratio_vs_raytune_cold"] = ray_gpu / (cold.slot_s * gpu_share)
+    bound = ">=" if capped else ""
     ctx.log(
-        f"  raytune: GPU-s stagetree {st_gpu:.1f} ray {ray_gpu:.1f} ratio {ray_gpu / st_gpu:.2f} (target "
-        f"{0.8 * m1:.2f}); e2e {st_e2e:.1f} / {ray_e2e:.1f} s; max |diff| {worst:.1e}"
+        f"  raytune: GPU-s stagetree {st_gpu:.1f} ray {bound}{ray_gpu:.1f} ratio {bound}{ray_gpu / st_gpu:.2f} "
+        f"(target {0.8 * m1:.2f}, merge rate {m1:.2f}); e2e {st_run.e2e_s:.1f} / {bound}{ray.e2e_s:.1f} s; "
+        f"max |diff| {worst:.1e} over {len(common)} trials"
     )
     return out
 
@@ -492,6 +493,72 @@ class Sampler:
         }
 
 
+class ClusterViewSampler:
+    """The dashboard's cluster view (``GET /api/v1/dashboard/cluster``, what its Cluster page draws) read
+    every ``interval_s`` in a thread while a study runs: ``best`` is the view whose GPUs were busiest (the
+    GPU telemetry the node manager's NVML probe sent through the aggregator), ``gpu_samples`` how many
+    views carried GPU telemetry."""
+
+    def __init__(self, http_url: str, token: str, interval_s: float = 1.0) -> None:
+        self.url = f"{http_url}/api/v1/dashboard/cluster"
+        self.token = token
+        self.interval_s = interval_s
+        self.best: dict[str, Any] | None = None
+        self.gpu_samples = 0
+        self._score = -1.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cluster-view", daemon=True)
+
+    def _run(self) -> None:
+        import urllib.request
+
+        req = urllib.request.Request(self.url, headers={"Authorization": f"Bearer {self.token}"})
+        while not self._stop.wait(self.interval_s):
+            try:
+                with urllib.request.urlopen(req, timeout=5) as resp:
+                    view = json.loads(resp.read())
+            except OSError:
+                continue
+            gpus = [g for nm in view.get("node_managers", []) for g in nm.get("gpus", [])]
+            if gpus:
+                self.gpu_samples += 1
+            busy = view.get("summary", {}).get("busy", 0)
+            score = sum(float(g.get("utilization") or 0) for g in gpus) + busy
+            if score > self._score:
+                self._score, self.best = score, view
+
+    def __enter__(self) -> ClusterViewSampler:
+        if self.url.startswith("http"):
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(10)
+
+
+def max_concurrent_attempts(store: Any, since: float) -> int:
+    """The most batch attempts (dispatched at or after ``since``) that trained at once, from the ledger's
+    start and end times: how many the placement packed together."""
+    from sqlalchemy import select
+
+    from stagetree.master.store import models as m
+
+    a = m.BatchAttempt
+    with store.ledger.db.tx("bench concurrency") as s:
+        rows = s.execute(select(a.started_at, a.finished_at).where(a.dispatched_at >= since)).all()
+    edges = sorted(
+        [(float(st), 1) for st, end in rows if st is not None and end is not None]
+        + [(float(end), -1) for st, end in rows if st is not None and end is not None]
+    )
+    most = now = 0
+    for _, d in edges:
+        now += d
+        most = max(most, now)
+    return most
+
+
 async def _pack(ctx: Context, name: str, slots_per_gpu: int, mps: bool) -> dict[str, Any]:
     from stagetree.client.sdk import Study, connect
     from stagetree.embedded import Embedded, EmbeddedSettings
@@ -513,9 +580,17 @@ async def _pack(ctx: Context, name: str, slots_per_gpu: int, mps: bool) -> dict[
         slots_per_gpu=slots_per_gpu,
         mps=mps,
         threads_per_worker=1,
+        http_port=0,  # the dashboard's cluster view is sampled while the trials run
     )
     async with Embedded(settings) as cluster, connect(cluster.target, token=cluster.token) as client:
         await cluster.workers_ready()  # the packing is timed without the start-up
+        # HyperSack's placement through the master's round: the study declares each batch's share of the
+        # GPU (25 %: 4 fit on one), and ``wfd`` packs them; one at a time is its ``one_per_gpu`` baseline
+        placement: dict[str, Any] = (
+            {"placement": "wfd", "placement_params": {"compute": 100.0 / slots_per_gpu}}
+            if slots_per_gpu > 1
+            else {"placement": "one_per_gpu"}
+        )
         study = await Study.create(
             client,
             f"packing-{name}",
@@ -525,15 +600,21 @@ async def _pack(ctx: Context, name: str, slots_per_gpu: int, mps: bool) -> dict[
             seed=0,
             values=fixed,
             tuned=["lr"],
+            policies=placement,
         )
         sampler = Sampler() if ctx.nvml is not None else None
+        views = ClusterViewSampler(cluster.http_url, cluster.token)
         since = time.time()
         t0 = time.perf_counter()
-        with sampler if sampler is not None else contextlib.nullcontext():
+        with sampler if sampler is not None else contextlib.nullcontext(), views:
             evals = (study.submit({"lr": Constant(round(0.02 + 0.01 * i, 4))}, steps) for i in range(trials))
             results = await asyncio.wait_for(asyncio.gather(*evals), PACKING_TIMEOUT_S)
             wall = time.perf_counter() - t0
         slot_s = await asyncio.to_thread(attempt_slot_seconds, cluster.app.store, since)
+        concurrent = await asyncio.to_thread(max_concurrent_attempts, cluster.app.store, since)
+    if ctx.snapshots is not None and views.best is not None:
+        ctx.snapshots.mkdir(parents=True, exist_ok=True)
+        (ctx.snapshots / f"cluster-{name}.json").write_text(json.dumps(views.best, indent=1) + "\n")
     out = {
         "slots": slots_per_gpu,
         "mps": mps,
@@ -542,6 +623,9 @@ async def _pack(ctx: Context, name: str, slots_per_gpu: int, mps: bool) -> dict[
         "wall_s": wall,
         "trials_per_hour": trials / wall * 3600,
         "slot_s": slot_s,
+        "placement": placement,
+        "max_concurrent_batches": concurrent,
+        "dashboard_gpu_samples": views.gpu_samples,
         "accuracy_mean": statistics.mean(float(r["accuracy"]) for r in results),
         **(sampler.summary() if sampler is not None else {}),
     }
@@ -553,10 +637,9 @@ async def _pack(ctx: Context, name: str, slots_per_gpu: int, mps: bool) -> dict[
 
 
 def phase_packing(ctx: Context) -> dict[str, Any]:
-    configs: list[tuple[str, int, bool]] = [("one", 1, False), ("packed", 4, False)]
     mps_ok = not ctx.cpu and shutil.which("nvidia-cuda-mps-control") is not None
-    if mps_ok:
-        configs.append(("mps", 4, True))
+    known = {"one": (1, False), "packed": (4, False), "mps": (4, True)}
+    configs = [(n, *known[n]) for n in ctx.packing if n != "mps" or mps_ok]
     out: dict[str, Any] = {"mps_available": mps_ok}
     for name, slots, mps in configs:
         try:
@@ -564,11 +647,99 @@ def phase_packing(ctx: Context) -> dict[str, Any]:
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
             ctx.log(f"  packing {name} failed: {type(e).__name__}: {e}")
-    one = out["one"].get("trials_per_hour")
+    one = out.get("one", {}).get("trials_per_hour")
     for name in ("packed", "mps"):
         tph = out.get(name, {}).get("trials_per_hour")
         if one and tph:
             out[f"{name}_vs_one"] = tph / one
+    return out
+
+
+# -- NCCL --------------------------------------------------------------------------------------------
+
+NCCL_ONE_RANK = r"""
+import datetime, json, os, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("nccl", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+t = torch.ones(4, device="cuda")
+dist.all_reduce(t)
+print(json.dumps({"ok": t.tolist() == [1.0] * 4, "nccl": ".".join(map(str, torch.cuda.nccl.version()))}))
+dist.destroy_process_group()
+"""
+
+
+async def _nccl_batch(ctx: Context) -> dict[str, Any]:
+    """A batch of 2 ranks through the node manager (its assignment, its worker group, its report), on
+    two slots of the one GPU: NCCL on CUDA slots, gloo in the --cpu dry run."""
+    import dataclasses
+
+    from stagetree.nodemanager.agent import NodeManager
+    from stagetree.nodemanager.examples.faults import TORCH_ENTRY_POINT
+    from stagetree.nodemanager.link import RUN, Assignment
+    from stagetree.nodemanager.reporting import GrpcReporter
+    from stagetree.nodemanager.runtime.checkpoints import LocalCheckpointStore
+    from stagetree.nodemanager.workers import ForkserverLauncher
+    from tests.unit.nodemanager.fakes import FakeLink
+
+    root = ctx.work / "nccl"
+    link = FakeLink()
+    store = LocalCheckpointStore(root / "ckpt", fsync=False)
+    launcher = ForkserverLauncher(str(store.root), root / "work", progress_interval_s=0.0)
+    slots = build_slots([], cpu_slots=2) if ctx.cpu else gpu_slots(slots_per_gpu=2)
+    nm = NodeManager(link, GrpcReporter(link), slots[:2], launcher, node_manager_id="bench-nccl", store=store)
+    stop = asyncio.Event()
+    task = asyncio.create_task(nm.run(stop))
+    steps = 20
+    spec = digits_batch([(1, 0, steps, {"lr": 0.1, "bs": 32})], batch_id=ctx.batch_id(), trainer=TORCH_ENTRY_POINT)
+    spec = dataclasses.replace(spec, slots=2)
+    t0 = time.perf_counter()
+    try:
+        link.feed.put_nowait(Assignment(spec.batch_id, 1, RUN, json.dumps(spec.to_json())))
+        deadline = time.monotonic() + 120
+        while not (reports := [r for r in link.reports if r.batch_id == spec.batch_id]):
+            if time.monotonic() > deadline:
+                raise TimeoutError("no report of the 2-rank batch in 120 s")
+            await asyncio.sleep(0.05)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
+    logs = "\n".join(f.read_text(errors="replace") for f in (root / "work").rglob("*.log"))
+    backend = next((b for b in ("nccl", "gloo") if f"backend={b}" in logs), "unknown")
+    report = reports[0]
+    return {
+        "ok": bool(report.ok),
+        "error": str(report.error or "")[:1500],
+        "backend_in_logs": backend,
+        "seconds": time.perf_counter() - t0,
+        "slots": [sl.id for sl in slots[:2]],
+    }
+
+
+def phase_nccl(ctx: Context) -> dict[str, Any]:
+    out: dict[str, Any] = {"two_ranks": asyncio.run(_nccl_batch(ctx))}
+    two = out["two_ranks"]
+    ctx.log(
+        f"  nccl: 2 ranks on one GPU through the node manager: ok={two['ok']} backend {two['backend_in_logs']}"
+        + (f" ({two['error'][:200]})" if not two["ok"] else "")
+    )
+    if not ctx.cpu:  # whether NCCL itself runs here (the fallback when it refuses two ranks on one GPU)
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        res = subprocess.run(
+            [sys.executable, "-c", NCCL_ONE_RANK],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            env={**os.environ, "PORT": str(port)},
+        )
+        last = res.stdout.strip().splitlines()[-1:] or ["{}"]
+        one = json.loads(last[0]) if res.returncode == 0 else {"ok": False, "error": res.stderr[-1500:]}
+        out["one_rank"] = one
+        ctx.log(f"  nccl: 1 rank over NCCL: {one}")
+    out["nccl_batch_ok"] = bool(two["ok"]) and (ctx.cpu or two["backend_in_logs"] == "nccl")
     return out
 
 
@@ -581,12 +752,38 @@ PHASE_FUNCS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "preempt": phase_preempt,
     "raytune": phase_raytune,
     "packing": phase_packing,
+    "nccl": phase_nccl,
 }
+# Each phase's own time limit (seconds); with --budget-s a phase also gets no more than what is left
+PHASE_CAPS = {"probe": 60, "resume": 120, "oom": 60, "preempt": 120, "raytune": 300, "packing": 240, "nccl": 150}
+
+
+class PhaseTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def phase_limit(seconds: float, phase: str) -> Any:
+    """Raise ``PhaseTimeout`` in this (the main) thread after ``seconds``: a phase that hangs costs its
+    limit, not the call (what it started is stopped by its own ``finally`` blocks)."""
+    import signal
+
+    def _expired(signum: int, frame: Any) -> None:
+        raise PhaseTimeout(f"{phase} ran past its {seconds:.0f} s")
+
+    old = signal.signal(signal.SIGALRM, _expired)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 1.0))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def figures(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The last line's keys and values from the phases' results (nan / false where a phase failed)."""
     probe, resume, preempt = results.get("probe", {}), results.get("resume", {}), results.get("preempt", {})
+    raytune = results.get("raytune", {})
     name = str(probe.get("device") or probe.get("nvml_name") or "unknown")
     exact = [r.get("resume_exact") for r in (resume, preempt) if "resume_exact" in r]
     return {
@@ -595,7 +792,10 @@ def figures(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "mps_packing_vs_one": float(results.get("packing", {}).get("mps_vs_one", math.nan)),
         "preempt_s": float(preempt.get("preempt_s", math.nan)),
         "preempt_frees_memory": bool(preempt.get("preempt_frees_memory", False)),
-        "gpu_s_ratio_vs_raytune": float(results.get("raytune", {}).get("gpu_s_ratio_vs_raytune", math.nan)),
+        "gpu_s_ratio_vs_raytune": float(raytune.get("gpu_s_ratio_vs_raytune", math.nan)),
+        "e2e_ratio_vs_raytune": float(raytune.get("e2e_ratio_vs_raytune", math.nan)),
+        "raytune_merge_rate": float(raytune.get("merge_rate", math.nan)),
+        "nccl_batch_ok": bool(results.get("nccl", {}).get("nccl_batch_ok", False)),
     }
 
 
@@ -616,9 +816,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, default=None, help="write the figures and every phase's details here")
     p.add_argument("--merge", type=Path, default=None, help="start from this earlier --json (phases rerun replace)")
     p.add_argument("--work", type=Path, default=None, help="work directory (default: a temporary one)")
-    p.add_argument("--runs", type=int, default=1, help="timed S1 runs per system in the raytune phase (median)")
     p.add_argument("--minibatches", type=int, default=50, help="minibatches per S1 step (the digits MLP)")
-    p.add_argument("--no-cold", action="store_true", help="raytune: skip the run without CUDA contexts made ahead")
+    p.add_argument(
+        "--s1-trials", type=int, default=24, help="raytune: the first N of S1's 48 trials (24: merge rate 3.2)"
+    )
+    p.add_argument("--ray-cap-s", type=float, default=150.0, help="raytune: Ray Tune's S1 run stops after this long")
+    p.add_argument("--packing", default="one,packed,mps", help="packing: the configurations, of one, packed, mps")
+    p.add_argument("--snapshots", type=Path, default=None, help="packing: write the dashboard's cluster views here")
+    p.add_argument(
+        "--budget-s", type=float, default=None, help="the whole run's time: a phase gets at most what is left"
+    )
     p.add_argument("--cpu", action="store_true", help="a dry run on CPU slots with small sizes (figures mean nothing)")
     return p
 
@@ -627,8 +834,13 @@ def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
     phases = [p.strip() for p in ns.phases.split(",") if p.strip()]
     unknown = sorted(set(phases) - set(PHASES))
-    if unknown or ns.runs < 1 or ns.minibatches < 1:
-        print(f"unknown phases {unknown}; known: {list(PHASES)}" if unknown else "--runs and --minibatches >= 1")
+    packing = tuple(n.strip() for n in ns.packing.split(",") if n.strip())
+    if unknown or ns.minibatches < 1 or not 1 <= ns.s1_trials <= 48 or set(packing) - {"one", "packed", "mps"}:
+        print(
+            f"unknown phases {unknown}; known: {list(PHASES)}"
+            if unknown
+            else "--minibatches >= 1, --s1-trials in 1..48, --packing of one, packed, mps"
+        )
         return 2
     if not ns.cpu and not has_gpu():
         print(NEEDS_GPU, file=sys.stderr)
@@ -643,9 +855,11 @@ def main(argv: list[str] | None = None) -> int:
         ns.cpu,
         slot,
         nvml,
-        runs=ns.runs,
         minibatches=ns.minibatches,
-        cold=not ns.no_cold,
+        s1_trials=ns.s1_trials,
+        ray_cap_s=ns.ray_cap_s,
+        packing=packing,
+        snapshots=ns.snapshots,
         log=lambda s: print(s, flush=True),
     )
     saved: dict[str, Any] = json.loads(ns.merge.read_text()) if ns.merge else {}
@@ -653,11 +867,20 @@ def main(argv: list[str] | None = None) -> int:
     t_all = time.perf_counter()
     try:
         for phase in phases:
-            print(f"{phase} ...", flush=True)
+            cap = float(PHASE_CAPS[phase])
+            if ns.budget_s is not None:
+                cap = min(cap, ns.budget_s - (time.perf_counter() - t_all))
+                if cap < 20:
+                    print(f"{phase}: skipped, {cap:.0f} s left of --budget-s", flush=True)
+                    continue
+            print(f"{phase} ... (at most {cap:.0f} s)", flush=True)
             t0 = time.perf_counter()
             try:
-                res = PHASE_FUNCS[phase](ctx)
-            except Exception as e:
+                with phase_limit(cap, phase):
+                    res = PHASE_FUNCS[phase](ctx)
+            except BaseException as e:  # PhaseTimeout included: the next phase still runs
+                if isinstance(e, KeyboardInterrupt | SystemExit):
+                    raise
                 res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
                 print(f"  {phase} FAILED: {res['error']}", flush=True)
             res["seconds"] = round(time.perf_counter() - t0, 1)

@@ -362,7 +362,10 @@ class RaySide:
                     pids.append(int(proc.pid))
         return pids
 
-    def run(self, workload: str, work: list[TrialWork]) -> RunFigures:
+    def run(self, workload: str, work: list[TrialWork], time_budget_s: float | None = None) -> RunFigures:
+        """One ``Tuner.fit`` of ``work``. With ``time_budget_s``, Ray stops the experiment after that many
+        seconds (``TuneConfig.time_budget_s``): ``notes["complete"]`` counts the trials that reached their
+        last step, and the figures are then lower bounds of the whole run's."""
         from ray import tune
 
         from tests.bench.raytune_train import ray_trainable
@@ -386,7 +389,7 @@ class RaySide:
         tuner = tune.Tuner(
             tune.with_resources(ray_trainable, resources),
             param_space={"work": tune.grid_search(params)},
-            tune_config=tune.TuneConfig(reuse_actors=True, max_concurrent_trials=2),
+            tune_config=tune.TuneConfig(reuse_actors=True, max_concurrent_trials=2, time_budget_s=time_budget_s),
             run_config=tune.RunConfig(
                 name=f"{workload}-{self.runs}", storage_path=str(self.home / "ray_results"), verbose=0
             ),
@@ -401,12 +404,18 @@ class RaySide:
         spans: dict[int, tuple[float, float]] = {}
         slot_s = 0.0
         errors = []
+        stops = {w.trial_id: w.stop for w in work}
+        complete = 0
         for r in (grid[i] for i in range(len(grid))):
             if r.error is not None:
                 errors.append(str(r.error))
                 continue
             m = dict(r.metrics or {})
+            if "trial" not in m:  # stopped by the time budget before its first report
+                continue
             trial = int(m["trial"])
+            if int(m["step"]) == stops[trial]:
+                complete += 1
             finals[trial] = {"accuracy": float(m["accuracy"]), "loss": float(m["loss"])}
             pid, start, now = int(m["pid"]), float(m["cpu_start"]), float(m["cpu_now"])
             lo, hi = spans.get(pid, (start, now))
@@ -425,7 +434,7 @@ class RaySide:
             cpu,
             max(ctrl_all, cpu + (self1 - self0)),
             finals,
-            notes={"actors": len(spans)},
+            notes={"actors": len(spans), "complete": complete, "trials": len(work)},
             slot_s=slot_s,
         )
 
