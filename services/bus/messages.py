@@ -289,6 +289,7 @@ class BatchFailed(BatchMessage):
     traceback: str
     oom: bool
     user_error: bool = False  # the trainer's own code raised: a retry would raise again
+    host_problem: bool = False  # this host cannot import the trainer: another node manager may
 
 
 @pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=_SCHEMA)

@@ -75,6 +75,10 @@ class Outcome(StrEnum):
     PREEMPTED = "PREEMPTED"
     LOST = "LOST"
     ABORTED = "ABORTED"
+    # the node manager's host cannot run the batch's trainer (its module, or one it imports, is not
+    # installed there): another node manager may, so the work goes back to the queue uncounted and the
+    # plan's next batches avoid that node manager (``AttemptDecision.exclude_host``)
+    HOST_PROBLEM = "HOST_PROBLEM"
 
     def counts_as_failure(self) -> bool:
         """An end that counts against the retry budget of the requests the attempt carried."""
@@ -84,15 +88,26 @@ class Outcome(StrEnum):
         return _BATCH_STATE_OF[self]
 
     @classmethod
-    def of_report(cls, ok: bool, *, preempted: bool = False, oom: bool = False, user_error: bool = False) -> Outcome:
+    def of_report(
+        cls,
+        ok: bool,
+        *,
+        preempted: bool = False,
+        oom: bool = False,
+        user_error: bool = False,
+        host_problem: bool = False,
+    ) -> Outcome:
         """The outcome a node manager's report flags say (``ok`` wins; a preemption is no failure; out of
-        memory is retried with more GPUs even when user code hit it)."""
+        memory is retried with more GPUs even when user code hit it; a host that cannot import the trainer
+        hands the work to another)."""
         if ok:
             return cls.SUCCEEDED
         if preempted:
             return cls.PREEMPTED
         if oom:
             return cls.OUT_OF_MEMORY
+        if host_problem:
+            return cls.HOST_PROBLEM
         return cls.USER_ERROR if user_error else cls.FAILED
 
 
@@ -104,6 +119,7 @@ _BATCH_STATE_OF = {
     Outcome.PREEMPTED: BatchState.PREEMPTED,
     Outcome.LOST: BatchState.LOST,
     Outcome.ABORTED: BatchState.ABORTED,
+    Outcome.HOST_PROBLEM: BatchState.FAILED,
 }
 
 
@@ -245,7 +261,9 @@ class AttemptDecision:
     """What an attempt's end changes. ``stale``: the report is for an attempt that is not the running one
     (lost, aborted or already reported) and changes nothing. Otherwise the batch (and its attempt) take
     ``batch_state``; ``counted`` requests get one more failure and ``error``; of the carried requests,
-    ``failed`` become FAILED and ``requeued`` go back to NOT_SCHED."""
+    ``failed`` become FAILED and ``requeued`` go back to NOT_SCHED. ``exclude_host``: the attempt's node
+    manager cannot run the batch's plan (``error`` says why): the plan's next batches go elsewhere, and
+    its requests fail with that reason once no node manager is left that can run it."""
 
     batch_id: int
     attempt: int
@@ -255,6 +273,7 @@ class AttemptDecision:
     requeued: tuple[int, ...] = ()
     counted: tuple[int, ...] = ()
     error: str = ""
+    exclude_host: bool = False
 
 
 def failure_text(outcome: Outcome, error: str) -> str:
@@ -280,12 +299,15 @@ def end_attempt(
     if head is None or head.state is not BatchState.RUNNING or head.attempt != end.attempt:
         return AttemptDecision(end.batch_id, end.attempt, stale=True)
     if not end.outcome.counts_as_failure():
+        host = end.outcome is Outcome.HOST_PROBLEM
         return AttemptDecision(
             end.batch_id,
             end.attempt,
             stale=False,
             batch_state=end.outcome.batch_state(),
             requeued=tuple(r.id for r in carried),
+            error=failure_text(end.outcome, end.error) if host else "",
+            exclude_host=host,
         )
     final = end.outcome is Outcome.USER_ERROR
     failed = tuple(

@@ -231,7 +231,8 @@ class InputReader:
             want = asked.get(pid, 1)
             slots = self._slots_of(pid, asked)
             scale = {k: width_scale(pid, k) for k in _widths(want)} if want > 1 else {}
-            work.append(PlanWork(pid, forest, [cost(st) for st in forest.stages], slots, want, scale))
+            unable = reads.host_problems.get(plan_id, {})
+            work.append(PlanWork(pid, forest, [cost(st) for st in forest.stages], slots, want, scale, unable=unable))
         return work, uris, count
 
     def _inflight_by_plan(self, reads: RoundReads) -> dict[int, list[InflightBatch]]:

@@ -105,6 +105,7 @@ def classify_end(attempt: _Attempt, returncode: int, stderr_tail: str) -> Attemp
             traceback=str(payload["traceback"]),
             oom=bool(payload["oom"]),
             user_error=bool(payload.get("user_error", False)),
+            host_problem=bool(payload.get("host_problem", False)),
         )
     if attempt.aborted:
         return AttemptEnd("aborted", error="aborted by the master", by_worker=False)

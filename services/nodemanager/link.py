@@ -61,6 +61,7 @@ class BatchReport:
     oom: bool = False
     preempted: bool = False
     user_error: bool = False  # the trainer's own code raised
+    host_problem: bool = False  # this host cannot import the trainer: another node manager may
     curve: tuple[MetricPoint, ...] = ()  # the learning curve's sampled points
     rescaled: Rescaled | None = None  # it resumed a checkpoint written by another number of ranks
     reached_step: int = 0  # the furthest step its worker said it trained to (0: not said)
@@ -237,6 +238,7 @@ class GrpcMasterLink(MasterLink):
             oom=report.oom,
             preempted=report.preempted,
             user_error=report.user_error,
+            host_problem=report.host_problem,
             curve=[pb.MetricPoint(node=m.node, step=m.step, values=m.values) for m in report.curve],
             rescaled=_rescaled_pb(report.rescaled),
             reached_step=report.reached_step,

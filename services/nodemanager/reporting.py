@@ -85,6 +85,7 @@ class AttemptEnd:
     oom: bool = False
     by_worker: bool = True
     user_error: bool = False  # the trainer's own code raised (the worker says so)
+    host_problem: bool = False  # this host cannot import the trainer (the worker says so): another may
 
 
 class RecentKeys:
@@ -378,6 +379,7 @@ class GrpcReporter(BatchReporter):
             oom=end.oom and end.status == "failed",
             preempted=end.status == "preempted",
             user_error=end.user_error and end.status == "failed",
+            host_problem=end.host_problem and end.status == "failed",
             curve=tuple(got.curve),
             rescaled=got.rescaled,
             reached_step=got.reached,

@@ -34,6 +34,9 @@ class PlanWork:
     step_scale: Mapping[int, float] = field(default_factory=dict)
     # steps where some config of the plan starts a new piece: a batch also saves there (likely branch points)
     boundaries: Sequence[int] = ()
+    # node manager -> why it cannot run the plan's trainer (its module is not installed there): the plan's
+    # batches go to the others, and with none left the plan is unplaceable, for these reasons
+    unable: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ through the place step its policies give it (``PlaceStep``):
   nowhere waits.
 
 Work on ``n > 1`` slots takes ``n`` free slots of one node manager (the first that has them), whatever
-its study chose, or waits. Devices, their running jobs and their packed demands are only gathered in
+its study chose, or waits. No step places work on a node manager that cannot run its plan's trainer
+(``Work.avoid``). Devices, their running jobs and their packed demands are only gathered in
 rounds where some study places by device.
 """
 
@@ -62,18 +63,21 @@ class SlotPool:
             lookahead and self._first(self.soon, "_soon_at") is not None
         )
 
-    def _first(self, slots: list[Slot], at: str) -> Slot | None:
+    def _first(self, slots: list[Slot], at: str, avoid: frozenset[str] = frozenset()) -> Slot | None:
         i = getattr(self, at)
         while i < len(slots) and slots[i] in self.taken:
             i += 1
-        setattr(self, at, i)
+        setattr(self, at, i)  # the cursor passes taken slots only: an avoided one is another work's
+        if avoid:
+            return next((s for s in slots[i:] if s not in self.taken and s.node_manager not in avoid), None)
         return slots[i] if i < len(slots) else None
 
-    def first_free(self) -> Slot | None:
-        return self._first(self.free, "_free_at")
+    def first_free(self, avoid: frozenset[str] = frozenset()) -> Slot | None:
+        """The first free slot not taken, of a node manager not in ``avoid``."""
+        return self._first(self.free, "_free_at", avoid)
 
-    def first_soon(self) -> Slot | None:
-        return self._first(self.soon, "_soon_at")
+    def first_soon(self, avoid: frozenset[str] = frozenset()) -> Slot | None:
+        return self._first(self.soon, "_soon_at", avoid)
 
     def take(self, slots: Sequence[Slot], w: Work) -> None:
         self.taken.update(slots)
@@ -81,11 +85,12 @@ class SlotPool:
             for s in slots:
                 self._devices.placed(s, w)
 
-    def wide(self, n: int) -> tuple[Slot, ...] | None:
-        """``n`` free slots of one node manager (the first that has them, in the free slots' order)."""
+    def wide(self, n: int, avoid: frozenset[str] = frozenset()) -> tuple[Slot, ...] | None:
+        """``n`` free slots of one node manager not in ``avoid`` (the first that has them, in the free
+        slots' order)."""
         by_host: dict[str, list[Slot]] = {}
         for s in self.free[self._free_at :]:
-            if s in self.taken:
+            if s in self.taken or s.node_manager in avoid:
                 continue
             got = by_host.setdefault(s.node_manager, [])
             got.append(s)
@@ -110,11 +115,11 @@ class FirstFit:
     lookahead: bool = True
 
     def place(self, w: Work, pool: SlotPool) -> tuple[tuple[Slot, ...], bool] | None:
-        s = pool.first_free()
+        s = pool.first_free(w.avoid)
         if s is not None:
             return (s,), False
         if self.lookahead:
-            s = pool.first_soon()
+            s = pool.first_soon(w.avoid)
             if s is not None:
                 return (s,), True
         return None
@@ -127,6 +132,9 @@ class TimeSharePlace:
         if device is None:
             return None  # the global queue: every device holds G_thres jobs
         dev = pool.devices()
+        if dev.host(device) in w.avoid:  # its node manager cannot run it: a free slot of another may
+            s = pool.first_free(w.avoid)
+            return None if s is None else ((s,), False)
         if device not in dev.with_free():
             return None  # its device is busy: it waits for its turn there
         return (dev.free_slot(device),), False
@@ -139,7 +147,7 @@ class PackingPlace:
     def place(self, w: Work, pool: SlotPool) -> tuple[tuple[Slot, ...], bool] | None:
         dev = pool.devices()
         pl = self.params
-        cands = [dev.bin_of(d, pl.oversub) for d in dev.with_free()]
+        cands = [dev.bin_of(d, pl.oversub) for d in dev.with_free() if dev.host(d) not in w.avoid]
         it = dev.item(f"w{w.key}", w.study, w.cost_s)
         got = packing.place(pl.policy, [it], cands, dev.node_cpus, _copy(dev.usage))
         chosen = got.get(it.id)
@@ -178,6 +186,11 @@ class _Devices:
     def with_free(self) -> list[str]:
         taken = self.pool.taken
         return [d for d, sl in self.free.items() if any(s not in taken for s in sl)]
+
+    def host(self, device: str) -> str:
+        """The node manager of a device ("" for one the round does not have)."""
+        slots = self.slots.get(device)
+        return slots[0].node_manager if slots else ""
 
     def free_slot(self, device: str) -> Slot:
         return next(s for s in self.free[device] if s not in self.pool.taken)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from stagetree.core.batch import Point
@@ -121,6 +121,7 @@ class _Round:
         for s in self.all_slots:
             per_host[s.node_manager] = per_host.get(s.node_manager, 0) + 1
         self.most = max(per_host.values(), default=0)
+        self.hosts = per_host.keys()
         self.shape = genie.ClusterShape(max(len(per_host), 1), max(self.most, 1))
         free_per_host: dict[str, int] = {}
         for s in inp.free:
@@ -198,6 +199,9 @@ class _Round:
         except ResourceExhausted as e:
             self.unplaceable[p.plan] = e.message
             return False
+        if p.unable and self.hosts <= p.unable.keys():
+            self.unplaceable[p.plan] = no_host_can_run(p.unable)
+            return False
         return True
 
     def _split(self, plans: Sequence[PlanWork]) -> tuple[list[PlanWork], dict[StudyId | None, list[Work]]]:
@@ -225,6 +229,7 @@ class _Round:
         inp = self.inp
         requests, arrivals, killed = inp.requests, inp.arrivals, self.state.killed
         widths_wanted = self.qos_round and p.slots > 1
+        avoid = frozenset(p.unable)
         wants_arrival: dict[StudyId | None, bool] = {}
         for b in cut(p, order):
             if not b.ready:
@@ -245,7 +250,7 @@ class _Round:
             if widths_wanted:
                 one = b.cost / max(p.step_scale.get(p.slots, 1.0 / p.slots), 1e-12)
                 widths = tuple((k, one * p.step_scale.get(k, 1.0 / k)) for k in _widths(p.slots))
-            yield Work(b, study, job, b.cost, p.slots, arrival, widths, key=key, first=min(b.requests))
+            yield Work(b, study, job, b.cost, p.slots, arrival, widths, key=key, first=min(b.requests), avoid=avoid)
 
     def _soon(self) -> tuple[list[Slot], float | None]:
         """The busy slots whose one batch should end within the lookahead, soonest first, and when the
@@ -306,7 +311,7 @@ class _Round:
                 continue
             w = q.pop()
             if w.slots > 1:
-                wide = pool.wide(w.slots)
+                wide = pool.wide(w.slots, w.avoid)
                 got = None if wide is None else (wide, False)
             else:
                 got = steps.place.place(w, pool)
@@ -376,6 +381,15 @@ class _Round:
             nodes=budget.nodes,
         )
         return tuple(result.evict)
+
+
+def no_host_can_run(unable: Mapping[str, str]) -> str:
+    """Why a plan's requests fail when no live node manager can run its trainer: each one's reason."""
+    reasons = "; ".join(
+        f"{nm}: {why.strip().splitlines()[0] if why.strip() else 'no reason given'}"
+        for nm, why in sorted(unable.items())
+    )
+    return f"no node manager can run this plan's trainer ({reasons})"
 
 
 def _widths(most: int) -> list[int]:

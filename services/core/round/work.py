@@ -35,6 +35,7 @@ class Work:
     tier: float = 0.0
     key: str = ""  # ``str(job)``: the policies' handle of the trial
     first: int = 0  # its first request's id: the order requests were submitted in
+    avoid: frozenset[str] = frozenset()  # node managers that cannot run it (``PlanWork.unable``)
 
 
 def _boundaries(steps: Sequence[int]) -> Boundaries | None:

@@ -102,7 +102,13 @@ def _report_of(request: pb.ReportBatchRequest) -> AttemptReport:
     return AttemptReport(
         request.batch_id,
         request.attempt,
-        Outcome.of_report(request.ok, preempted=request.preempted, oom=request.oom, user_error=request.user_error),
+        Outcome.of_report(
+            request.ok,
+            preempted=request.preempted,
+            oom=request.oom,
+            user_error=request.user_error,
+            host_problem=request.host_problem,
+        ),
         [MetricPoint(m.node, m.step, dict(m.values)) for m in request.metrics],
         [
             CheckpointPoint(c.node, c.step, c.uri, c.bytes, c.kind or "central", max(c.ranks, 1))  # 0: unset

@@ -357,9 +357,8 @@ def _end_of(msg: _Terminal) -> AttemptEnd:
         return AttemptEnd(msg.batch_id, msg.attempt, Outcome.SUCCEEDED)
     if isinstance(msg, BatchPreempted):
         return AttemptEnd(msg.batch_id, msg.attempt, Outcome.PREEMPTED)
-    return AttemptEnd(
-        msg.batch_id, msg.attempt, Outcome.of_report(False, oom=msg.oom, user_error=msg.user_error), msg.error
-    )
+    outcome = Outcome.of_report(False, oom=msg.oom, user_error=msg.user_error, host_problem=msg.host_problem)
+    return AttemptEnd(msg.batch_id, msg.attempt, outcome, msg.error)
 
 
 def _invalid(msg: BatchMessage) -> str:

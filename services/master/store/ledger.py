@@ -50,7 +50,14 @@ Completed = list[int]  # request ids a report completed
 Requeued = list[int]  # request ids a report sent back to NOT_SCHED
 
 _B, _A, _R = table(m.Batch), table(m.BatchAttempt), table(m.Request)
-_RQ = table(m.RequeuedRequest)
+_RQ, _HP = table(m.RequeuedRequest), table(m.HostProblem)
+_HOST_PROBLEMS = select(_HP.c.plan_id, _HP.c.node_manager_id, _HP.c.error)
+# the node manager and plan of attempts that found their host cannot run the plan's trainer
+_WHERE_RAN = (
+    select(_A.c.batch_id, _A.c.attempt, _A.c.node_manager_id, _B.c.plan_id)
+    .join(_B, _B.c.id == _A.c.batch_id)
+    .where(_A.c.batch_id.in_(bindparam("ids", expanding=True)))
+)
 _HEADS = (
     select(_B.c.id, _B.c.attempt, _B.c.state)
     .where(_B.c.id.in_(bindparam("ids", expanding=True)))
@@ -263,6 +270,38 @@ class BatchLedger:
         for state, ids in ended.items():
             c.execute(_END_BATCHES, {"ids": ids, "st": state, "t": now})
             c.execute(_END_ATTEMPTS, {"ids": ids, "st": state, "t": now})
+        self._record_host_problems(s, [d for d in decisions if d.exclude_host and not d.stale], now)
+
+    def _record_host_problems(self, s: Session, decisions: Sequence[AttemptDecision], now: float) -> None:
+        """Keep each attempt's node manager from its plan's next batches, with the reason (the first one
+        stays: the node manager is kept away until it registers again, ``NodeRegistry``)."""
+        if not decisions:
+            return
+        why = {(d.batch_id, d.attempt): d.error for d in decisions}
+        rows = {
+            (int(plan), str(nm)): why[(int(b), int(a))]
+            for b, a, nm, plan in self.db.rows(s, _WHERE_RAN, {"ids": sorted({d.batch_id for d in decisions})})
+            if (int(b), int(a)) in why
+        }
+        self.db.bulk_insert_ignore(
+            s,
+            _HP,
+            ("plan_id", "node_manager_id", "error", "at"),
+            [(plan, nm, error, now) for (plan, nm), error in sorted(rows.items())],
+            ("plan_id", "node_manager_id"),
+        )
+        for plan, nm in sorted(rows):
+            log.warning(
+                "node manager cannot run the plan's trainer; its work goes elsewhere",
+                extra={"node_manager_id": nm, "plan_id": plan, "error": rows[(plan, nm)].split("\n", 1)[0][:200]},
+            )
+
+    def host_problems_in(self, s: Session) -> dict[int, dict[str, str]]:
+        """Per plan, the node managers that cannot run its trainer and why."""
+        out: dict[int, dict[str, str]] = {}
+        for plan, nm, error in self.db.rows(s, _HOST_PROBLEMS):
+            out.setdefault(int(plan), {})[str(nm)] = str(error)
+        return out
 
     def report_batches(
         self, reports: Sequence[AttemptReport], policy: RetryPolicy = DEFAULT_RETRY

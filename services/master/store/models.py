@@ -260,6 +260,19 @@ class NodeManager(Base):
     last_heartbeat: Mapped[float] = mapped_column(Float)
 
 
+class HostProblem(Base):
+    """A node manager that cannot run a plan's trainer (its module, or one the module imports, is not
+    installed on that host), with its worker's words. The plan's batches avoid it until it registers
+    again (a restart may bring the module); with every live node manager here, the plan's requests fail."""
+
+    __tablename__ = "host_problems"
+
+    plan_id: Mapped[int] = mapped_column(ForeignKey("plans.id"), primary_key=True)
+    node_manager_id: Mapped[str] = mapped_column(String(128), primary_key=True, index=True)
+    error: Mapped[str] = mapped_column(Text)
+    at: Mapped[float] = mapped_column(Float)
+
+
 class Slot(Base):
     __tablename__ = "slots"
 

@@ -19,7 +19,9 @@ from stagetree.master.store.records import Assignment, NodeManagerRecord
 
 ALIVE, LOST = NodeManagerState.ALIVE, NodeManagerState.LOST
 
-_A, _B, _NA, _SL, _NM = (table(t) for t in (m.BatchAttempt, m.Batch, m.NodeManagerAction, m.Slot, m.NodeManager))
+_A, _B, _NA, _SL, _NM, _HP = (
+    table(t) for t in (m.BatchAttempt, m.Batch, m.NodeManagerAction, m.Slot, m.NodeManager, m.HostProblem)
+)
 _SLOTS = select(
     _SL.c.node_manager_id,
     _SL.c.slot_id,
@@ -91,6 +93,8 @@ class NodeRegistry:
                 # registered_at is the latest registration: the slots below are its (rounds cache them by it)
                 row.address, row.state, row.last_heartbeat, row.registered_at = address, ALIVE, now, now
             s.flush()
+            # a node manager registering again may have been restarted with the modules it lacked
+            s.execute(_HP.delete().where(_HP.c.node_manager_id == nm_id))
             s.execute(_SL.delete().where(_SL.c.node_manager_id == nm_id))
             s.add_all(
                 m.Slot(

@@ -158,6 +158,8 @@ class RoundReads:
     # running (batch, attempt) -> (the study of its last request, when it was dispatched)
     served: dict[tuple[int, int], tuple[str | None, float]] = field(default_factory=dict)
     owners: dict[str, str] = field(default_factory=dict)  # the owner of each study above
+    # per plan: the node managers that cannot run its trainer, and why (``BatchLedger.host_problems_in``)
+    host_problems: dict[int, dict[str, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

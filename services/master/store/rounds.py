@@ -70,8 +70,9 @@ class RoundReader:
             running = self._running_in(s, started)
             served = self._served_in(s, running)
             owners = self._owners_in(s, {*studies.values(), *(sid for sid, _ in served.values() if sid is not None)})
+            unable = self.ledger.host_problems_in(s) if pending else {}
         busy = held_slots((b.node_manager_id, b.slot_id) for b in running if b.node_manager_id)
-        return RoundReads(nms, busy, policies, pending, running, started, studies, arrivals, served, owners)
+        return RoundReads(nms, busy, policies, pending, running, started, studies, arrivals, served, owners, unable)
 
     def path_checkpoints(self, nodes: list[int], plans: list[int]) -> dict[int, dict[Point, str]]:
         """Checkpoint uri per point, per node, on ``nodes`` (the pending work's paths in ``plans``). Past

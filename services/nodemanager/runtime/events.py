@@ -34,7 +34,8 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
     "batch_timing": frozenset({"batch_id", "attempt", "given_at", "startup_s", "checkpoint_s", "train_s"}),
     "batch_finished": frozenset({"batch_id", "attempt", "steps"}),
     "batch_preempted": frozenset({"batch_id", "attempt", "node", "step", "uri", "ranks"}),
-    "batch_failed": frozenset({"batch_id", "attempt", "error", "traceback", "oom", "user_error"}),
+    # ``user_error``: the trainer's own code raised; ``host_problem``: this host cannot import the trainer
+    "batch_failed": frozenset({"batch_id", "attempt", "error", "traceback", "oom", "user_error", "host_problem"}),
 }
 
 # What a worker says of itself, for the node manager alone (never reported): ``worker_idle`` after a batch

@@ -712,7 +712,8 @@ class BatchRun:
             extra={**self._ids, "step": step, "oom": oom, "user_error": user},
         )
         self._emit("batch_timing", {**self._ids, **self._times.payload(time.monotonic())})
-        self._emit("batch_failed", {**self._ids, "error": error, "traceback": tb, "oom": oom, "user_error": user})
+        failed = {"error": error, "traceback": tb, "oom": oom, "user_error": user, "host_problem": False}
+        self._emit("batch_failed", {**self._ids, **failed})
         return BatchOutcome("failed", step, trained, error=error, oom=oom, user_error=user)
 
 

@@ -199,12 +199,22 @@ def _cache_key(trainer: Trainer) -> tuple[Any, ...]:
     )
 
 
+class EntryPointError(InvalidArgument):
+    """The trainer entry point names nothing usable in its module (no such class, not a ``Trainer``): its
+    message says it all, the traceback would only show stagetree's frames."""
+
+
+class TrainerModuleNotFound(ModuleNotFoundError):
+    """The entry point's module is not on this host's search path: another host may have it."""
+
+
 def load_trainer_class(entry_point: str) -> type[Trainer]:
     """The class named by ``"package.module:ClassName"`` (the fixed part's ``trainer``), imported from
-    the user's search path first (``user_search_path``)."""
+    the user's search path first (``user_search_path``). A ``ModuleNotFoundError`` (the module, or one it
+    imports, is not installed here) is this host's problem; an ``EntryPointError`` is the entry point's."""
     module_name, sep, attr = entry_point.partition(":")
     if not sep or not module_name or not attr:
-        raise InvalidArgument(f"trainer entry point {entry_point!r}: expected 'package.module:ClassName'")
+        raise EntryPointError(f"trainer entry point {entry_point!r}: expected 'package.module:ClassName'")
     for p in reversed(user_search_path()):
         if p not in sys.path:
             sys.path.insert(0, p)
@@ -213,7 +223,7 @@ def load_trainer_class(entry_point: str) -> type[Trainer]:
     except ModuleNotFoundError as e:
         if e.name is None or not module_name.startswith(e.name):
             raise  # the user's module imports something missing: its own traceback says what
-        raise ModuleNotFoundError(
+        raise TrainerModuleNotFound(
             f"trainer entry point {entry_point!r}: no module named {e.name!r} on the worker's search path "
             f"{[p for p in sys.path if p]}; start the node manager in the module's directory (or put it on "
             "PYTHONPATH, or next to the script that runs stagetree in embedded mode), or install its package "
@@ -224,10 +234,25 @@ def load_trainer_class(entry_point: str) -> type[Trainer]:
     for part in attr.split("."):
         obj = getattr(obj, part, None)
         if obj is None:
-            raise InvalidArgument(f"trainer entry point {entry_point!r}: {module_name} has no {attr}")
+            raise EntryPointError(
+                f"trainer entry point {entry_point!r}: module {module_name} "
+                f"({getattr(module, '__file__', None) or 'no file'}) has no {attr!r}{_trainers_of(module)}"
+            )
     if not isinstance(obj, type) or not issubclass(obj, Trainer):
-        raise InvalidArgument(f"trainer entry point {entry_point!r} is not a subclass of stagetree Trainer")
+        raise EntryPointError(
+            f"trainer entry point {entry_point!r} is not a subclass of stagetree Trainer{_trainers_of(module)}"
+        )
     return obj
+
+
+def _trainers_of(module: Any) -> str:
+    """``"; its Trainer classes: A, B"`` for the classes a module defines or imports that subclass Trainer."""
+    found = sorted(
+        name
+        for name, v in vars(module).items()
+        if isinstance(v, type) and issubclass(v, Trainer) and v is not Trainer and not name.startswith("_")
+    )
+    return f"; its Trainer classes: {', '.join(found)}" if found else "; it has no Trainer class"
 
 
 # ---------------------------------------------------------------------------------------------

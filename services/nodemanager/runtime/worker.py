@@ -72,7 +72,12 @@ from stagetree.nodemanager.runtime.distributed import SINGLE_RANK, RankGroup, jo
 from stagetree.nodemanager.runtime.events import encode_event
 from stagetree.nodemanager.runtime.executor import BatchOutcome, BatchRun, InMemory, device_for, error_text, new_trainer
 from stagetree.nodemanager.runtime.ranks import RankInfo
-from stagetree.nodemanager.runtime.trainer import Trainer, load_trainer_class
+from stagetree.nodemanager.runtime.trainer import (
+    EntryPointError,
+    Trainer,
+    TrainerModuleNotFound,
+    load_trainer_class,
+)
 
 log = logging.getLogger(__name__)
 
@@ -329,10 +334,19 @@ class _Worker:
                 gc.collect()
         try:
             trainer_cls = load_trainer_class(spec.fixed.trainer)
-        except Exception as e:  # the user's entry point does not import: a retry would fail the same way
+        except Exception as e:  # the user's entry point does not import: a retry here would fail the same way
             tb = traceback.format_exc()
             log.error("cannot load the trainer %s: %s\n%s", spec.fixed.trainer, e, tb.rstrip(), extra=ids)
-            emit("batch_failed", {**ids, "error": error_text(e, tb), "traceback": tb, "oom": False, "user_error": True})
+            # a module missing on this host is the host's problem (another node manager may have it); an
+            # entry point naming nothing its module has needs no traceback of stagetree's frames
+            failed = {
+                "error": str(e) if isinstance(e, EntryPointError | TrainerModuleNotFound) else error_text(e, tb),
+                "traceback": tb,
+                "oom": False,
+                "user_error": True,
+                "host_problem": isinstance(e, ModuleNotFoundError),
+            }
+            emit("batch_failed", {**ids, **failed})
             return None
 
         group: RankGroup = SINGLE_RANK
@@ -342,7 +356,13 @@ class _Worker:
             except Exception as e:  # a peer that never came, a port taken meanwhile: a retry may cure it
                 tb = traceback.format_exc()
                 log.error("cannot join the batch's process group: %s", e, extra=ids)
-                failed = {"error": error_text(e, tb), "traceback": tb, "oom": False, "user_error": False}
+                failed = {
+                    "error": error_text(e, tb),
+                    "traceback": tb,
+                    "oom": False,
+                    "user_error": False,
+                    "host_problem": False,
+                }
                 emit("batch_failed", {**ids, **failed})
                 return None
         trainer = None

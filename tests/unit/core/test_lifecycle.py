@@ -43,7 +43,8 @@ def test_every_carried_request_is_failed_or_requeued_exactly_once(
             r.id for r in carried if r.failures + 1 >= policy.max_failures or (final and not r.retry_user_errors)
         }
     else:
-        assert d.failed == d.counted == () and d.error == ""
+        assert d.failed == d.counted == ()
+        assert d.exclude_host == (outcome is Outcome.HOST_PROBLEM) and bool(d.error) == d.exclude_host
 
 
 @given(outcomes, carried_lists, policies, st.sampled_from(list(BatchState)), st.integers(1, 4))
@@ -108,6 +109,17 @@ def test_states_answer_their_questions() -> None:
     assert Outcome.of_report(False, preempted=True, oom=True) is Outcome.PREEMPTED
     assert Outcome.of_report(False, oom=True) is Outcome.OUT_OF_MEMORY
     assert Outcome.of_report(False) is Outcome.FAILED
+    assert Outcome.of_report(False, host_problem=True, user_error=True) is Outcome.HOST_PROBLEM
+    assert Outcome.of_report(False, oom=True, host_problem=True) is Outcome.OUT_OF_MEMORY
+
+
+def test_a_host_that_cannot_import_the_trainer_costs_no_retry_and_is_excluded_with_its_reason() -> None:
+    carried = [CarriedRequest(1, failures=2), CarriedRequest(2, retry_user_errors=True)]
+    end = AttemptEnd(5, 1, Outcome.HOST_PROBLEM, "ModuleNotFoundError: no module named 'mine'")
+    d = end_attempt(BatchHead(1, BatchState.RUNNING), end, carried, RetryPolicy(3))
+    assert (d.requeued, d.failed, d.counted) == ((1, 2), (), ())
+    assert d.exclude_host and d.error == "ModuleNotFoundError: no module named 'mine'"
+    assert d.batch_state is BatchState.FAILED
 
 
 @given(carried_lists, policies)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -143,6 +144,33 @@ def test_packing_counts_running_work_and_plain_work_takes_the_first_free_slot() 
     assert plan_round(round_input([packed], [CPU1], busy=busy, running=running, policies=pols)).dispatches == ()
     dec = plan_round(round_input([plain], [CPU1], busy=busy, running=running, policies=pols))
     assert dispatched(dec) == [("plain", 1, ["cpu1"])]
+
+
+def test_a_plan_avoids_node_managers_that_cannot_run_its_trainer_and_fails_when_none_can() -> None:
+    here, there = Slot("cpu0", "nm-a", cpu_cores=1), Slot("cpu0", "nm-b", cpu_cores=1)
+    work, reqs = plan_work(trials("s", 5, 9))
+    work = replace(work, unable={"nm-a": "ModuleNotFoundError: no module named 'mine'\nworker log: x"})
+    dec = plan_round(round_input([(work, reqs)], [here, there]))
+    assert [(d.slot.node_manager, d.batch.end.step) for d in dec.dispatches] == [("nm-b", 9)]
+    assert dec.queued == 1 and not dec.unplaceable  # the other trial waits for nm-b: nm-a takes none
+    soon = plan_round(round_input([(work, reqs)], [here], busy=[BusySlot(there, ends_at=1.0)], lookahead_s=5.0))
+    assert [(d.slot.node_manager, d.ahead) for d in soon.dispatches] == [("nm-b", True)]
+    packing = {"s": parse_policies({"placement": "ff", "placement_params": {"compute": 50}})}
+    packed = plan_round(round_input([(work, reqs)], [here, there], policies=packing))
+    assert {d.slot.node_manager for d in packed.dispatches} == {"nm-b"}
+    wide = replace(work, slots=2, asked=2)
+    two = [here, Slot("cpu1", "nm-a", cpu_cores=1), there, Slot("cpu1", "nm-b", cpu_cores=1)]
+    assert {s.node_manager for d in plan_round(round_input([(wide, reqs)], two)).dispatches for s in d.slots} == {
+        "nm-b"
+    }
+
+    nowhere = replace(work, unable={**work.unable, "nm-b": "ModuleNotFoundError: no module named 'mine'"})
+    dec = plan_round(round_input([(nowhere, reqs)], [here, there]))
+    assert dec.dispatches == () and dec.queued == 0
+    assert dec.unplaceable == {
+        work.plan: "no node manager can run this plan's trainer (nm-a: ModuleNotFoundError: no module named "
+        "'mine'; nm-b: ModuleNotFoundError: no module named 'mine')"
+    }
 
 
 def test_gpu_slots_of_one_gpu_form_one_device() -> None:

@@ -34,6 +34,7 @@ def test_other_payloads_take_the_json_path() -> None:
         "traceback": "",
         "oom": True,
         "user_error": False,
+        "host_problem": False,
     }
     line = encode_event("batch_failed", payload, 2.0)
     assert decode_event(line) == ("batch_failed", 2.0, payload)
