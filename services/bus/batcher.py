@@ -9,7 +9,8 @@ keep their order on the bus. ``close()`` publishes what is left.
 
 When the bus is down the batch stays at the head of the buffer and the next flush tries again
 (duplicates are possible after a partial failure; aggregators deduplicate on ``msg_id``). The buffer is
-bounded: :meth:`LocalBatcher.add` raises ResourceExhausted when ``max_buffered`` messages wait.
+bounded: :meth:`LocalBatcher.add` raises ResourceExhausted when ``max_buffered`` messages wait, the batch
+being published counted among them (a failed publish puts it back).
 
 Thread-safe: any thread may add; one background thread does the age-based flushes.
 """
@@ -60,6 +61,9 @@ class LocalBatcher:
         self._publish_lock = threading.Lock()
         self._closed = False
         self._urgent = False  # a message added with urgent=True waits for no timer
+        # Messages taken out of the buffer by the flush under way: they count against max_buffered, since a
+        # failed publish puts them back (without this, adds during each failing publish grow the buffer)
+        self._in_flight = 0
         self.published = 0
         self._thread = threading.Thread(target=self._run, name="bus-batcher", daemon=True)
         self._thread.start()
@@ -75,9 +79,10 @@ class LocalBatcher:
         with self._cond:
             if self._closed:
                 raise FailedPrecondition("add on a closed batcher")
-            if len(self._buffer) >= self._max_buffered:
+            waiting = len(self._buffer) + self._in_flight
+            if waiting >= self._max_buffered:
                 raise ResourceExhausted(
-                    f"{len(self._buffer)} bus messages are waiting (the bus is down or slow); "
+                    f"{waiting} bus messages are waiting (the bus is down or slow); "
                     "the node manager should pause its workers' reporting until the bus recovers"
                 )
             self._buffer.append((time.monotonic(), message))
@@ -94,8 +99,9 @@ class LocalBatcher:
                 logger.warning("bus flush failed; will retry", extra={"error": repr(e)})
 
     def pending(self) -> int:
+        """Messages not yet published: those queued and those of a publish under way."""
         with self._cond:
-            return len(self._buffer)
+            return len(self._buffer) + self._in_flight
 
     def flush(self) -> int:
         """Publish everything waiting now, then flush the bus. Returns how many were published."""
@@ -104,6 +110,7 @@ class LocalBatcher:
                 batch = list(self._buffer)
                 self._buffer.clear()
                 self._urgent = False
+                self._in_flight = len(batch)
             if not batch:
                 return 0
             # One bundle per (topic, key): a key's messages keep their order inside it, and a batch of
@@ -118,7 +125,11 @@ class LocalBatcher:
             except StagetreeError:
                 with self._cond:
                     self._buffer.extendleft(reversed(batch))
+                    self._in_flight = 0
                 raise
+            finally:
+                with self._cond:
+                    self._in_flight = 0
             self.published += len(batch)
             logger.debug("published a batch", extra={"messages": len(batch)})
             return len(batch)

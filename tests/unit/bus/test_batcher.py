@@ -180,6 +180,40 @@ def test_a_full_buffer_pushes_back() -> None:
         batcher.close()
 
 
+def test_the_batch_being_published_counts_against_the_buffer_bound() -> None:
+    class GatedBus(InProcessBus):
+        """Holds each publish until ``gate`` opens, then refuses it while ``down``."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.publishing = threading.Event()
+            self.gate = threading.Event()
+            self.down = True
+
+        def publish_many(self, topic: str, key: str, messages: Sequence[Message]) -> None:
+            self.publishing.set()
+            assert self.gate.wait(10)
+            if self.down:
+                raise Unavailable("down")
+            super().publish_many(topic, key, messages)
+
+    bus = GatedBus()
+    consumer = bus.subscribe([TOPIC_METRICS], "agg")
+    batcher = LocalBatcher(bus, max_messages=2, max_age_s=60, max_buffered=4)
+    batcher.add(_m(1, 0))
+    batcher.add(_m(1, 1), publish_here=False)  # a full batch: the batcher's thread takes it out to publish
+    assert bus.publishing.wait(10)
+    batcher.add(_m(1, 2), publish_here=False)
+    batcher.add(_m(1, 3), publish_here=False)
+    with pytest.raises(ResourceExhausted, match="4 bus messages"):
+        batcher.add(_m(1, 4), publish_here=False)  # two queued, two in the publish that will fail
+    assert batcher.pending() == 4
+    bus.down = False
+    bus.gate.set()
+    batcher.close()
+    assert _drain(consumer) == [_m(1, s) for s in range(4)]
+
+
 @pytest.mark.parametrize(("max_messages", "max_age_s", "max_buffered"), [(0, 1.0, 10), (5, 0.0, 10), (5, 1.0, 4)])
 def test_bad_settings_are_invalid(max_messages: int, max_age_s: float, max_buffered: int) -> None:
     bus: MetricBus = InProcessBus()
@@ -216,6 +250,5 @@ def test_an_urgent_message_goes_out_without_waiting_for_the_age_and_a_burst_shar
         deadline = time.monotonic() + 5
         while batcher.pending() and time.monotonic() < deadline:
             time.sleep(0.005)
-        time.sleep(0.05)
         assert sorted(m.step for m in _drain(consumer) if m.batch_id == 2) == list(range(50))
         assert bus.flushes - before <= 10

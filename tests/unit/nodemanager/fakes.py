@@ -86,19 +86,22 @@ ENV_RECORDER = "tests.unit.nodemanager.fakes:EnvRecorder"
 
 
 class FlakyBus(InProcessBus):
-    """An in-process bus whose publishes fail with Unavailable while ``down``."""
+    """An in-process bus whose publishes fail with Unavailable while ``down`` (``refused`` counts them)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.down = False
+        self.refused = 0
 
     def publish(self, topic: str, key: str, message: Message) -> None:
         if self.down:
+            self.refused += 1
             raise Unavailable("broker down (test)")
         super().publish(topic, key, message)
 
     def publish_many(self, topic: str, key: str, messages: Sequence[Message]) -> None:
         if self.down:
+            self.refused += 1
             raise Unavailable("broker down (test)")
         super().publish_many(topic, key, messages)
 
