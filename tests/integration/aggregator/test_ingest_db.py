@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import threading
+from dataclasses import replace
 
 from stagetree.bus.messages import CheckpointSaved, Message, Metrics
 from stagetree.core.lifecycle import RequestState
@@ -108,3 +109,23 @@ def test_two_writers_racing_on_the_same_messages_apply_each_once(store: Store) -
 
 def _finished_once(results: list[IngestResult]) -> list[int]:
     return [b for r in results for b in r.finished]
+
+
+def test_a_host_problem_over_the_bus_requeues_uncounted_and_keeps_the_node_manager_away_until_it_registers(
+    store: Store,
+) -> None:
+    world = make_world(store)
+    batch, (req,) = world.dispatch([(world.root, 5)])
+    problem = replace(
+        world.failed(batch.id, "trainer entry point 'mine:Net': no module named 'mine'"), host_problem=True
+    )
+    assert Ingestor(store).apply([problem, replace(problem, msg_id=problem.msg_id + "-again")]).applied == 2
+    (rec,) = store.requests.get_requests(world.study, [req.id])
+    assert rec.state == RequestState.NOT_SCHED and rec.error is None  # requeued, no failure counted
+    assert store.ledger.get_batch(batch.id).state == "FAILED"
+    with store.db.tx("read") as s:
+        unable = store.ledger.host_problems_in(s)
+    assert unable == {world.plan_id: {world.nm: "trainer entry point 'mine:Net': no module named 'mine'"}}
+    store.nodes.register_node_manager(world.nm, "127.0.0.1:1", [("gpu0", "cpu")])  # restarted: tried again
+    with store.db.tx("read") as s:
+        assert store.ledger.host_problems_in(s) == {}
