@@ -389,7 +389,10 @@ def no_host_can_run(unable: Mapping[str, str]) -> str:
         f"{nm}: {why.strip().splitlines()[0] if why.strip() else 'no reason given'}"
         for nm, why in sorted(unable.items())
     )
-    return f"no node manager can run this plan's trainer ({reasons})"
+    return (
+        f"no node manager can run this plan's trainer ({reasons}); once the module is there, restart the node "
+        "managers (one that registers again is tried again)"
+    )
 
 
 def _widths(most: int) -> list[int]:

@@ -169,7 +169,8 @@ def test_a_plan_avoids_node_managers_that_cannot_run_its_trainer_and_fails_when_
     assert dec.dispatches == () and dec.queued == 0
     assert dec.unplaceable == {
         work.plan: "no node manager can run this plan's trainer (nm-a: ModuleNotFoundError: no module named "
-        "'mine'; nm-b: ModuleNotFoundError: no module named 'mine')"
+        "'mine'; nm-b: ModuleNotFoundError: no module named 'mine'); once the module is there, restart the "
+        "node managers (one that registers again is tried again)"
     }
 
 
@@ -239,7 +240,14 @@ def test_pop_kills_a_running_trial_when_no_work_waits_and_wakes_at_its_next_boun
     reports[(PlanId(2), 7)].append(Report(4, 4.0, {"accuracy": 0.4}))
     dec = plan_round(
         round_input(
-            [], [], busy=[BusySlot(CPU0)], running=running, policies={"s": sp}, reports=reports, state=dec.state, now=4.5
+            [],
+            [],
+            busy=[BusySlot(CPU0)],
+            running=running,
+            policies={"s": sp},
+            reports=reports,
+            state=dec.state,
+            now=4.5,
         )
     )
     assert [str(k.job) for k in dec.kills] == ["2:7:20"] and dec.wake_at is None
