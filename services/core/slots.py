@@ -8,6 +8,7 @@ device it is on), the one the scheduler and the policies read.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 CPU = "cpu"
@@ -56,3 +57,18 @@ class Slot:
         """The device the slot shares with the node manager's other slots on it (a GPU, or the CPU)."""
         dev = f"gpu{self.gpu_index}" if self.gpu_index >= 0 else "cpu"
         return f"{self.node_manager}/{dev}"
+
+    @property
+    def rank_place(self) -> str:
+        """What two ranks of one batch never share: a GPU (NCCL refuses two ranks on one device, "Duplicate
+        GPU detected", and a second rank there would add no memory), or for a CPU slot the slot itself."""
+        return self.device if self.gpu_index >= 0 else f"{self.node_manager}/{self.id}"
+
+
+def rank_places(slots: Iterable[Slot]) -> dict[str, int]:
+    """Node manager -> the most ranks one batch can have there: its CPU slots, or its GPUs (not their
+    slots: a GPU shared by several slots holds one rank of a batch)."""
+    places: dict[str, set[str]] = {}
+    for s in slots:
+        places.setdefault(s.node_manager, set()).add(s.rank_place)
+    return {nm: len(p) for nm, p in places.items()}

@@ -42,7 +42,7 @@ import logging
 import random
 import signal
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -185,6 +185,7 @@ class NodeManager:
         self._queue: deque[_Attempt] = deque()
         self._free: dict[str, SlotInfo] = {s.id: s for s in self.slots}
         self._slot_ids = frozenset(self._free)
+        self._rank_places = len({_rank_place(s) for s in self.slots})  # the most ranks a batch can have here
         self._background: set[asyncio.Task[Any]] = set()
         self._launcher_ready: asyncio.Task[None] | None = None  # started at the first registration
         self._stopping = False
@@ -376,24 +377,33 @@ class NodeManager:
         while self._queue and self._free and not self._stopping:
             att = self._queue.popleft()
             n = att.spec.slots
-            if n > len(self.slots):
-                self._refuse(att, f"the batch asks for {n} slots and node manager {self.id} has {len(self.slots)}")
+            if n > self._rank_places:
+                self._refuse(att, self._too_wide(n))
                 continue
             if n == 1 and att.info.slot_id in self._slot_ids and att.info.slot_id not in self._free:
                 waiting.append(att)  # its slot is still busy
                 continue
-            if len(self._free) < n:
+            hints = [att.info.slot_id, *(str(h) for h in att.spec.extra.get("slot_ids", ()))]
+            chosen = rank_slots(n, [self._free[h] for h in dict.fromkeys(hints) if h in self._free], self._free)
+            if chosen is None:
                 self._queue.appendleft(att)
                 break
-            hints = [att.info.slot_id, *(str(h) for h in att.spec.extra.get("slot_ids", ()))]
-            chosen = [self._free.pop(h) for h in dict.fromkeys(hints) if h in self._free][:n]
-            while len(chosen) < n:
-                chosen.append(self._free.pop(next(iter(self._free))))
+            for slot in chosen:
+                del self._free[slot.id]
             att.slot, att.slots = chosen[0], chosen
             att.task = self._spawn(self._supervise(att))
         self._queue.extendleft(reversed(waiting))  # in their order, ahead of those not looked at
         if self._queue:
             log.debug("attempts waiting for a slot", extra={"queued": len(self._queue)})
+
+    def _too_wide(self, n: int) -> str:
+        gpus = {s.gpu_index for s in self.slots if s.gpu_index >= 0}
+        if gpus and len(self.slots) > len(gpus):
+            return (
+                f"the batch asks for {n} ranks and node manager {self.id} has {len(gpus)} GPU(s) "
+                f"({len(self.slots)} slots share them; two ranks of one batch never share a GPU)"
+            )
+        return f"the batch asks for {n} slots and node manager {self.id} has {len(self.slots)}"
 
     def _refuse(self, att: _Attempt, why: str) -> None:
         """End a queued attempt that cannot run here, as failed (without starting anything)."""
@@ -610,3 +620,24 @@ class NodeManager:
             _, pending = await asyncio.wait(pending, timeout=10)
         for fut in pending:
             fut.cancel()
+
+
+def _rank_place(slot: SlotInfo) -> str:
+    """What two ranks of one batch never share: a GPU (NCCL refuses two ranks on one device), else the
+    slot (``core.slots.Slot.rank_place`` on the master's side)."""
+    return f"gpu{slot.gpu_index}" if slot.gpu_index >= 0 else slot.id
+
+
+def rank_slots(n: int, hinted: Sequence[SlotInfo], free: Mapping[str, SlotInfo]) -> list[SlotInfo] | None:
+    """``n`` of the ``free`` slots for the ranks of one batch, the ``hinted`` ones first, no two on one
+    GPU; None when fewer than ``n`` such are free."""
+    chosen: list[SlotInfo] = []
+    places: set[str] = set()
+    for slot in [*hinted, *free.values()]:
+        if len(chosen) == n:
+            break
+        place = _rank_place(slot)
+        if place not in places:
+            chosen.append(slot)
+            places.add(place)
+    return chosen if len(chosen) == n else None

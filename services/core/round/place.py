@@ -13,8 +13,8 @@ through the place step its policies give it (``PlaceStep``):
   (``oversub`` x 100 %), memory and CPU constraints, given the demand the study declares; what fits
   nowhere waits.
 
-Work on ``n > 1`` slots takes ``n`` free slots of one node manager (the first that has them), whatever
-its study chose, or waits. No step places work on a node manager that cannot run its plan's trainer
+Work on ``n > 1`` slots takes ``n`` free slots of one node manager (the first that has them), no two
+on one GPU, whatever its study chose, or waits. No step places work on a node manager that cannot run its plan's trainer
 (``Work.avoid``). Devices, their running jobs and their packed demands are only gathered in
 rounds where some study places by device.
 """
@@ -87,12 +87,14 @@ class SlotPool:
 
     def wide(self, n: int, avoid: frozenset[str] = frozenset()) -> tuple[Slot, ...] | None:
         """``n`` free slots of one node manager not in ``avoid`` (the first that has them, in the free
-        slots' order)."""
+        slots' order), no two of them on one GPU (``Slot.rank_place``)."""
         by_host: dict[str, list[Slot]] = {}
         for s in self.free[self._free_at :]:
             if s in self.taken or s.node_manager in avoid:
                 continue
             got = by_host.setdefault(s.node_manager, [])
+            if any(g.rank_place == s.rank_place for g in got):
+                continue
             got.append(s)
             if len(got) == n:
                 return tuple(got)

@@ -38,7 +38,7 @@ from stagetree.core.round.order import (
 from stagetree.core.round.place import FirstFit, PackingPlace, PlaceStep, SlotPool, TimeSharePlace
 from stagetree.core.round.work import Work, cut
 from stagetree.core.scheduler import PlannedBatch, count_batches
-from stagetree.core.slots import Slot
+from stagetree.core.slots import Slot, rank_places
 
 _DEFAULT = StudyPolicies()
 
@@ -117,15 +117,11 @@ class _Round:
         self.learning = any(p.stateful for p in inp.policies.values()) or not inp.state.empty()
         self.state: PolicyState = inp.state.clone() if self.learning else inp.state
         self.all_slots: list[Slot] = [*inp.free, *(b.slot for b in inp.busy)]
-        per_host: dict[str, int] = {}
-        for s in self.all_slots:
-            per_host[s.node_manager] = per_host.get(s.node_manager, 0) + 1
+        per_host = rank_places(self.all_slots)  # a batch's ranks go to distinct GPUs (Slot.rank_place)
         self.most = max(per_host.values(), default=0)
         self.hosts = per_host.keys()
         self.shape = genie.ClusterShape(max(len(per_host), 1), max(self.most, 1))
-        free_per_host: dict[str, int] = {}
-        for s in inp.free:
-            free_per_host[s.node_manager] = free_per_host.get(s.node_manager, 0) + 1
+        free_per_host = rank_places(inp.free)
         self.view = OrderView(self.now, self.state, self.shape, max(free_per_host.values(), default=0))
         self.steps: dict[StudyId, StudySteps] = {
             sid: steps_for(sid, p, inp.settings.order) for sid, p in sorted(inp.policies.items())

@@ -55,6 +55,23 @@ def test_n_slots_come_from_one_node_manager_in_first_fit_order() -> None:
     assert first is not None and first.id == "a-s0"
 
 
+def test_ranks_of_one_batch_never_share_a_gpu() -> None:
+    """Two slots a GPU: a 2-slot batch takes one slot of each of two GPUs (NCCL refuses two ranks on one
+    device); a node manager with one GPU, however many slots share it, has room for one rank."""
+    two_gpus = [Slot(f"g-gpu{i}.{j}", "g", "H200", gpu_index=i) for i in range(2) for j in range(2)]
+    got = SlotPool(two_gpus, [], [], [], {}).wide(2)
+    assert got is not None and [s.id for s in got] == ["g-gpu0.0", "g-gpu1.0"]
+    assert SlotPool(two_gpus, [], [], [], {}).wide(3) is None
+    one_gpu = [Slot(f"h-gpu0.{j}", "h", "H200", gpu_index=0) for j in range(4)]
+    assert SlotPool(one_gpu, [], [], [], {}).wide(2) is None
+    wide = plan_work(_plan((0.1, 10)), PlanId(1), slots=2)
+    dec = plan_round(round_input([wide], one_gpu))
+    assert dec.dispatches == () and "the study asks for 2 slots per batch" in dec.unplaceable[PlanId(1)]
+    dec = plan_round(round_input([wide], two_gpus))
+    (d,) = dec.dispatches
+    assert sorted(s.gpu_index for s in d.slots) == [0, 1]
+
+
 def test_a_batch_on_two_slots_waits_for_a_node_manager_with_two_free_while_others_are_placed() -> None:
     two = plan_work(_plan((0.1, 100)), PlanId(1), slots=2)  # the longest path, its plan takes 2 slots
     one = plan_work(_plan((0.5, 10)), PlanId(2))

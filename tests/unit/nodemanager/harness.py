@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,7 @@ async def start_node_manager(
     close_timeout_s: float = 10.0,
     reuse: ReusePolicy | None = None,
     user_path: Path | None = None,
+    slot_infos: Sequence[SlotInfo] | None = None,  # instead of ``slots`` CPU slots
     **kw: Any,
 ) -> Harness:
     link = FakeLink()
@@ -82,7 +84,7 @@ async def start_node_manager(
     nm = NodeManager(
         link,
         GrpcReporter(link, initial_backoff_s=0.01, close_timeout_s=close_timeout_s),
-        [SlotInfo(f"cpu{i}") for i in range(slots)],
+        list(slot_infos) if slot_infos is not None else [SlotInfo(f"cpu{i}") for i in range(slots)],
         launcher_of(launcher, store, tmp, reuse, user_path),
         node_manager_id="nm-test",
         store=store,

@@ -1,6 +1,7 @@
 """``NodeManager`` running batches on several slots as one group of real rank processes (gloo on CPU
 slots): one report per attempt, a rank's death or failure ends every rank and frees every slot, a
-preemption stops all ranks at one step, and a batch asking for more slots than there are is refused."""
+preemption stops all ranks at one step, and a batch asking for more slots than there are is refused, as is
+one whose ranks would share a GPU (NCCL refuses two ranks on one device)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from typing import Any
 import pytest
 
 from stagetree.core.batch import BatchSpec
+from stagetree.core.slots import SlotInfo
+from stagetree.nodemanager.agent import rank_slots
 from stagetree.nodemanager.examples.digits import digits_batch
 from stagetree.nodemanager.examples.faults import TORCH_ENTRY_POINT
 from stagetree.nodemanager.group import WorkerGroup
@@ -114,3 +117,29 @@ async def test_a_batch_on_more_slots_than_the_node_manager_has_is_refused(h: Har
     assert not report.ok and "asks for 3 slots" in report.error and "has 2" in report.error
     h.run(_spec(7, steps=3, slots=1))  # and the queue goes on
     assert (await h.report(7, timeout=60)).ok
+
+
+def test_ranks_of_one_batch_take_slots_of_distinct_gpus_hinted_first() -> None:
+    g00, g01 = SlotInfo("gpu0.0", "H200", gpu_index=0), SlotInfo("gpu0.1", "H200", gpu_index=0)
+    g10, g11 = SlotInfo("gpu1.0", "H200", gpu_index=1), SlotInfo("gpu1.1", "H200", gpu_index=1)
+    free = {s.id: s for s in (g00, g01, g10, g11)}
+    assert rank_slots(2, [], free) == [g00, g10]
+    assert rank_slots(2, [g11], free) == [g11, g00]
+    assert rank_slots(2, [], {g00.id: g00, g01.id: g01}) is None  # two slots of one GPU hold one rank
+    assert rank_slots(1, [g01], free) == [g01]
+    cpu = {f"cpu{i}": SlotInfo(f"cpu{i}") for i in range(3)}
+    assert [s.id for s in rank_slots(3, [], cpu) or []] == ["cpu0", "cpu1", "cpu2"]  # CPU ranks: any slots
+
+
+async def test_a_batch_whose_ranks_would_share_the_one_gpu_is_refused_with_why(tmp_path: Path) -> None:
+    shared = [SlotInfo(f"gpu0.{i}", "H200", memory_bytes=2**30, share=0.5, gpu_index=0) for i in range(2)]
+    h = await start_node_manager(tmp_path, slot_infos=shared)
+    try:
+        h.run(_spec(8, slots=2))
+        report = await h.report(8)
+        assert not report.ok and "asks for 2 ranks" in report.error and "1 GPU(s)" in report.error
+        assert "never share a GPU" in report.error and not h.nm._attempts
+        assert sorted(h.nm._free) == ["gpu0.0", "gpu0.1"]  # nothing started, both slots free
+    finally:
+        h.stop.set()
+        await asyncio.wait_for(h.task, 30)
