@@ -34,9 +34,11 @@ reported with its error and the others still run; ``--json`` is rewritten after 
   ``num_gpus=0.5`` per trial and ``reuse_actors``, then stagetree embedded with 2 slots on the GPU. Ray
   runs first, stopped after ``--ray-cap-s`` (its ``time_budget_s``): stopped early, its GPU-seconds and
   end-to-end time are lower bounds (``ratio_is_lower_bound``, ``ray_trials_finished``), and stagetree's
-  run is measured in any case. GPU-seconds: the slot time of the work (stagetree: every batch attempt
-  from being sent to its node manager to its end, from the ledger; Ray: every trial from the start of
-  the trainable to its last report) times the slot's half GPU. ``gpu_s_ratio_vs_raytune`` is Ray's over
+  run is measured in any case. GPU-seconds: the slot time of the work (stagetree: its slots' occupancy,
+  on each slot the union of its batch attempts' spans from being sent to the node manager to their end,
+  from the ledger, so a batch sent ahead is not counted while the one before it still trains; their plain
+  sum is ``stagetree_gpu_s_attempt_sum``; Ray: every trial from the start of the trainable to its last
+  report) times the slot's half GPU. ``gpu_s_ratio_vs_raytune`` is Ray's over
   stagetree's (target: 0.8 x the merge rate), ``e2e_ratio_vs_raytune`` likewise of the wall times; the
   finals of the trials both finished must agree to 1e-6 and stagetree must train exactly the unique
   steps. Each system warms up first (4 short trials).
@@ -113,6 +115,7 @@ class Context:
     s1_trials: int = 24
     ray_cap_s: float = 150.0
     packing: tuple[str, ...] = ("one", "packed", "mps")
+    oom_blocks: int = 2  # the oom phase's blocks a stage (more on a GPU with more memory)
     snapshots: Path | None = None  # where the packing phase writes the dashboard's cluster view it saw
     log: Callable[[str], None] = print
     ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
@@ -244,7 +247,7 @@ def phase_oom(ctx: Context) -> dict[str, Any]:
     rows = ctx.scaled(6144, 64)
     fixed = {
         "width": ctx.scaled(256, 8),
-        "blocks": 2,
+        "blocks": ctx.oom_blocks,
         "train_rows": rows,
         "eval_rows": 64,
         "batch_size": rows,
@@ -386,13 +389,15 @@ async def _raytune(ctx: Context) -> dict[str, Any]:
         ctx.log(f"  {ray.line()}  ({ray.notes['complete']} of {len(s1)} trials finished)")
     finally:
         await asyncio.to_thread(ray_side.stop)
-    async with StagetreeSide(home / "stagetree", fixed, slots_per_gpu=2) as st:
+    async with StagetreeSide(home / "stagetree", fixed, slots_per_gpu=2, cpu_figures=ctx.cpu) as st:
         await st.run("warmup", warm)
         st_run: RunFigures = await st.run("S1", s1)
         ctx.log(f"  {st_run.line()}")
 
     gpu_share = share or 1.0
-    st_gpu, ray_gpu = st_run.slot_s * gpu_share, ray.slot_s * gpu_share
+    # stagetree: its slots' occupancy (a batch sent ahead while the one before it trains is not on the
+    # device yet); Ray: each trial's span on its actor
+    st_gpu, ray_gpu = float(st_run.notes["slot_held_s"]) * gpu_share, ray.slot_s * gpu_share
     complete = int(ray.notes["complete"])
     capped = complete < len(s1)
     common = [t for t in ray.metrics if t in st_run.metrics]
@@ -405,6 +410,7 @@ async def _raytune(ctx: Context) -> dict[str, Any]:
         "unique_steps": unique,
         "executed_steps": st_run.executed,
         "stagetree_gpu_s": st_gpu,
+        "stagetree_gpu_s_attempt_sum": st_run.slot_s * gpu_share,  # every attempt from sent to end, added up
         "ray_gpu_s": ray_gpu,
         "ray_trials_finished": complete,
         "ray_capped_s": ctx.ray_cap_s if capped else None,
@@ -822,6 +828,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--ray-cap-s", type=float, default=150.0, help="raytune: Ray Tune's S1 run stops after this long")
     p.add_argument("--packing", default="one,packed,mps", help="packing: the configurations, of one, packed, mps")
+    p.add_argument("--oom-blocks", type=int, default=2, help="oom: blocks a stage (2 exhaust 80 GB, 8 for 141 GB)")
     p.add_argument("--snapshots", type=Path, default=None, help="packing: write the dashboard's cluster views here")
     p.add_argument(
         "--budget-s", type=float, default=None, help="the whole run's time: a phase gets at most what is left"
@@ -860,6 +867,7 @@ def main(argv: list[str] | None = None) -> int:
         ray_cap_s=ns.ray_cap_s,
         packing=packing,
         snapshots=ns.snapshots,
+        oom_blocks=ns.oom_blocks,
         log=lambda s: print(s, flush=True),
     )
     saved: dict[str, Any] = json.loads(ns.merge.read_text()) if ns.merge else {}

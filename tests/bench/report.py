@@ -106,8 +106,10 @@ BENCHES = (
            "eval_metric_plotted", "traceback_in_ui", "rebuilds_of_idle_study == 0")),
     Bench("multigpu", "1 against 2 gloo ranks: step time, metrics, exact resume, a killed rank, OOM doubling",
           ("resume_exact", "speedup_2_vs_1 >= 1.5", "killed_rank_cleanup", "oom_doubled")),
-    Bench("gpu", "On an NVIDIA GPU: CUDA resume, OOM, preemption, MPS packing, Ray Tune's GPU-seconds",
-          ("resume_exact", "mps_packing_vs_one >= 2.0", "preempt_s <= 2", "preempt_frees_memory"),
+    Bench("gpu", "On an NVIDIA GPU: CUDA resume, OOM, preemption, packing through the master, Ray Tune's "
+          "GPU-seconds, a 2-rank NCCL batch",
+          ("resume_exact", "mps_packing_vs_one >= 2.0", "preempt_s <= 2", "preempt_frees_memory",
+           "gpu_s_ratio_vs_raytune >= 0.8 * raytune_merge_rate", "nccl_batch_ok"),
           results="gpu-*"),
     Bench("first_hour", "a new user's first hour in a pty: the README quickstart, edited and run again, a trainer that "
           "raises, one schedule's printed forms, the tuner docs; first_result_s beside a plain Optuna script's",

@@ -48,6 +48,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import resource
 import shutil
@@ -56,7 +57,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -194,10 +195,13 @@ class StagetreeSide:
     reused by every run; each run gets a plan of its own (the fixed value ``bench_run`` differs), so
     nothing is answered from an earlier run's results."""
 
-    def __init__(self, home: Path, fixed: dict[str, Any], *, slots_per_gpu: int = 1) -> None:
+    def __init__(self, home: Path, fixed: dict[str, Any], *, slots_per_gpu: int = 1, cpu_figures: bool = True) -> None:
         self.home = home
         self.fixed = fixed
         self.slots_per_gpu = slots_per_gpu
+        # without CPU figures (the GPU bench) a run waits for no worker to exit: on a GPU slot a spare worker
+        # with its CUDA context waits beside the slot's warm one, and neither exits between runs
+        self.cpu_figures = cpu_figures
         self.cluster: Any = None
         self.client: Any = None
         self.runs = 0
@@ -248,6 +252,8 @@ class StagetreeSide:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             busy = await asyncio.to_thread(store.rounds.busy_slots)
+            if not busy and not self.cpu_figures:
+                return
             fs = _forkserver_pid()
             if not busy and (fs is None or _live_children(fs) <= STAGETREE_WORKERS):
                 return
@@ -279,6 +285,7 @@ class StagetreeSide:
         workers1, self1 = self._cpu()
         executed = await asyncio.to_thread(store.ledger.executed_steps) - executed0
         slot_s = await asyncio.to_thread(attempt_slot_seconds, store, since)
+        held_s = await asyncio.to_thread(slot_held_seconds, store, since)
         cpu = workers1 - workers0
         return RunFigures(
             "stagetree",
@@ -289,6 +296,7 @@ class StagetreeSide:
             {w.trial_id: m for w, m in zip(work, finals, strict=True)},
             executed=executed,
             slot_s=slot_s,
+            notes={"slot_held_s": held_s},
         )
 
     async def asha_live(self) -> tuple[list[TrialWork], float, int]:
@@ -454,6 +462,43 @@ def attempt_slot_seconds(store: Any, since: float) -> float:
     with store.ledger.db.tx("bench slot seconds") as s:
         rows = s.execute(select(a.sent_at, a.dispatched_at, a.finished_at).where(a.dispatched_at >= since)).all()
     return sum(float(end) - float(disp if sent is None else sent) for sent, disp, end in rows if end is not None)
+
+
+def slot_held_seconds(store: Any, since: float) -> float:
+    """Seconds the slots were held for the batch attempts dispatched at or after ``since``: on each slot,
+    the union of its attempts' spans (sent to its node manager, or dispatched, to the end). Beside
+    ``attempt_slot_seconds``, which adds the spans up, this does not count twice the time a batch sent
+    ahead waits while the batch before it still trains on the slot."""
+    from sqlalchemy import select
+
+    from stagetree.master.store import models as m
+
+    a = m.BatchAttempt
+    with store.ledger.db.tx("bench slot occupancy") as s:
+        rows = s.execute(
+            select(a.node_manager_id, a.slot_id, a.sent_at, a.dispatched_at, a.finished_at).where(
+                a.dispatched_at >= since
+            )
+        ).all()
+    spans: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for nm, slots, sent, disp, end in rows:
+        if end is None:
+            continue
+        for slot in str(slots).split(","):
+            spans.setdefault((nm, slot), []).append((float(disp if sent is None else sent), float(end)))
+    return sum(union_seconds(got) for got in spans.values())
+
+
+def union_seconds(spans: Iterable[tuple[float, float]]) -> float:
+    """The length of the union of the ``(start, end)`` spans."""
+    held, lo, hi = 0.0, 0.0, -math.inf
+    for a0, a1 in sorted(spans):
+        if a0 > hi:
+            held += max(hi - lo, 0.0)
+            lo, hi = a0, a1
+        else:
+            hi = max(hi, a1)
+    return held + max(hi - lo, 0.0)
 
 
 def straight_finals(work: list[TrialWork], fixed: dict[str, Any], device: str = "cpu") -> dict[int, dict[str, float]]:
