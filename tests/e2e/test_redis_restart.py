@@ -24,6 +24,8 @@ from tests.e2e.helpers import LRS, diagnostics, new_study, requests, study_batch
 
 pytestmark = pytest.mark.slow
 
+LEASE_UNCHECKED = "leader lease cannot be checked"  # the master's scheduling loop, each try while Redis is away
+
 
 class RedisServer:
     def __init__(self, port: int) -> None:
@@ -94,8 +96,11 @@ async def test_redis_restarted_mid_study_loses_nothing(
     evals = [asyncio.ensure_future(study.eval({"lr": lr}, 30)) for lr in LRS[:4]]
     await wait_for(lambda: any(b.state == "RUNNING" for b in study_batches(cluster, study)), 60, "a running batch")
 
+    gone = cluster.log("master").count(LEASE_UNCHECKED)
     private_redis.kill()
-    await asyncio.sleep(2.0)
+    # Redis stays away until the master has found it gone (a fixed outage can end, on a loaded machine,
+    # before any service tried it)
+    await wait_for(lambda: cluster.log("master").count(LEASE_UNCHECKED) > gone, 60, "the master to miss Redis")
     await asyncio.to_thread(private_redis.start)  # empty: no heartbeat keys, no lease, no subscriptions
 
     results = await asyncio.wait_for(asyncio.gather(*evals), 120)
