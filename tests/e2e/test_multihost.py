@@ -32,6 +32,7 @@ from tests.e2e.multihost import HEARTBEAT_TTL_S, MultiHost, duplicated_metrics, 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 STUDY_TIMEOUT_S = 120
+HEARTBEAT_INTERVAL_S = HEARTBEAT_TTL_S / 3  # what the master tells a registering node manager
 REGISTERED = "registered with the master"
 
 
@@ -149,9 +150,17 @@ async def test_a_partition_shorter_than_the_ttl_requeues_nothing(mh: MultiHost, 
     name = c.node_manager_names()[-1]
     host, nm = mh.hosts[name], c.node_manager_id(name)
     await wait_for(lambda: _running_on(mh, study, nm, 20), 90, f"a batch on {name} with a checkpoint")
+    # Cut the host off just after the master heard it, and bring it back once its next heartbeat is overdue:
+    # the partition is felt, and the master's silence (the cut, then the link's recovery, slower on a loaded
+    # machine) stays well under the TTL however long the test itself takes to notice.
+    before = _last_heartbeat(mh, nm)
+    await wait_for(lambda: _last_heartbeat(mh, nm) > before, 30, f"a heartbeat from {name}", every_s=0.05)
     mh.lab.partition(host)
-    await asyncio.sleep(HEARTBEAT_TTL_S / 3)
-    mh.lab.heal(host)
+    await wait_for(
+        lambda: time.time() - _last_heartbeat(mh, nm) > HEARTBEAT_INTERVAL_S * 1.25, 30, "a heartbeat overdue"
+    )
+    healed_at = mh.lab.heal(host)
+    await wait_for(lambda: _last_heartbeat(mh, nm) > healed_at, 30, f"{name} heard again")
     await asyncio.wait_for(asyncio.gather(*evals), STUDY_TIMEOUT_S)
     plan = plan_of(c, study)
     assert {b.state for b in batches(c, plan)} == {"DONE"}  # nothing lost, nothing requeued
@@ -167,6 +176,12 @@ async def test_latency_and_loss_on_a_hosts_link(mh: MultiHost, client: Client) -
     await asyncio.wait_for(asyncio.gather(*(study.eval({"lr": lr}, 20) for lr in LRS[:4])), STUDY_TIMEOUT_S)
     plan = plan_of(mh.cluster, study)
     assert lost_requests(mh.cluster, study) == 0 and duplicated_metrics(mh.cluster, plan) == 0
+
+
+def _last_heartbeat(mh: MultiHost, nm: str) -> float:
+    """When the master last heard the node manager (its clock: this machine's)."""
+    ((at,),) = mh.cluster.query("SELECT last_heartbeat FROM node_managers WHERE id = :n", n=nm)
+    return float(at)
 
 
 def _state(mh: MultiHost, nm: str) -> str | None:
