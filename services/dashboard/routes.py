@@ -216,10 +216,21 @@ def add_dashboard_routes(api: FastAPI, master: MasterApp) -> None:
         study: Annotated[
             str | None, Query(min_length=1, max_length=MAX_ID_LEN, description="only this study's changes")
         ] = None,
+        since: Annotated[
+            float | None,
+            Query(
+                ge=0,
+                le=1e12,
+                allow_inf_nan=False,
+                description="with study: the as_of of the page's curves; points recorded after it are announced "
+                "at once (they may have arrived before the stream was open)",
+            ),
+        ] = None,
     ) -> StreamingResponse:
         """Server-sent events: ``counts`` when request states changed, ``curves`` when curve points
-        arrived (see the module doc); with ``study``, that study's only."""
-        scope = await asyncio.to_thread(_Scope.open, master, activity, who, study) if study is not None else None
+        arrived (see the module doc); with ``study``, that study's only, and with ``since`` a ``curves``
+        event first when the study has points recorded after it."""
+        scope = await asyncio.to_thread(_Scope.open, master, activity, who, study, since) if study is not None else None
         subs = {
             "counts": [await master.coordination.subscribe(CH_RESULTS), await master.coordination.subscribe(CH_ROUND)],
             "curves": [await master.coordination.subscribe(CH_CURVES)],
@@ -228,6 +239,8 @@ def add_dashboard_routes(api: FastAPI, master: MasterApp) -> None:
         async def stream() -> AsyncIterator[bytes]:
             try:
                 yield b"retry: 2000\nevent: hello\ndata: {}\n\n"
+                if scope is not None and scope.caught_up is False:  # points between the page's read and now
+                    yield f"event: curves\ndata: {time.time():.3f}\n\n".encode()
                 last_keepalive = time.monotonic()
                 while not await request.is_disconnected():
                     waits = {
@@ -258,18 +271,25 @@ def add_dashboard_routes(api: FastAPI, master: MasterApp) -> None:
 class _Scope:
     """What one study's event stream last saw: its requests by state, its plans' latest curve point."""
 
-    def __init__(self, master: MasterApp, activity: ActivityReader, study_id: str) -> None:
+    def __init__(self, master: MasterApp, activity: ActivityReader, study_id: str, since: float | None = None) -> None:
         self.master = master
         self.activity = activity
         self.study_id = study_id
         self.requests = activity.request_fingerprint(study_id)
         self.plans = master.store.plans.study_plan_ids(study_id)
         self.curve_at = activity.latest_curve_time()  # the writers' clock, not this host's
+        # whether the page that opens the stream has every point: None when it did not say what it read
+        self.caught_up: bool | None = None
+        if since is not None:
+            self.curve_at = min(self.curve_at, since)
+            self.caught_up = "curves" not in self.changed(["curves"])
 
     @classmethod
-    def open(cls, master: MasterApp, activity: ActivityReader, who: Principal, study_id: str) -> _Scope:
+    def open(
+        cls, master: MasterApp, activity: ActivityReader, who: Principal, study_id: str, since: float | None = None
+    ) -> _Scope:
         study = master.service.get_study(who, study_id)  # NotFound (404) for another owner's study
-        return cls(master, activity, study.id)
+        return cls(master, activity, study.id, since)
 
     def changed(self, fired: Sequence[str]) -> list[str]:
         """Of the events that ``fired``, those that changed this study."""

@@ -97,7 +97,9 @@ async function stream() {
     const scope = live.scope;
     live.abort = new AbortController();
     try {
-      const q = scope ? `?study=${encodeURIComponent(scope)}` : "";
+      // the page's curves were read before the stream opened: `since` asks for what came in between
+      const since = scope && page && page.since ? page.since() : null;
+      const q = scope ? `?study=${encodeURIComponent(scope)}${since ? `&since=${since}` : ""}` : "";
       const r = await fetch(`/api/v1/dashboard/events${q}`, { headers: { authorization: `Bearer ${token()}` }, signal: live.abort.signal });
       if (!r.ok || !r.body) throw new Error(`events: ${r.status}`);
       setLive("live");

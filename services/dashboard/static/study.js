@@ -557,6 +557,7 @@ export async function renderStudy(main, studyId, gen) {
   const moreCurves = throttle(async () => { if (await loadCurves(true)) rebuilds(); }, 100);
   return {
     study: studyId,
+    since: () => curves.asOf,
     onCounts: refresh,
     onCurves: moreCurves,
     stop: () => { window.removeEventListener("resize", onResize); Object.values(charts).forEach((c) => c.dispose()); },

@@ -242,15 +242,16 @@ def test_a_batch_sent_ahead_does_not_make_its_slot_busier(http: httpx.Client, ap
 class _Listener:
     """A study's event stream read on a thread of its own, until ``close``."""
 
-    def __init__(self, base_url: str, study_id: str) -> None:
+    def __init__(self, base_url: str, study_id: str, since: float | None = None) -> None:
         self.client = httpx.Client(base_url=base_url, headers=ALICE, timeout=30)
         self.seen: list[str] = []
-        self.thread = threading.Thread(target=self._read, args=(study_id,), daemon=True)
+        self.thread = threading.Thread(target=self._read, args=(study_id, since), daemon=True)
         self.thread.start()
 
-    def _read(self, study_id: str) -> None:
+    def _read(self, study_id: str, since: float | None = None) -> None:
         try:
-            with self.client.stream("GET", f"/dashboard/events?study={study_id}") as r:
+            q = "" if since is None else f"&since={since}"
+            with self.client.stream("GET", f"/dashboard/events?study={study_id}{q}") as r:
                 for line in r.iter_lines():
                     if line.startswith("event: "):
                         self.seen.append(line[7:])
@@ -287,3 +288,34 @@ def test_a_study_scoped_event_stream_hears_only_its_study(http: httpx.Client, ap
     finally:
         idle.close()
         busy_l.close()
+
+
+def test_a_stream_opened_after_the_page_read_its_curves_announces_the_points_in_between(
+    http: httpx.Client, app: MasterApp
+) -> None:
+    """The study page reads its curves, then opens its stream: a point stored in between has already woken
+    every stream open then, so the stream's first event says so (given the curves' ``as_of``)."""
+    fx = fixed()
+    sid = http.post("/studies", json={"name": unique("between")}, headers=ALICE).json()["id"]
+    (r,) = http.post(
+        f"/studies/{sid}/requests", json={"items": [_item("r0", 0.5, END, "t0", fx)]}, headers=ALICE
+    ).json()
+    app.store.curves.record([(r["node"], 1, {"train_loss": 0.9})])
+    as_of = http.get(f"/dashboard/studies/{sid}/curves", headers=ALICE).json()["as_of"]
+    time.sleep(0.05)
+    app.store.curves.record([(r["node"], 2, {"train_loss": 0.8})])  # after the page's read, before its stream
+    app.coordination.notify("curves")
+    late, current = (
+        _Listener(str(http.base_url), sid, since=as_of),
+        _Listener(str(http.base_url), sid, since=time.time()),
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while (len(late.seen) < 2 or not current.seen) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert late.seen[:2] == ["hello", "curves"]
+        time.sleep(0.5)
+        assert current.seen == ["hello"]  # a page that read after the point: nothing to catch up
+    finally:
+        late.close()
+        current.close()
