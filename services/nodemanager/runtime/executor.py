@@ -234,6 +234,12 @@ class InMemory:
         """What batch ``spec``, which finished with ``trainer``, leaves for the next batch."""
         return cls(trainer, spec.plan_key, spec.fixed, spec.end, spec.gpus, capture_rng_state())
 
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the trainer holds CUDA memory (its device, not the batch's ``gpus``: a CPU slot runs
+        batches that ask for a GPU on the CPU)."""
+        return getattr(self.trainer, "device", torch.device("cpu")).type == "cuda"
+
     def fits(self, spec: BatchSpec) -> bool:
         """Whether ``spec`` (on one rank) starts where this trainer stands. Its source checkpoint must exist
         (the batch says where it is): a batch the master starts from a fresh model builds one."""

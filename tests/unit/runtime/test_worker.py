@@ -219,3 +219,39 @@ def test_warm_cuda_never_fails_the_worker(monkeypatch: pytest.MonkeyPatch, caplo
     monkeypatch.setattr(torch, "ones", broken)
     assert worker.warm_cuda() == 0.0
     assert "could not create the CUDA context ahead" in caplog.text
+
+
+@pytest.mark.parametrize("device, collections", [("cpu", 0), ("cuda", 1)])
+def test_a_trainer_left_in_memory_is_collected_for_only_when_it_held_a_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str, collections: int
+) -> None:
+    """A kept trainer the next batch cannot continue is dropped; a full ``gc.collect`` (a fraction of a
+    second of CPU with torch and sklearn imported) runs only to free a GPU's memory, by the device the
+    trainer ran on: a CPU slot's batches ask for ``gpus=1`` too."""
+    import gc
+
+    import torch
+
+    from stagetree.nodemanager.examples.digits import DigitsMLP
+    from stagetree.nodemanager.runtime import worker
+    from stagetree.nodemanager.runtime.checkpoints import LocalCheckpointStore
+    from stagetree.nodemanager.runtime.executor import InMemory
+
+    calls: list[int] = []
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append(1) or 0)
+    done = digits_batch([(1, 0, 3, HP)], batch_id=1)
+    assert done.gpus > 0  # what a CPU slot is sent
+    trainer = DigitsMLP()
+    trainer.device = torch.device(device)  # where it ran (no CUDA is touched: only the attribute is read)
+    kept = InMemory.after(done, trainer)
+    assert kept.on_gpu is (device == "cuda")
+
+    events = io.StringIO()
+    w = worker._Worker(worker._parse_args(["--spec", "-", "--checkpoint-root", str(tmp_path)]))
+    w.store = LocalCheckpointStore(tmp_path)
+    w._emit = EventWriter(events)
+    w.kept = kept
+    other = digits_batch([(2, 0, 3, HP)], batch_id=2, trainer="no_such_module_here:Net")  # fails at once
+    assert w.run(other) is None
+    assert w.kept is None and len(calls) == collections
+    assert "batch_failed" in events.getvalue()
