@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -27,13 +25,13 @@ from stagetree.core.round.learn import (
 from stagetree.core.round.model import Dispatch, PlanWork, RoundDecision, RoundInput
 from stagetree.core.round.order import (
     DecreasingOrder,
+    FairShare,
     OrderStep,
     OrderView,
     QosOrder,
     SearchOrder,
     TimeShareOrder,
     normal_tier,
-    share_key,
 )
 from stagetree.core.round.place import FirstFit, PackingPlace, PlaceStep, SlotPool, TimeSharePlace
 from stagetree.core.round.work import Work, cut
@@ -265,38 +263,29 @@ class _Round:
     def _place(self, queues: list[_Queue], pool: SlotPool) -> tuple[list[Dispatch], list[Work]]:
         """Take the next work across studies by ``share_key`` and place it; returns the dispatches and
         the work that waits (all of the reordering studies' work that was not placed)."""
-        inp = self.inp
-        held: dict[StudyId | None, int] = {}
-        owner_held: dict[str, int] = {}
-        owners = inp.owners
-        for r in inp.running:
-            held[r.study] = held.get(r.study, 0) + len(r.slots)
-            if r.study is not None:
-                owner = owners.get(r.study, "")
-                owner_held[owner] = owner_held.get(owner, 0) + len(r.slots)
-        seq = itertools.count()
-        heap: list[tuple[tuple[float, int, int, tuple[float, ...]], int, _Queue]] = []
+        share: FairShare[_Queue] = FairShare(self.inp.owners)
+        for r in self.inp.running:
+            share.took(r.study, len(r.slots))
 
         def push(q: _Queue) -> None:
             if q.head is not None:
                 if self.qos_round and q.head.tier == 0.0 and self.steps_of(q.head.study).orders == ():
                     q.head = replace(q.head, tier=normal_tier(q.head, self.view))
-                heapq.heappush(heap, (share_key(q.head, held, owner_held, owners), next(seq), q))
+                share.push(q, q.head.study, q.head.tier, q.head.batch.rank)
 
         for q in queues:
             push(q)
         dispatches: list[Dispatch] = []
         waiting: list[Work] = []
-        while heap:
+        while True:
             has_free = pool.first_free() is not None
             if not has_free and pool.first_soon() is None:
                 break
-            key, _, q = heapq.heappop(heap)
+            got_q = share.pop()
+            if got_q is None:
+                break
+            q = got_q
             assert q.head is not None
-            now_key = share_key(q.head, held, owner_held, owners)
-            if now_key != key:  # its study or owner took slots since it was pushed
-                heapq.heappush(heap, (now_key, next(seq), q))
-                continue
             steps = self.steps_of(q.head.study)
             if not has_free and (q.head.slots > 1 or not steps.lookahead):
                 # only busy slots about to free are left, and this work may not go there: it waits (a
@@ -317,12 +306,9 @@ class _Round:
                 slots, ahead = got
                 pool.take(slots, w)
                 dispatches.append(self._dispatch(w, slots, ahead))
-                held[w.study] = held.get(w.study, 0) + len(slots)
-                if w.study is not None:
-                    owner = owners.get(w.study, "")
-                    owner_held[owner] = owner_held.get(owner, 0) + len(slots)
+                share.took(w.study, len(slots))
             push(q)
-        for _, _, q in heap:  # what the reordering studies still have waits too (the preempt step reads it)
+        for q in share.queues():  # what the reordering studies still have waits too (the preempt step reads it)
             while q.head is not None and self.steps_of(q.head.study).orders:
                 waiting.append(q.pop())
         return dispatches, waiting

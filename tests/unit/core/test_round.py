@@ -352,3 +352,68 @@ def test_a_round_serves_each_request_once_runs_no_stage_twice_and_overcommits_no
         (p.plan, [(s.node, s.start, s.end) for s in p.forest.stages]) for p in before.plans
     ]
     assert inp.state.snapshot("s0") == before.state.snapshot("s0")
+
+
+@st.composite
+def share_runs(draw: st.DrawFn) -> tuple[list[list[tuple[str | None, float, tuple[float, ...]]]], dict[str, str], list]:
+    """Queues of (study, tier, rank) heads, the studies' owners, slots already held, and for each pop the
+    slots the popped head takes (0: it waits)."""
+    studies = [None, *(f"s{i}" for i in range(draw(st.integers(1, 5))))]
+    head = st.tuples(
+        st.sampled_from(studies), st.sampled_from((0.0, 0.0, 1.0, 2.5)), st.tuples(st.integers(0, 4), st.integers(0, 3))
+    )
+    queues = draw(st.lists(st.lists(head, min_size=1, max_size=6), min_size=1, max_size=8))
+    owners = {s: draw(st.sampled_from(("a", "b", "c"))) for s in studies if s is not None}
+    running = draw(st.lists(st.tuples(st.sampled_from(studies), st.integers(1, 3)), max_size=4))
+    takes = draw(st.lists(st.integers(0, 2), min_size=60, max_size=60))
+    return queues, owners, [running, takes]
+
+
+@settings(max_examples=200, deadline=None)
+@given(share_runs())
+def test_fair_share_takes_queues_in_share_key_order_as_one_flat_heap_would(run: tuple) -> None:
+    from stagetree.core.round.order import FairShare
+
+    queues, owners, (running, takes) = run
+    share: FairShare[int] = FairShare(owners)
+    held: dict[str | None, int] = {}
+    owner_held: dict[str, int] = {}
+
+    def took(study: str | None, n: int) -> None:
+        share.took(study, n)
+        held[study] = held.get(study, 0) + n
+        if study is not None:
+            owner_held[owners[study]] = owner_held.get(owners[study], 0) + n
+
+    for study, n in running:
+        took(study, n)
+    seq = itertools.count()
+    pushed: dict[int, int] = {}  # queue -> when its current head was pushed
+    pos = [0] * len(queues)
+
+    def push(i: int) -> None:
+        if pos[i] < len(queues[i]):
+            study, tier, rank = queues[i][pos[i]]
+            share.push(i, study, tier, rank)
+            pushed[i] = next(seq)
+
+    def flat_key(i: int) -> tuple:
+        study, tier, rank = queues[i][pos[i]]
+        owner = owners.get(study, "") if study is not None else ""
+        return (tier, owner_held.get(owner, 0), held.get(study, 0), rank, pushed[i])
+
+    for i in range(len(queues)):
+        push(i)
+    for n in takes:
+        expected = min(pushed, key=flat_key) if pushed else None
+        got = share.pop()
+        assert got == expected
+        if got is None:
+            break
+        del pushed[got]
+        study = queues[got][pos[got]][0]
+        pos[got] += 1
+        if n:
+            took(study, n)
+        push(got)
+    assert sorted(share.queues()) == sorted(pushed)
