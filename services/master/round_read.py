@@ -151,8 +151,9 @@ class InputReader:
         if not (free or soon or learning or budget is not None) or cost is None:
             return RoundRead(base, reads, {}, 0, (time.perf_counter() - t0) * 1000)
         work, uris, count = self._plans(reads, cost, asked, _gpu_type(every))
-        requests = {RequestId(r): StudyId(s) for r, s in reads.studies.items()}
-        arrivals = {RequestId(r): t for r, t in reads.arrivals.items()} if policies else {}
+        # the reads' maps as they are, not copied: 10,000 pending requests cost milliseconds a copy
+        requests = reads.studies
+        arrivals = reads.arrivals if policies else {}
         inp = RoundInput(
             now=now,
             plans=work,

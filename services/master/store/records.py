@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from stagetree.core.batch import Point
+from stagetree.core.ids import RequestId, StudyId
 from stagetree.core.lifecycle import AssignmentKind, BatchState, NodeManagerState, RequestState
 from stagetree.core.slots import Slot, SlotInfo
 
@@ -153,8 +154,8 @@ class RoundReads:
     running: list[BatchRecord]
     # (batch, attempt) -> when its worker started, of the running ones whose batch_started was recorded
     started: dict[tuple[int, int], float] = field(default_factory=dict)
-    studies: dict[int, str] = field(default_factory=dict)  # pending request -> its study
-    arrivals: dict[int, float] = field(default_factory=dict)  # pending request -> when it was submitted
+    studies: dict[RequestId, StudyId] = field(default_factory=dict)  # pending request -> its study
+    arrivals: dict[RequestId, float] = field(default_factory=dict)  # pending request -> when it was submitted
     # running (batch, attempt) -> (the study of its last request, when it was dispatched)
     served: dict[tuple[int, int], tuple[str | None, float]] = field(default_factory=dict)
     owners: dict[str, str] = field(default_factory=dict)  # the owner of each study above

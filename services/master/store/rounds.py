@@ -8,6 +8,7 @@ from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from stagetree.core.batch import Point
+from stagetree.core.ids import RequestId, StudyId
 from stagetree.core.lifecycle import LIVE_REQUEST_STATES, BatchState, RequestState
 from stagetree.master.store import models as m
 from stagetree.master.store.checkpoints import CheckpointCatalog
@@ -63,8 +64,8 @@ class RoundReader:
         with self.db.tx("round reads") as s:
             nms = self.nodes.node_managers_cached_in(s, self._slots)
             policies = self._policy_studies_in(s)
-            studies: dict[int, str] = {}
-            arrivals: dict[int, float] = {}
+            studies: dict[RequestId, StudyId] = {}
+            arrivals: dict[RequestId, float] = {}
             pending = self._pending_in(s, studies, arrivals)
             started: dict[tuple[int, int], float] = {}
             running = self._running_in(s, started)
@@ -133,7 +134,7 @@ class RoundReader:
             return self._policy_studies_in(s)
 
     def _pending_in(
-        self, s: Session, studies: dict[int, str], arrivals: dict[int, float]
+        self, s: Session, studies: dict[RequestId, StudyId], arrivals: dict[RequestId, float]
     ) -> dict[int, list[tuple[int, Point]]]:
         """Per plan, (request id, point) of every NOT_SCHED request; each one's study into ``studies``
         and its arrival into ``arrivals``."""
