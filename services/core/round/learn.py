@@ -17,6 +17,7 @@ whose quantum expired yields to the best job waiting on its device when that one
 from __future__ import annotations
 
 import bisect
+import heapq
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -252,14 +253,38 @@ def assign_devices(
     counts = dict.fromkeys(devices, 0)
     for bound in state.device.values():
         counts[bound] += 1
+    least = LeastLoaded(counts)
     for w in ordered:
         ts = _ts(policies, w.study)
         if ts is None or w.key in state.device:
             continue
-        chosen = hermes.find_available_gpu(counts, ts.g_thres)
+        chosen = least.take(ts.g_thres)
         if chosen is not None:
             state.device[w.key] = chosen
-            counts[chosen] += 1
+
+
+class LeastLoaded:
+    """``hermes.find_available_gpu`` over and over as jobs are bound: the device with the fewest jobs
+    (the first in ``counts``' order on ties) when that is below the threshold. A heap of (jobs, order)
+    answers each in O(log devices) where the scan was O(devices) per job (2,000 jobs on 1,600 devices
+    were most of a round)."""
+
+    def __init__(self, counts: dict[str, int]) -> None:
+        self.counts = counts
+        self._heap = [(n, i, d) for i, (d, n) in enumerate(counts.items())]
+        heapq.heapify(self._heap)
+
+    def take(self, g_thres: int) -> str | None:
+        """The device a job binds to (its count goes up by one), or None: every device holds ``g_thres``."""
+        heap, counts = self._heap, self.counts
+        while heap and heap[0][0] != counts[heap[0][2]]:
+            heapq.heappop(heap)  # its count went up since this entry was made
+        if not heap or heap[0][0] >= g_thres:
+            return None
+        n, i, d = heap[0]
+        counts[d] = n + 1
+        heapq.heapreplace(heap, (n + 1, i, d))
+        return d
 
 
 def time_share_preempt(
@@ -272,7 +297,10 @@ def time_share_preempt(
 ) -> list[BatchId]:
     """Hermes' node scheduler (Alg. 3) on each device: a running job whose quantum expired yields to
     the best job bound to its device and waiting, when that one scores higher."""
-    queue = [w for w in waiting if _ts(policies, w.study) is not None]
+    queue: dict[str | None, list[Work]] = {}  # the waiting jobs by the device they are bound to
+    for w in waiting:
+        if _ts(policies, w.study) is not None:
+            queue.setdefault(device.get(w.key), []).append(w)
     out: list[BatchId] = []
     taken: set[str] = set()
     for r in sorted(running, key=lambda r: (r.started, r.batch)):
@@ -283,8 +311,8 @@ def time_share_preempt(
         cur = jobs.get(r.job) or hermes.TimeShareJob(r.job)
         cands = [
             jobs.get(w.key) or hermes.TimeShareJob(w.key, w.arrival)
-            for w in queue
-            if w.key not in taken and w.key != r.job and device.get(w.key) == r.device
+            for w in queue.get(r.device, ())
+            if w.key not in taken and w.key != r.job
         ]
         slot = str(r.batch)
         for sw in hermes.node_round(pol, {slot: hermes.RunningJob(cur, r.started)}, {slot: cands}, now):

@@ -137,7 +137,7 @@ class TimeSharePlace:
         if dev.host(device) in w.avoid:  # its node manager cannot run it: a free slot of another may
             s = pool.first_free(w.avoid)
             return None if s is None else ((s,), False)
-        if device not in dev.with_free():
+        if not dev.has_free(device):
             return None  # its device is busy: it waits for its turn there
         return (dev.free_slot(device),), False
 
@@ -164,7 +164,9 @@ def _copy(u: packing.Usage) -> packing.Usage:
 
 
 class _Devices:
-    """The pool's slots by device, with the jobs running and placed on each and their packed demand."""
+    """The pool's slots by device, with the jobs running and placed on each and their packed demand.
+    Each lookup is kept per device or per GPU type, so that a round on a large cluster (1,600 devices,
+    half of them running work) does not walk every device for each running or placed job."""
 
     def __init__(self, pool: SlotPool) -> None:
         self.pool = pool
@@ -173,11 +175,16 @@ class _Devices:
         for s in pool.all_slots:
             self.slots.setdefault(s.device, []).append(s)
             self.node_cpus[s.node_manager] = self.node_cpus.get(s.node_manager, 0.0) + float(s.cpu_cores or 1)
+        # a job's demand is given per GPU type, from the slots of the last device of that type
+        self.type_slots: dict[str, int] = {sl[0].gpu_type: len(sl) for sl in self.slots.values()}
         self.free: dict[str, list[Slot]] = {}
         for s in pool.free:
             if s not in pool.taken:
                 self.free.setdefault(s.device, []).append(s)
+        self.untaken = {d: len(sl) for d, sl in self.free.items()}  # devices with a free slot, in order
+        self.free_slots = {s for sl in self.free.values() for s in sl}
         self.usage = packing.Usage()
+        self.bins: dict[tuple[str, float], packing.GpuBin] = {}
         self.load: dict[str, int] = {}  # running and placed jobs per device (Hermes Alg. 2)
         for r in pool.running:
             for s in r.slots:
@@ -186,8 +193,10 @@ class _Devices:
                     self.usage.add(self.item(f"run{r.batch}.{s.id}", r.study, 0.0), self.bin_of(s.device, 1.0))
 
     def with_free(self) -> list[str]:
-        taken = self.pool.taken
-        return [d for d, sl in self.free.items() if any(s not in taken for s in sl)]
+        return list(self.untaken)
+
+    def has_free(self, device: str) -> bool:
+        return device in self.untaken
 
     def host(self, device: str) -> str:
         """The node manager of a device ("" for one the round does not have)."""
@@ -198,6 +207,12 @@ class _Devices:
         return next(s for s in self.free[device] if s not in self.pool.taken)
 
     def placed(self, s: Slot, w: Work) -> None:
+        if s in self.free_slots:  # not a busy slot taken ahead
+            left = self.untaken[s.device] - 1
+            if left > 0:
+                self.untaken[s.device] = left
+            else:
+                del self.untaken[s.device]
         self.load[s.device] = self.load.get(s.device, 0) + 1
         self.usage.add(self.item(f"w{w.key}.{s.id}", w.study, w.cost_s), self.bin_of(s.device, 1.0))
 
@@ -209,12 +224,17 @@ class _Devices:
 
     def item(self, key: str, study: StudyId | None, cost: float) -> packing.PackItem:
         d = {}
-        for slots in self.slots.values():
-            base = self.demand(study, len(slots))
-            d[slots[0].gpu_type] = packing.Demand(base.compute, base.memory, base.cpus, cost)
+        for gpu_type, n in self.type_slots.items():
+            base = self.demand(study, n)
+            d[gpu_type] = packing.Demand(base.compute, base.memory, base.cpus, cost)
         return packing.PackItem(key, d)
 
     def bin_of(self, dev: str, oversub: float) -> packing.GpuBin:
-        slots = self.slots[dev]
-        mem = sum(s.memory_bytes for s in slots) or math.inf
-        return packing.GpuBin(Slot(dev, slots[0].node_manager, slots[0].gpu_type), mem, oversub)
+        got = self.bins.get((dev, oversub))
+        if got is None:
+            slots = self.slots[dev]
+            mem = sum(s.memory_bytes for s in slots) or math.inf
+            got = self.bins[(dev, oversub)] = packing.GpuBin(
+                Slot(dev, slots[0].node_manager, slots[0].gpu_type), mem, oversub
+            )
+        return got

@@ -417,3 +417,23 @@ def test_fair_share_takes_queues_in_share_key_order_as_one_flat_heap_would(run: 
             took(study, n)
         push(got)
     assert sorted(share.queues()) == sorted(pushed)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 4), min_size=1, max_size=8),
+    st.lists(st.integers(1, 5), max_size=30),
+)
+def test_least_loaded_binds_as_hermes_find_available_gpu_does(loads: list[int], thresholds: list[int]) -> None:
+    from stagetree.core.policies.hermes import find_available_gpu
+    from stagetree.core.round.learn import LeastLoaded
+
+    counts = {f"gpu{i}": n for i, n in enumerate(loads)}
+    naive = dict(counts)
+    least = LeastLoaded(counts)
+    for g_thres in thresholds:
+        want = find_available_gpu(naive, g_thres)
+        if want is not None:
+            naive[want] += 1
+        assert least.take(g_thres) == want
+    assert counts == naive
