@@ -17,6 +17,7 @@ from stagetree.core.batch import Point
 from stagetree.core.failures import log_note
 from stagetree.core.lifecycle import AttemptReport, MetricPoint, Outcome
 from stagetree.core.sequences import MultiStep
+from stagetree.dashboard.schemas import Curves
 from stagetree.master.app import MasterApp
 from stagetree.master.auth import ADMIN, Principal
 from tests.integration.master.conftest import TOKENS
@@ -141,6 +142,9 @@ def test_pages_read_trials_their_rungs_and_a_failure_with_its_traceback(http: ht
     step = http.get(f"/dashboard/studies/{sid}/curves?metric=train_loss&times=true", headers=ALICE).json()
     (own,) = [n for n in step["nodes"] if n["points"]]
     assert step["kind"] == "step" and len(own["points"]) == BRANCH and len(own["times"]) == BRANCH
+    # the curves are written as built, not through their response model: they must still match it
+    for answer in (ev, step, http.get(f"/dashboard/studies/{sid}/curves", headers=ALICE).json()):
+        Curves.model_validate(answer)
     # "loss" is both a step metric's name nowhere and an evaluation metric: kind picks it
     assert http.get(f"/dashboard/studies/{sid}/curves?metric=loss", headers=ALICE).json()["kind"] == "eval"
 
