@@ -105,7 +105,10 @@ def test_importances_are_shares_that_a_monotone_rescaling_does_not_change(data: 
     imp = importance(rows, ys)
     assert all(0.0 <= v <= 1.0 for v in imp.values())
     assert math.isclose(sum(imp.values()), 1.0) or sum(imp.values()) == 0.0
-    squashed = [{"x": math.atan(x / 100), "c": c} for x, c, _ in data]  # order kept: the same bins
+    # a monotone squashing that keeps every value apart (atan of floats can merge neighbours, e.g. 0 and
+    # 5e-324): each value to atan of its rank, so the order and the ties are those of x, hence the same bins
+    rank = {v: i for i, v in enumerate(sorted({x for x, _, _ in data}))}
+    squashed = [{"x": math.atan(rank[x] - 30.0), "c": c} for x, c, _ in data]
     assert epsilon_squared([r["x"] for r in squashed], ys) == epsilon_squared([r["x"] for r in rows], ys)
 
 
