@@ -210,35 +210,6 @@ class AttemptTiming:
 
 
 @dataclass(frozen=True)
-class AttemptReport:
-    """What one batch attempt produced and how it ended: the domain's one report type (the node
-    manager's gRPC report and, message by message, its bus events carry the same facts)."""
-
-    batch_id: int
-    attempt: int
-    outcome: Outcome
-    metrics: Sequence[MetricPoint] = ()
-    checkpoints: Sequence[CheckpointPoint] = ()
-    error: str = ""
-    curve: Sequence[MetricPoint] = ()  # the learning curve's sampled step metrics
-    rescaled: Rescaled | None = None  # it resumed a checkpoint written by another number of ranks
-    reached_step: int | None = None  # the furthest step its worker said it trained to (None: not said)
-    timing: AttemptTiming | None = None  # its worker's measure of its time (None: not reported)
-
-    @property
-    def reached(self) -> int | None:
-        """The furthest step the report shows the attempt trained to (None: it shows none)."""
-        steps = [p.step for p in self.metrics] + [c.step for c in self.checkpoints] + [p.step for p in self.curve]
-        if self.reached_step is not None:
-            steps.append(self.reached_step)
-        return max(steps, default=None)
-
-    @property
-    def end(self) -> AttemptEnd:
-        return AttemptEnd(self.batch_id, self.attempt, self.outcome, self.error)
-
-
-@dataclass(frozen=True)
 class BatchHead:
     """What the ledger holds of a batch when an end arrives: its current attempt and that attempt's state."""
 

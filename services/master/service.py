@@ -12,14 +12,15 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from stagetree.bus.messages import BatchMessage
 from stagetree.core.batch import CurveSampling, Point
 from stagetree.core.config import Config, FixedPart, divergence
 from stagetree.core.entrypoints import check_entry_point
 from stagetree.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, StagetreeError
-from stagetree.core.lifecycle import AssignmentKind, AttemptReport, MetricPoint, RetryPolicy
+from stagetree.core.lifecycle import AssignmentKind, RetryPolicy
 from stagetree.core.searchplan import check_step
 from stagetree.core.sharing import SharingStats
 from stagetree.core.text import INT64_MAX, check_id, check_json_depth, check_text
@@ -28,6 +29,7 @@ from stagetree.master.auth import Principal, scope_of
 from stagetree.master.plans import PlanCache, config_text
 from stagetree.master.policies import fixed_without_policies, split_policies
 from stagetree.master.settings import LimitSettings
+from stagetree.master.store.ingest import Ingestor
 from stagetree.master.store.paths import PathChange
 from stagetree.master.store.records import (
     Assignment,
@@ -46,6 +48,10 @@ log = logging.getLogger(__name__)
 MAX_ID_LEN = 128  # client request ids, labels, node manager and slot ids, plan keys, study ids
 MAX_CORES = 1 << 16
 MAX_GPU_INDEX = 1 << 10
+
+# a direct report's message ids are kept this long (a node manager retries a report for minutes at most)
+APPLIED_RETENTION_S = 7 * 24 * 3600.0
+PRUNE_APPLIED_EVERY_S = 3600.0
 
 CH_ROUND = "round"  # something a scheduling round should look at happened
 CH_RESULTS = "results"  # some requests finished
@@ -126,6 +132,7 @@ class MasterService:
         # not import (None: it does), checked at study creation instead of at the first batch
         self.trainer_check: Callable[[str], str | None] | None = None
         self._plan_versions: dict[int, tuple[str, str]] = {}  # plan_versions' memory (plans are immutable)
+        self._applied_pruned_at = time.monotonic()  # when the direct reports' applied ids were last pruned
 
     # -- studies --------------------------------------------------------------------------------
 
@@ -581,68 +588,40 @@ class MasterService:
                 self.wakeups.notify(ch_node_manager(batch.node_manager_id))
         return asked
 
-    def report_batch(self, who: Principal, report: AttemptReport) -> list[int]:
-        """A node manager reports what a batch attempt produced and how it ended. Returns the requests
-        it completed. What becomes of the rest is ``core.lifecycle.end_attempt``'s decision (bounded
+    def report_batch(self, who: Principal, report: Sequence[BatchMessage]) -> list[int]:
+        """A node manager reports what a batch attempt produced and how it ended: its bus messages
+        (``stagetree.bus.messages``), applied as an aggregator applies them. Returns the requests it
+        completed. What becomes of the rest is ``core.lifecycle.end_attempt``'s decision (bounded
         retries of failures; a preempted attempt's work is rescheduled from its checkpoint)."""
         got = self.report_batches(who, [report])[0]
         if isinstance(got, StagetreeError):
             raise got
         return got
 
-    def report_batches(self, who: Principal, reports: Sequence[AttemptReport]) -> list[list[int] | StagetreeError]:
-        """``report_batch`` of several attempts in one transaction (reports that arrive together: see
-        ``api.grouping``). Each gets the requests it completed, or the error that rejected it alone (an
-        unknown batch, a bad step); the others are applied all the same."""
+    def report_batches(
+        self, who: Principal, reports: Sequence[Sequence[BatchMessage]]
+    ) -> list[list[int] | StagetreeError]:
+        """``report_batch`` of several attempts in one ``Ingestor.apply`` (one transaction: reports that
+        arrive together, see ``api.grouping``). Each gets the requests its metrics completed, or the
+        first reason one of its messages can never apply (an unknown batch, a bad step; its other
+        messages are applied all the same, as on the bus). Messages are idempotent by ``msg_id``: a
+        report sent again after a lost answer changes nothing."""
         who.require_admin()
         metrics.reported(len(reports))
-        out: dict[int, list[int] | StagetreeError] = {}
-        valid: list[tuple[int, AttemptReport]] = []
-        for i, r in enumerate(reports):
-            try:
-                valid.append((i, self._canonical(r)))
-            except StagetreeError as e:
-                out[i] = e
-        got = self.store.ledger.report_batches([r for _, r in valid], self.retry) if valid else []
-        for (i, rin), res in zip(valid, got, strict=True):
-            if isinstance(res, StagetreeError):
-                out[i] = res
+        ingestor = Ingestor(self.store, self.plans, max_failures=self.retry.max_failures)
+        result = ingestor.apply([msg for report in reports for msg in report])
+        if time.monotonic() - self._applied_pruned_at > PRUNE_APPLIED_EVERY_S:  # no aggregator may run to do it
+            self._applied_pruned_at = time.monotonic()
+            ingestor.prune_applied(APPLIED_RETENTION_S)
+        out: list[list[int] | StagetreeError] = []
+        for report in reports:
+            why = next((e for msg in report if (e := result.rejected_why.get(msg.msg_id)) is not None), None)
+            if why is not None:
+                out.append(why)
                 continue
-            done, requeued = res
-            out[i] = done
-            log.info(
-                "batch reported",
-                extra={
-                    "batch_id": rin.batch_id,
-                    "attempt": rin.attempt,
-                    "outcome": str(rin.outcome),
-                    "done": len(done),
-                    "requeued": len(requeued),
-                },
-            )
-        if valid:
+            out.append(sorted({i for msg in report for i in result.completed_by.get(msg.msg_id, ())}))
+        if result.results_changed:
             self.wakeups.notify(CH_RESULTS)
+        if result.round_needed:
             self.wakeups.notify(CH_ROUND)
-        return [out[i] for i in range(len(reports))]
-
-    def _canonical(self, r: AttemptReport) -> AttemptReport:
-        """``r`` with its points canonical (NotFound for an unknown batch, InvalidArgument for a bad step)."""
-        plan_id = self.store.ledger.plan_of_batch(r.batch_id)
-        ckpts = []
-        for c in r.checkpoints:
-            p = self.plans.canonical(plan_id, Point(c.node, check_step(c.step)))
-            ckpts.append(replace(c, node=p.node, step=p.step))
-        points = []
-        for mr in r.metrics:
-            p = self.plans.canonical(plan_id, Point(mr.node, check_step(mr.step)))
-            points.append(MetricPoint(p.node, p.step, dict(mr.values)))
-        curve = []
-        for cp in r.curve:
-            p = self.plans.canonical(plan_id, Point(cp.node, check_step(cp.step)))
-            curve.append(MetricPoint(p.node, p.step, dict(cp.values)))
-        rescaled = r.rescaled
-        if rescaled is not None:
-            p = self.plans.canonical(plan_id, Point(rescaled.node, check_step(rescaled.step)))
-            rescaled = replace(rescaled, node=p.node, step=p.step)
-        reached = None if r.reached_step is None else check_step(r.reached_step)
-        return replace(r, metrics=points, checkpoints=ckpts, curve=curve, rescaled=rescaled, reached_step=reached)
+        return out

@@ -9,21 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import grpc
 
+from stagetree.bus.messages import BatchMessage
 from stagetree.core.errors import InvalidArgument, StagetreeError
 from stagetree.core.lifecycle import (
     FINISHED_REQUEST_STATES,
-    AttemptReport,
-    AttemptTiming,
-    CheckpointPoint,
-    MetricPoint,
-    Outcome,
-    Rescaled,
 )
 from stagetree.core.sharing import SharingStats
 from stagetree.core.text import check_id
@@ -31,6 +25,7 @@ from stagetree.master.api.admission import RETRY_AFTER_MD, Admission
 from stagetree.master.api.assignment_hub import STREAM_POLL_S, AssignmentHub
 from stagetree.master.api.grouping import Grouper
 from stagetree.master.api.grpc_guard import GuardedRegistration
+from stagetree.master.api.reports import messages_of
 from stagetree.master.api.results_hub import ResultsHub
 from stagetree.master.auth import Authenticator, Principal, bearer
 from stagetree.master.coordination import Coordination, Subscription
@@ -98,45 +93,6 @@ def stats_pb(st: SharingStats) -> pb.StudyStats:
     )
 
 
-def _report_of(request: pb.ReportBatchRequest) -> AttemptReport:
-    return AttemptReport(
-        request.batch_id,
-        request.attempt,
-        Outcome.of_report(
-            request.ok,
-            preempted=request.preempted,
-            oom=request.oom,
-            user_error=request.user_error,
-            host_problem=request.host_problem,
-        ),
-        [MetricPoint(m.node, m.step, dict(m.values)) for m in request.metrics],
-        [
-            CheckpointPoint(c.node, c.step, c.uri, c.bytes, c.kind or "central", max(c.ranks, 1))  # 0: unset
-            for c in request.checkpoints
-        ],
-        error=request.error,
-        curve=[MetricPoint(m.node, m.step, dict(m.values)) for m in request.curve],
-        rescaled=_rescaled(request.rescaled) if request.HasField("rescaled") else None,
-        reached_step=request.reached_step or None,
-        timing=_timing(request.timing) if request.HasField("timing") else None,
-    )
-
-
-def _timing(t: pb.AttemptTiming) -> AttemptTiming:
-    values = {"given_at": t.given_at, "startup_s": t.startup_s, "checkpoint_s": t.checkpoint_s, "train_s": t.train_s}
-    bad = {k: v for k, v in values.items() if not (math.isfinite(v) and v >= 0)}
-    if bad:
-        raise InvalidArgument(f"timing: every field must be a finite number >= 0, got {bad}")
-    return AttemptTiming(t.given_at, t.startup_s, t.checkpoint_s, t.train_s)
-
-
-def _rescaled(r: pb.Rescaled) -> Rescaled:
-    """The report's resume on another number of ranks (its point is canonicalized by the service)."""
-    if r.from_ranks < 1 or r.to_ranks < 1 or r.from_ranks == r.to_ranks:
-        raise InvalidArgument(f"rescaled: from_ranks and to_ranks must be two different counts >= 1, got {r}")
-    return Rescaled(r.node, r.step, r.uri, r.from_ranks, r.to_ranks)
-
-
 def slot_pb(s: SlotInfo) -> pb.Slot:
     return pb.Slot(
         id=s.id,
@@ -166,7 +122,7 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
         self.curves = CurveService(service)
         self.results = ResultsHub(coordination, service.store.requests.finished_among)
         self.assignments = AssignmentHub(coordination, service.take_assignments_many, service.store.nodes.with_unsent)
-        self._reports: Grouper[tuple[Principal, AttemptReport], list[int]] = Grouper(self._report_group)
+        self._reports: Grouper[tuple[Principal, list[BatchMessage]], list[int]] = Grouper(self._report_group)
         # the heartbeats that arrive together share a transaction and a Redis round trip (HEARTBEAT_GROUP)
         self._beats: Grouper[Beat, None] = Grouper(self._beat_group, max_items=HEARTBEAT_GROUP)
 
@@ -431,7 +387,7 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
 
     async def ReportBatch(self, request: pb.ReportBatchRequest, context: Any) -> pb.ReportBatchResponse:
         try:
-            report = _report_of(request)
+            report = messages_of(request)
             who = self._who(context)
             who.require_admin()
             done = await self._reports.submit((who, report))
@@ -440,7 +396,7 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
             raise  # unreachable: abort raises
         return pb.ReportBatchResponse(completed_request_ids=done)
 
-    def _report_group(self, items: list[tuple[Principal, AttemptReport]]) -> list[list[int] | Exception]:
+    def _report_group(self, items: list[tuple[Principal, list[BatchMessage]]]) -> list[list[int] | Exception]:
         """Reports that arrived together, one transaction per principal (``Grouper``)."""
         out: dict[int, list[int] | Exception] = {}
         by_who: dict[Principal, list[int]] = {}

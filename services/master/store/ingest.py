@@ -1,7 +1,8 @@
 """Batched, idempotent apply of bus messages to the search-plan database: the aggregator's write side.
 
 :class:`Ingestor` turns a list of decoded bus messages into database effects in ONE transaction,
-through the same store roles as the master's direct path (``BatchLedger.report_batches``):
+for both transports of a worker's events: the aggregator's bus records and the node manager's direct
+``ReportBatch`` (whose ``events`` are the same encoded messages) both end here, through the store roles:
 
 - ``metrics``: stored at the canonical point (the first value at a point wins), and the live requests
   waiting there become DONE (``RequestStore.record_metrics_in``);
@@ -66,7 +67,7 @@ from stagetree.bus.messages import (
     Rescaled,
 )
 from stagetree.core.batch import Point
-from stagetree.core.errors import InvalidArgument, NotFound
+from stagetree.core.errors import InvalidArgument, NotFound, StagetreeError
 from stagetree.core.lifecycle import AttemptEnd, AttemptTiming, Outcome, RetryPolicy
 from stagetree.core.lifecycle import Rescaled as RescaledPoint
 from stagetree.core.searchplan import SearchPlan
@@ -109,6 +110,8 @@ class IngestResult:
     finished: list[int] = field(default_factory=list)  # batch ids whose running attempt ended
     requeued: list[int] = field(default_factory=list)  # request ids sent back to NOT_SCHED
     stale: int = 0  # terminal reports for an attempt that was not the running one
+    completed_by: dict[str, list[int]] = field(default_factory=dict)  # metrics msg_id -> the requests it made DONE
+    rejected_why: dict[str, StagetreeError] = field(default_factory=dict)  # msg_id -> why it can never apply
 
     @property
     def results_changed(self) -> bool:
@@ -130,6 +133,8 @@ class IngestResult:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("completed", "failed_requests", "finished", "requeued"):
             getattr(self, name).extend(getattr(other, name))
+        self.completed_by.update(other.completed_by)
+        self.rejected_why.update(other.rejected_why)
 
 
 # A message that can apply, with its canonical point (metrics, checkpoints and preemptions have one).
@@ -217,7 +222,9 @@ class Ingestor:
             new = self._claim(s, sorted(candidates), now)
             out.duplicates += len(candidates) - len(new)
             out.rejected += sum(1 for i in rejected_ids if i in new)
+            out.rejected_why = {i: why for i, why in rejected_ids.items() if i in new}
             metrics: list[tuple[int, int, dict[str, float]]] = []
+            metric_ids: list[str] = []
             saved: list[tuple[int, int, str, int, str, int]] = []
             rescaled: list[tuple[int, int, RescaledPoint]] = []
             curve: list[tuple[int, int, dict[str, float]]] = []
@@ -228,6 +235,7 @@ class Ingestor:
                 if isinstance(msg, Metrics):
                     assert point is not None
                     metrics.append((point.node, point.step, msg.metrics))
+                    metric_ids.append(msg.msg_id)
                 elif isinstance(msg, Curve):
                     curve.extend(curves[msg.msg_id])
                     out.applied += 1
@@ -251,8 +259,12 @@ class Ingestor:
             out.path_changes += self.paths.record_in(s, rescaled, now)
             out.curve_points += self.curves.record_in(s, curve, now)
             out.checkpoints += len({(n, st) for n, st, *_ in saved})
-            for ids in self.requests.record_metrics_in(s, metrics, now).values():
+            done_at = self.requests.record_metrics_in(s, metrics, now)
+            for ids in done_at.values():
                 out.completed.extend(ids)
+            for msg_id, (node, step, _) in zip(metric_ids, metrics, strict=True):
+                if done := done_at.get((node, step)):
+                    out.completed_by[msg_id] = list(done)
             for d in self.ledger.end_attempts_in(s, ends, self.policy, now):
                 if d.stale:
                     out.stale += 1
@@ -283,16 +295,17 @@ class Ingestor:
 
     # -- validation and canonical points (before the transaction; reads only) -------------------------
 
-    def _place(self, messages: list[BatchMessage]) -> tuple[list[_Placed], set[str], dict[str, CurveRows]]:
-        """(message, canonical point or None) for the messages that can apply, the ids of those that
-        never can, and the canonical points of each curve message."""
-        rejected: set[str] = set()
+    def _place(
+        self, messages: list[BatchMessage]
+    ) -> tuple[list[_Placed], dict[str, StagetreeError], dict[str, CurveRows]]:
+        """(message, canonical point or None) for the messages that can apply, why each of those that
+        never can cannot (by id), and the canonical points of each curve message."""
+        rejected: dict[str, StagetreeError] = {}
         ok: list[BatchMessage] = []
         for msg in messages:
             reason = _invalid(msg)
             if reason:
-                _reject(msg, reason)
-                rejected.add(msg.msg_id)
+                rejected[msg.msg_id] = _reject(msg, InvalidArgument(reason))
             else:
                 ok.append(msg)
         plan_of = self.ledger.plans_of_batches(sorted({msg.batch_id for msg in ok}))
@@ -308,23 +321,20 @@ class Ingestor:
         for msg in ok:
             plan_id = plan_of.get(msg.batch_id)
             if plan_id is None:
-                _reject(msg, f"batch {msg.batch_id} does not exist")
-                rejected.add(msg.msg_id)
+                rejected[msg.msg_id] = _reject(msg, NotFound(f"batch {msg.batch_id} does not exist"))
                 continue
             point = None
             if type(msg) in _POINTED:
                 try:
                     point = plans[plan_id].canonical(Point(msg.node, msg.step))  # type: ignore[attr-defined]
                 except (NotFound, InvalidArgument) as e:
-                    _reject(msg, e.message)
-                    rejected.add(msg.msg_id)
+                    rejected[msg.msg_id] = _reject(msg, e)
                     continue
             if isinstance(msg, Curve):
                 try:
                     curves[msg.msg_id] = _canonical_curve(plans[plan_id], msg)
                 except (NotFound, InvalidArgument) as e:
-                    _reject(msg, e.message)
-                    rejected.add(msg.msg_id)
+                    rejected[msg.msg_id] = _reject(msg, e)
                     continue
             placed.append((msg, point))
         return placed, rejected, curves
@@ -377,9 +387,10 @@ def _invalid(msg: BatchMessage) -> str:
     return ""
 
 
-def _reject(msg: BatchMessage, reason: str) -> None:
+def _reject(msg: BatchMessage, why: StagetreeError) -> StagetreeError:
     log.warning(
         "bus message rejected: %s",
-        reason,
+        why.message,
         extra={"msg_id": msg.msg_id, "type": msg.TYPE, "batch_id": msg.batch_id, "node_manager": msg.node_manager},
     )
+    return why

@@ -1,9 +1,10 @@
 """The batch ledger: batches, their attempts, and the one adapter that persists how an attempt ended.
 
-Every end of an attempt (a node manager's report over gRPC, the aggregator's ingest of a bus event, a
-lost node manager, an abort) goes through :meth:`BatchLedger.end_attempts_in`, which reads the batch
-heads and the requests each batch carries, asks the core's pure ``lifecycle.end_attempt`` what to do,
-and writes that decision: the rules of a batch's life live in ``stagetree.core.lifecycle`` alone.
+Every end of an attempt (a worker's terminal event, ingested by ``store.ingest.Ingestor`` from the bus
+or a node manager's direct report, a lost node manager, an abort) goes through
+:meth:`BatchLedger.end_attempts_in`, which reads the batch heads and the requests each batch carries,
+asks the core's pure ``lifecycle.end_attempt`` what to do, and writes that decision: the rules of a
+batch's life live in ``stagetree.core.lifecycle`` alone.
 """
 
 from __future__ import annotations
@@ -17,12 +18,11 @@ from typing import Any
 from sqlalchemy import bindparam, case, func, insert, or_, select, text, tuple_, update
 from sqlalchemy.orm import Session
 
-from stagetree.core.errors import NotFound, StagetreeError
+from stagetree.core.errors import NotFound
 from stagetree.core.lifecycle import (
     AssignmentKind,
     AttemptDecision,
     AttemptEnd,
-    AttemptReport,
     AttemptTiming,
     BatchHead,
     BatchState,
@@ -46,8 +46,6 @@ from stagetree.master.store.requests import RequestStore
 log = logging.getLogger(__name__)
 
 DEFAULT_RETRY = RetryPolicy()
-Completed = list[int]  # request ids a report completed
-Requeued = list[int]  # request ids a report sent back to NOT_SCHED
 
 _B, _A, _R = table(m.Batch), table(m.BatchAttempt), table(m.Request)
 _RQ, _HP = table(m.RequeuedRequest), table(m.HostProblem)
@@ -301,40 +299,6 @@ class BatchLedger:
         out: dict[int, dict[str, str]] = {}
         for plan, nm, error in self.db.rows(s, _HOST_PROBLEMS):
             out.setdefault(int(plan), {})[str(nm)] = str(error)
-        return out
-
-    def report_batches(
-        self, reports: Sequence[AttemptReport], policy: RetryPolicy = DEFAULT_RETRY
-    ) -> list[tuple[Completed, Requeued] | StagetreeError]:
-        """What batch attempts produced (checkpoints, then metrics, at canonical points, and a resume on
-        another number of ranks: the plan's path change) and how they ended, in one transaction with as
-        many statements as for one report. Each report gets the
-        requests it completed and those it requeued, or NotFound when its batch does not exist (the
-        others are applied all the same). A stale report's products are kept; its end changes nothing."""
-        now = time.time()
-        with self.db.tx("report batches") as s:
-            heads = self.heads_in(s, [r.batch_id for r in reports])
-            present = {b for b, h in heads.items() if h is not None}
-            known = [r for r in reports if r.batch_id in present]
-            self.checkpoints.record_in(
-                s, [(c.node, c.step, c.uri, c.bytes, c.kind, c.ranks) for r in known for c in r.checkpoints], now
-            )
-            self.paths.record_in(s, [(r.batch_id, r.attempt, r.rescaled) for r in known if r.rescaled], now)
-            done_at = self.requests.record_metrics_in(
-                s, [(p.node, p.step, dict(p.values)) for r in known for p in r.metrics], now
-            )
-            self.curves.record_in(s, [(p.node, p.step, dict(p.values)) for r in known for p in r.curve], now)
-            self.mark_reached_in(s, [(r.batch_id, r.attempt, st) for r in known if (st := r.reached) is not None])
-            self.record_timing_in(s, [(r.batch_id, r.attempt, r.timing) for r in known if r.timing is not None])
-            decisions = iter(self.end_attempts_in(s, [r.end for r in known], policy, now, heads))
-        out: list[tuple[Completed, Requeued] | StagetreeError] = []
-        for r in reports:
-            if r.batch_id not in present:
-                out.append(NotFound(f"batch {r.batch_id} does not exist"))
-                continue
-            d = next(decisions)
-            done = sorted({i for p in r.metrics for i in done_at.get((p.node, p.step), ())})
-            out.append((done, list(d.requeued)))
         return out
 
     def end_batches(self, batch_ids: Iterable[int], outcome: Outcome, *, what: str) -> list[int]:

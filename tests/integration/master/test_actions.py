@@ -133,7 +133,7 @@ def app_item(spec: BatchSpec, step: int) -> SubmitItem:
     return SubmitItem(f"more-{step}", json.dumps(cfg), step)
 
 
-def test_reports_of_several_batches_in_one_call_reject_only_the_bad_one(app: MasterApp) -> None:
+def test_reports_of_several_batches_in_one_call_reject_only_the_bad_message(app: MasterApp) -> None:
     study, rids = _submit(app, 3)
     nm = _node_manager(app, 3)
     assert len(app.scheduler.run_round().dispatched) == 3
@@ -141,7 +141,7 @@ def test_reports_of_several_batches_in_one_call_reject_only_the_bad_one(app: Mas
     good, bad_step, other = specs
     reports = [
         attempt_report(good.batch_id, 1, True, [MetricPoint(good.end.node, 10, {"loss": 0.1})]),
-        attempt_report(bad_step.batch_id, 1, True, [MetricPoint(bad_step.end.node, -1, {"loss": 0.2})]),
+        attempt_report(bad_step.batch_id, 1, True, [MetricPoint(bad_step.end.node, 2**31, {"loss": 0.2})]),
         attempt_report(987_654_321, 1, True, []),
         attempt_report(other.batch_id, 1, True, [MetricPoint(other.end.node, 10, {"loss": 0.3})]),
     ]
@@ -150,10 +150,12 @@ def test_reports_of_several_batches_in_one_call_reject_only_the_bad_one(app: Mas
     assert {r.state for r in app.service.get_requests(ALICE, study, rids)} == {"SCHED"}  # nothing applied
 
     got = app.service.report_batches(ADMIN, reports)
-    assert isinstance(got[1], InvalidArgument) and "step" in str(got[1])
+    assert isinstance(got[1], InvalidArgument) and "out of range" in str(got[1])
     assert isinstance(got[2], NotFound) and "987654321" in str(got[2])
     assert got[0] == [r.id for r in app.service.get_requests(ALICE, study, rids) if r.batch_id == good.batch_id]
     state_of = {r.batch_id: (r.state, r.metrics) for r in app.service.get_requests(ALICE, study, rids)}
     assert state_of[good.batch_id] == ("DONE", {"loss": 0.1}) and state_of[other.batch_id] == ("DONE", {"loss": 0.3})
-    assert state_of[bad_step.batch_id] == ("SCHED", None)
-    assert app.store.ledger.get_batch(bad_step.batch_id).state == "RUNNING"  # its report can come again, corrected
+    # as on the bus, the rest of its report applies: it ended without the metrics, so its request goes back
+    assert bad_step.batch_id not in state_of
+    assert app.store.ledger.get_batch(bad_step.batch_id).state == "DONE"
+    assert {r.state for r in app.service.get_requests(ALICE, study, rids) if r.batch_id is None} == {"NOT_SCHED"}

@@ -15,13 +15,14 @@ import pytest
 
 from stagetree.core.batch import Point
 from stagetree.core.failures import log_note
-from stagetree.core.lifecycle import AttemptReport, MetricPoint, Outcome
+from stagetree.core.lifecycle import MetricPoint
 from stagetree.core.sequences import MultiStep
 from stagetree.dashboard.schemas import Curves
 from stagetree.master.app import MasterApp
 from stagetree.master.auth import ADMIN, Principal
 from tests.integration.master.conftest import TOKENS
 from tests.integration.master.helpers import fixed, unique
+from tests.reports import attempt_report
 
 ALICE = {"Authorization": f"Bearer {TOKENS['alice']}"}
 BOB = {"Authorization": f"Bearer {TOKENS['bob']}"}
@@ -82,9 +83,9 @@ def _study(http: httpx.Client, app: MasterApp) -> dict[str, Any]:
         MetricPoint(r["node"], r["step"], {"accuracy": 0.5 + 0.1 * i, "loss": 1.0 - 0.1 * i})
         for i, r in enumerate(reqs[:3])
     ]
-    app.service.report_batch(ROOT_ADMIN, AttemptReport(ok.id, 1, Outcome.SUCCEEDED, metrics=metrics))
+    app.service.report_batch(ROOT_ADMIN, attempt_report(ok.id, 1, True, metrics))
     error = f"ValueError: boom\n{TRACEBACK}\n{log_note(f'/srv/nm/logs/batch-{bad.id}-a1.log', nm)}"
-    app.service.report_batch(ROOT_ADMIN, AttemptReport(bad.id, 1, Outcome.USER_ERROR, error=error))
+    app.service.report_batch(ROOT_ADMIN, attempt_report(bad.id, 1, False, error=error, user_error=True))
     return {"sid": sid, "reqs": reqs, "nm": nm, "ok": ok.id, "bad": bad.id, "pid": pid}
 
 

@@ -8,8 +8,11 @@ import pytest
 from sqlalchemy import create_engine
 
 from stagetree.core.batch import Point
+from stagetree.core.config import Config
 from stagetree.core.errors import AlreadyExists, FailedPrecondition, NotFound
 from stagetree.core.lifecycle import BatchState, RequestState
+from stagetree.master.plans import config_text
+from stagetree.master.store.ingest import Ingestor
 from stagetree.master.store.records import DispatchItem, NewNode, NewRequest
 from stagetree.master.store.schema import check_schema, head_revision, upgrade
 from stagetree.master.store.store import Store, make_engine
@@ -19,7 +22,7 @@ from tests.reports import attempt_report
 
 def _plan_with_node(store: Store) -> tuple[int, int]:
     pid = store.plans.ensure_plan(unique("key")[:32], "{}")
-    store.plans.insert_nodes(pid, [NewNode(None, 0, "d0", '{"lr":[]}')])
+    store.plans.insert_nodes(pid, [NewNode(None, 0, "d0", config_text(Config.of({"lr": 0.1})))])
     (node,) = store.plans.load_nodes(pid)
     return pid, node.id
 
@@ -186,7 +189,8 @@ def test_lost_node_manager_requeues_and_stale_report_is_ignored(store: Store) ->
     assert batch is not None
     assert store.ledger.mark_lost(nm) == [batch.id]
     assert (r.id, Point(node, 3)) in store.rounds.pending()[pid]
-    assert store.ledger.report_batches([attempt_report(batch.id, 1, True)]) == [([], [])]  # no longer running
+    got = Ingestor(store).apply(attempt_report(batch.id, 1, True))
+    assert (got.stale, got.completed, got.requeued) == (1, [], [])  # no longer running
     assert store.ledger.get_batch(batch.id).state == BatchState.LOST
 
 
@@ -199,7 +203,8 @@ def test_failed_batch_requeues_unserved_requests(store: Store) -> None:
     batch = store.ledger.dispatch(pid, lambda bid, att: "spec", [a.id, b.id], nm, "gpu0")
     assert batch is not None
     store.requests.record_metrics(node, 3, {"loss": 1.0})
-    assert store.ledger.report_batches([attempt_report(batch.id, 1, False)]) == [([], [b.id])]
+    got = Ingestor(store).apply(attempt_report(batch.id, 1, False))
+    assert (got.completed, got.requeued) == ([], [b.id])
     assert [rid for rid, _ in store.rounds.pending()[pid]] == [b.id]
 
 
@@ -257,8 +262,8 @@ def test_finished_attempts_are_the_ones_that_ran_to_their_end_since_a_time(store
     assert ok is not None and bad is not None
     before = store.ledger.finished_attempts(0.0)
     store.nodes.take_assignments(nm)
-    store.ledger.report_batches([attempt_report(ok.id, 1, True, [(node, 3, {"loss": 1.0})])])
-    store.ledger.report_batches([attempt_report(bad.id, 1, False, error="boom")])  # a failed attempt teaches nothing
+    Ingestor(store).apply(attempt_report(ok.id, 1, True, [(node, 3, {"loss": 1.0})]))
+    Ingestor(store).apply(attempt_report(bad.id, 1, False, error="boom"))  # a failed attempt teaches nothing
     got = [f for f in store.ledger.finished_attempts(0.0) if f not in before]
     assert [(f.batch_id, f.attempt, f.spec_json, f.gpu_type) for f in got] == [(ok.id, 1, f"ok-{ok.id}", "a100")]
     assert got[0].seconds >= 0 and got[0].finished_at > 0
@@ -279,18 +284,17 @@ def test_reports_of_several_batches_apply_in_one_call_each_with_its_own_outcome(
     ok = store.ledger.dispatch(pid, lambda bid, att: "ok", [a.id], nm, "g0")
     bad = store.ledger.dispatch(pid, lambda bid, att: "bad", [b.id, c.id], nm, "g1")
     assert ok is not None and bad is not None
-    got = store.ledger.report_batches(
-        [
-            attempt_report(ok.id, 1, True, [(node, 3, {"loss": 1.0})], []),
-            attempt_report(10**9, 1, True, [], []),  # no such batch: its own error, the rest applies
-            attempt_report(bad.id, 1, False, [(node, 6, {"loss": 2.0})], [], error="boom"),
-            attempt_report(ok.id, 1, True, [(node, 3, {"loss": 1.0})], []),  # the same report again: stale
-        ]
+    first, missing, failed, again = (
+        attempt_report(ok.id, 1, True, [(node, 3, {"loss": 1.0})], []),
+        attempt_report(10**9, 1, True, [], []),  # no such batch: its own error, the rest applies
+        attempt_report(bad.id, 1, False, [(node, 6, {"loss": 2.0})], [], error="boom"),
+        attempt_report(ok.id, 1, True, [(node, 3, {"loss": 1.0})], []),  # the same report again: no effect
     )
-    assert got[0] == ([a.id], [])
-    assert isinstance(got[1], NotFound)
-    assert got[2] == ([b.id], [c.id])  # b got its metrics; c goes back, its first failure counted
-    assert got[3] == ([a.id], [])  # the metrics were there; the batch had ended
+    got = Ingestor(store).apply([*first, *missing, *failed, *again])
+    assert got.completed_by == {first[0].msg_id: [a.id], failed[0].msg_id: [b.id]}
+    assert [type(got.rejected_why.get(msg.msg_id)) for msg in missing] == [NotFound]
+    assert got.requeued == [c.id]  # b got its metrics; c goes back, its first failure counted
+    assert got.duplicates == len(again)
     states = {r.id: r.state for r in store.requests.get_requests(study.id)}
     assert states == {a.id: RequestState.DONE, b.id: RequestState.DONE, c.id: RequestState.NOT_SCHED}
     assert (

@@ -11,12 +11,13 @@ import pytest
 
 from stagetree.bus.messages import CheckpointSaved, Progress, make_msg_id
 from stagetree.core.batch import BatchSpec
-from stagetree.core.lifecycle import AttemptReport, AttemptTiming, MetricPoint, Outcome
+from stagetree.core.lifecycle import AttemptTiming, MetricPoint
 from stagetree.master.app import MasterApp
 from stagetree.master.auth import Principal
 from stagetree.master.service import SubmitItem
 from stagetree.master.store.ingest import Ingestor
 from tests.integration.master.helpers import config_json, fixed, unique
+from tests.reports import attempt_report
 
 ALICE = Principal("alice")
 ADMIN = Principal("admin", admin=True)
@@ -58,7 +59,7 @@ def test_the_steps_of_an_attempt_lost_with_its_node_manager_count(app: MasterApp
     (again,) = app.scheduler.run_round().dispatched
     assert _spec(app, again).source.point.step == 25  # resumed from the lost attempt's checkpoint
     assert app.service.take_assignments(ADMIN, nm)
-    report = AttemptReport(again, 1, Outcome.SUCCEEDED, [MetricPoint(node, 40, {"loss": 0.5})])
+    report = attempt_report(again, 1, True, [MetricPoint(node, 40, {"loss": 0.5})])
     assert app.service.report_batch(ADMIN, report) == [req.id]
 
     stats = app.service.study_stats(ALICE, study.id)
@@ -83,10 +84,10 @@ def test_time_a_batch_waits_for_its_slot_is_queueing_and_never_compute(app: Mast
     given = time.time()
     app.service.report_batch(
         ADMIN,
-        AttemptReport(
+        attempt_report(
             first,
             1,
-            Outcome.SUCCEEDED,
+            True,
             [MetricPoint(node_of[first], 10, {"loss": 1.0})],
             timing=AttemptTiming(dispatched, 0.05, 0.01, 0.4),
         ),
@@ -94,10 +95,10 @@ def test_time_a_batch_waits_for_its_slot_is_queueing_and_never_compute(app: Mast
     # the second's worker is handed it only now: its half second behind the first is queueing
     app.service.report_batch(
         ADMIN,
-        AttemptReport(
+        attempt_report(
             second,
             1,
-            Outcome.SUCCEEDED,
+            True,
             [MetricPoint(node_of[second], 10, {"loss": 1.0})],
             timing=AttemptTiming(given, 0.05, 0.01, 0.2),
         ),

@@ -448,7 +448,7 @@ class Rescaled(_message.Message):
     def __init__(self, node: _Optional[int] = ..., step: _Optional[int] = ..., uri: _Optional[str] = ..., from_ranks: _Optional[int] = ..., to_ranks: _Optional[int] = ...) -> None: ...
 
 class ReportBatchRequest(_message.Message):
-    __slots__ = ("batch_id", "attempt", "ok", "metrics", "checkpoints", "error", "oom", "preempted", "user_error", "curve", "rescaled", "reached_step", "timing", "host_problem")
+    __slots__ = ("batch_id", "attempt", "ok", "metrics", "checkpoints", "error", "oom", "preempted", "user_error", "curve", "rescaled", "reached_step", "timing", "host_problem", "events")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
@@ -463,6 +463,7 @@ class ReportBatchRequest(_message.Message):
     REACHED_STEP_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     HOST_PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     attempt: int
     ok: bool
@@ -477,7 +478,8 @@ class ReportBatchRequest(_message.Message):
     reached_step: int
     timing: AttemptTiming
     host_problem: bool
-    def __init__(self, batch_id: _Optional[int] = ..., attempt: _Optional[int] = ..., ok: _Optional[bool] = ..., metrics: _Optional[_Iterable[_Union[MetricPoint, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointPoint, _Mapping]]] = ..., error: _Optional[str] = ..., oom: _Optional[bool] = ..., preempted: _Optional[bool] = ..., user_error: _Optional[bool] = ..., curve: _Optional[_Iterable[_Union[MetricPoint, _Mapping]]] = ..., rescaled: _Optional[_Union[Rescaled, _Mapping]] = ..., reached_step: _Optional[int] = ..., timing: _Optional[_Union[AttemptTiming, _Mapping]] = ..., host_problem: _Optional[bool] = ...) -> None: ...
+    events: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, batch_id: _Optional[int] = ..., attempt: _Optional[int] = ..., ok: _Optional[bool] = ..., metrics: _Optional[_Iterable[_Union[MetricPoint, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointPoint, _Mapping]]] = ..., error: _Optional[str] = ..., oom: _Optional[bool] = ..., preempted: _Optional[bool] = ..., user_error: _Optional[bool] = ..., curve: _Optional[_Iterable[_Union[MetricPoint, _Mapping]]] = ..., rescaled: _Optional[_Union[Rescaled, _Mapping]] = ..., reached_step: _Optional[int] = ..., timing: _Optional[_Union[AttemptTiming, _Mapping]] = ..., host_problem: _Optional[bool] = ..., events: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class AttemptTiming(_message.Message):
     __slots__ = ("given_at", "startup_s", "checkpoint_s", "train_s")
