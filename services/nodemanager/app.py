@@ -93,7 +93,7 @@ def build_node_manager(
                 kafka, nm_id, max_messages=b.batch_max_messages, max_age_s=b.batch_max_age_s, own_bus=True
             )
         else:
-            reporter = GrpcReporter(link, max_backoff_s=settings.reconnect_max_s)
+            reporter = GrpcReporter(link, node_manager_id=nm_id, max_backoff_s=settings.reconnect_max_s)
     log.info(
         "node manager built",
         extra={

@@ -169,7 +169,7 @@ def _simulate(ns: argparse.Namespace) -> int:
 
         def reporter(lk: MasterLink, nm_id: str) -> BatchReporter:
             if kafka is None:
-                return GrpcReporter(lk, max_backoff_s=settings.reconnect_max_s)
+                return GrpcReporter(lk, node_manager_id=nm_id, max_backoff_s=settings.reconnect_max_s)
             return BusReporter(kafka, nm_id, max_messages=b.batch_max_messages, max_age_s=b.batch_max_age_s)
 
         activity = sim.SlotActivity()

@@ -18,11 +18,20 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
+from stagetree.bus.messages import (
+    BatchFailed,
+    BatchFinished,
+    BatchMessage,
+    BatchPreempted,
+    CheckpointSaved,
+    Metrics,
+    encode_many,
+)
 from stagetree.core import errors
-from stagetree.core.lifecycle import AttemptTiming, CheckpointPoint, MetricPoint, Rescaled  # the domain's own types
 from stagetree.core.slots import SlotInfo
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
 from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
@@ -30,6 +39,7 @@ from stagetree.status import error_class_of, error_of_code
 from stagetree.tls import ClientTls, open_channel
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", bound=BatchMessage)
 
 RUN, ABORT, PREEMPT, DELETE_CHECKPOINTS = "RUN", "ABORT", "PREEMPT", "DELETE_CHECKPOINTS"
 
@@ -50,22 +60,50 @@ class Assignment:
 
 @dataclass(frozen=True)
 class BatchReport:
-    """What one batch attempt produced and how it ended (``ReportBatchRequest``)."""
+    """What one batch attempt produced and how it ended: its worker's events as bus messages
+    (``stagetree.bus.messages``), in order, sent as the ``events`` of one ``ReportBatchRequest``.
+
+    The properties read the report back (logs, tests); the master reads the messages themselves."""
 
     batch_id: int
     attempt: int
-    ok: bool
-    metrics: tuple[MetricPoint, ...] = ()
-    checkpoints: tuple[CheckpointPoint, ...] = ()
-    error: str = ""
-    oom: bool = False
-    preempted: bool = False
-    user_error: bool = False  # the trainer's own code raised
-    host_problem: bool = False  # this host cannot import the trainer: another node manager may
-    curve: tuple[MetricPoint, ...] = ()  # the learning curve's sampled points
-    rescaled: Rescaled | None = None  # it resumed a checkpoint written by another number of ranks
-    reached_step: int = 0  # the furthest step its worker said it trained to (0: not said)
-    timing: AttemptTiming | None = None  # where its worker's time went (None: not measured)
+    messages: tuple[BatchMessage, ...] = ()
+
+    def of_type(self, cls: type[M]) -> list[M]:
+        return [m for m in self.messages if isinstance(m, cls)]
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.of_type(BatchFinished))
+
+    @property
+    def preempted(self) -> bool:
+        return bool(self.of_type(BatchPreempted))
+
+    @property
+    def failure(self) -> BatchFailed | None:
+        failed = self.of_type(BatchFailed)
+        return failed[0] if failed else None
+
+    @property
+    def error(self) -> str:
+        return self.failure.error if self.failure else ""
+
+    @property
+    def oom(self) -> bool:
+        return bool(self.failure and self.failure.oom)
+
+    @property
+    def user_error(self) -> bool:
+        return bool(self.failure and self.failure.user_error)
+
+    @property
+    def metrics(self) -> list[Metrics]:
+        return self.of_type(Metrics)
+
+    @property
+    def checkpoints(self) -> list[CheckpointSaved]:
+        return self.of_type(CheckpointSaved)
 
 
 class MasterLink(ABC):
@@ -226,23 +264,7 @@ class GrpcMasterLink(MasterLink):
 
     async def report(self, report: BatchReport) -> list[int]:
         req = pb.ReportBatchRequest(
-            batch_id=report.batch_id,
-            attempt=report.attempt,
-            ok=report.ok,
-            metrics=[pb.MetricPoint(node=m.node, step=m.step, values=m.values) for m in report.metrics],
-            checkpoints=[
-                pb.CheckpointPoint(node=c.node, step=c.step, uri=c.uri, bytes=c.bytes, kind=c.kind, ranks=c.ranks)
-                for c in report.checkpoints
-            ],
-            error=report.error,
-            oom=report.oom,
-            preempted=report.preempted,
-            user_error=report.user_error,
-            host_problem=report.host_problem,
-            curve=[pb.MetricPoint(node=m.node, step=m.step, values=m.values) for m in report.curve],
-            rescaled=_rescaled_pb(report.rescaled),
-            reached_step=report.reached_step,
-            timing=_timing_pb(report.timing),
+            batch_id=report.batch_id, attempt=report.attempt, events=encode_many(report.messages)
         )
         try:
             resp = await self._get_stub().ReportBatch(req, metadata=self._metadata, timeout=self._timeout)
@@ -254,15 +276,3 @@ class GrpcMasterLink(MasterLink):
         if self._channel is not None:
             await self._channel.close()
         self._channel = self._stub = None
-
-
-def _timing_pb(t: AttemptTiming | None) -> pb.AttemptTiming | None:
-    if t is None:
-        return None
-    return pb.AttemptTiming(given_at=t.given_at, startup_s=t.startup_s, checkpoint_s=t.checkpoint_s, train_s=t.train_s)
-
-
-def _rescaled_pb(r: Rescaled | None) -> pb.Rescaled | None:
-    if r is None:
-        return None
-    return pb.Rescaled(node=r.node, step=r.step, uri=r.uri, from_ranks=r.from_ranks, to_ranks=r.to_ranks)

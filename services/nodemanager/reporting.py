@@ -8,14 +8,12 @@ crash, or an out-of-memory) or aborted.
   keyed by batch so one batch's messages stay ordered, and goes out through a ``LocalBatcher``; the
   aggregators apply them. A crash the worker could not report becomes a ``BatchFailed`` here. Topics
   come from each message's ``route()``, never from this module. GPU telemetry goes the same way.
-* ``GrpcReporter`` (the direct path, no bus): collects an attempt's metrics and checkpoints and sends
-  one ``ReportBatch`` through the ``MasterLink`` when it ends, retrying while the master is away.
-  Learning curves (``curve`` events), a resume on another number of ranks (``rescaled``), the furthest
-  step its progress reached and its worker's timing (``batch_timing``) go in the same report.
+* ``GrpcReporter`` (the direct path, no bus): collects the same messages (``message_of``, the same ids)
+  and sends them in one ``ReportBatch`` through the ``MasterLink`` when the attempt ends, retrying while
+  the master is away; the master applies them with the aggregators' ``Ingestor``.
 
-An aborted attempt publishes nothing more on the bus (the master already ended it); the direct path
-still reports it (not ok) so the checkpoints and metrics it produced are recorded, which the master
-does before it ignores the stale attempt.
+An aborted attempt adds nothing more (the master already ended it); on the direct path its report still
+goes, so the checkpoints and metrics it produced are recorded.
 """
 
 from __future__ import annotations
@@ -49,8 +47,6 @@ from stagetree.bus.messages import (
     make_msg_id,
 )
 from stagetree.core.errors import ResourceExhausted, StagetreeError
-from stagetree.core.lifecycle import AttemptTiming, CheckpointPoint, MetricPoint
-from stagetree.core.lifecycle import Rescaled as RescaledPoint
 from stagetree.nodemanager.gpu import GpuSample
 from stagetree.nodemanager.link import BatchReport, MasterLink
 
@@ -153,7 +149,8 @@ class BatchReporter(ABC):
 # -- the bus ---------------------------------------------------------------------------------------
 
 
-_BUS_TYPES: dict[str, type[BatchMessage]] = {
+# worker event kind -> its message (``runtime.events.EVENT_FIELDS`` names the same kinds)
+WORKER_MESSAGES: dict[str, type[BatchMessage]] = {
     "batch_started": BatchStarted,
     "progress": Progress,
     "metrics": Metrics,
@@ -165,6 +162,59 @@ _BUS_TYPES: dict[str, type[BatchMessage]] = {
     "batch_preempted": BatchPreempted,
     "batch_failed": BatchFailed,
 }
+
+
+class MessageIds:
+    """The ids of one node manager's messages: unique per (node manager, batch, attempt, sequence number)."""
+
+    def __init__(self, node_manager_id: str) -> None:
+        self.node_manager_id = node_manager_id
+        self._seq: dict[tuple[int, int], int] = {}
+
+    def next(self, info: AttemptInfo) -> str:
+        seq = self._seq.get(info.key, 0)
+        self._seq[info.key] = seq + 1
+        return make_msg_id(self.node_manager_id, info.batch_id, info.attempt, seq)
+
+    def forget(self, info: AttemptInfo) -> None:
+        self._seq.pop(info.key, None)
+
+
+def message_of(
+    node_manager_id: str, msg_id: str, info: AttemptInfo, kind: str, payload: dict[str, Any]
+) -> BatchMessage:
+    """The bus message of one worker event (``kind`` one of ``WORKER_MESSAGES``), whichever transport
+    carries it."""
+    cls = WORKER_MESSAGES[kind]
+    fields = {k: v for k, v in payload.items() if k not in ("batch_id", "attempt")}
+    if cls is BatchStarted:  # the start as seen here: the scheduler estimates the batch's end from it
+        fields = {"started_at": time.time()}
+    if cls is Curve:  # the runtime's [[step, values], ...] as the message's two aligned lists
+        points = fields.pop("points")
+        fields["steps"] = [int(p[0]) for p in points]
+        fields["values"] = [p[1] for p in points]
+    return cls(
+        msg_id=msg_id,
+        node_manager=node_manager_id,
+        batch_id=info.batch_id,
+        attempt=info.attempt,
+        plan_key=info.plan_key,
+        **fields,
+    )
+
+
+def crash_of(node_manager_id: str, msg_id: str, info: AttemptInfo, end: AttemptEnd) -> BatchFailed:
+    """The ``batch_failed`` of a worker that could not report its own end (it crashed, ran out of memory)."""
+    return BatchFailed(
+        msg_id=msg_id,
+        node_manager=node_manager_id,
+        batch_id=info.batch_id,
+        attempt=info.attempt,
+        plan_key=info.plan_key,
+        error=end.error,
+        traceback=end.traceback,
+        oom=end.oom,
+    )
 
 
 class BusReporter(BatchReporter):
@@ -192,32 +242,12 @@ class BusReporter(BatchReporter):
         self.batcher = LocalBatcher(bus, max_messages=max_messages, max_age_s=max_age_s, max_buffered=max_buffered)
         self._own_bus = own_bus
         self._retry_s = retry_s
-        self._seq: dict[tuple[int, int], int] = {}
+        self._ids = MessageIds(node_manager_id)
         self._telemetry_seq = 0
         self._closed = False
 
     def _msg_id(self, info: AttemptInfo) -> str:
-        seq = self._seq.get(info.key, 0)
-        self._seq[info.key] = seq + 1
-        return make_msg_id(self.node_manager_id, info.batch_id, info.attempt, seq)
-
-    def _message(self, info: AttemptInfo, kind: str, payload: dict[str, Any]) -> BatchMessage:
-        cls = _BUS_TYPES[kind]
-        fields = {k: v for k, v in payload.items() if k not in ("batch_id", "attempt")}
-        if cls is BatchStarted:  # the start as seen here: the scheduler estimates the batch's end from it
-            fields = {"started_at": time.time()}
-        if cls is Curve:  # the runtime's [[step, values], ...] as the message's two aligned lists
-            points = fields.pop("points")
-            fields["steps"] = [int(p[0]) for p in points]
-            fields["values"] = [p[1] for p in points]
-        return cls(
-            msg_id=self._msg_id(info),
-            node_manager=self.node_manager_id,
-            batch_id=info.batch_id,
-            attempt=info.attempt,
-            plan_key=info.plan_key,
-            **fields,
-        )
+        return self._ids.next(info)
 
     async def _publish(self, message: Message, *, now: bool = False) -> None:
         """Buffer ``message`` for the next batch; with ``now``, the batcher's thread publishes it (and what
@@ -240,27 +270,17 @@ class BusReporter(BatchReporter):
                 await asyncio.sleep(self._retry_s)
 
     async def _event(self, info: AttemptInfo, kind: str, payload: dict[str, Any]) -> None:
-        if kind not in _BUS_TYPES:
+        if kind not in WORKER_MESSAGES:
             log.warning("unknown worker event not published", extra={"batch_id": info.batch_id, "kind": kind})
             return
-        await self._publish(self._message(info, kind, payload), now=kind in TERMINAL_EVENTS)
+        await self._publish(
+            message_of(self.node_manager_id, self._msg_id(info), info, kind, payload), now=kind in TERMINAL_EVENTS
+        )
 
     async def _finish(self, info: AttemptInfo, end: AttemptEnd) -> None:
         if end.status == "failed" and not end.by_worker:
-            await self._publish(
-                BatchFailed(
-                    msg_id=self._msg_id(info),
-                    node_manager=self.node_manager_id,
-                    batch_id=info.batch_id,
-                    attempt=info.attempt,
-                    plan_key=info.plan_key,
-                    error=end.error,
-                    traceback=end.traceback,
-                    oom=end.oom,
-                ),
-                now=True,
-            )
-        self._seq.pop(info.key, None)
+            await self._publish(crash_of(self.node_manager_id, self._msg_id(info), info, end), now=True)
+        self._ids.forget(info)
 
     async def telemetry(self, node_manager_id: str, samples: list[GpuSample]) -> None:
         now = time.time()
@@ -299,25 +319,23 @@ class BusReporter(BatchReporter):
 
 @dataclass
 class _Collected:
-    metrics: list[MetricPoint] = field(default_factory=list)
-    checkpoints: list[CheckpointPoint] = field(default_factory=list)
-    curve: list[MetricPoint] = field(default_factory=list)
-    rescaled: RescaledPoint | None = None
-    reached: int = 0
-    timing: AttemptTiming | None = None
+    messages: list[BatchMessage] = field(default_factory=list)
+    progress: Progress | None = None  # the furthest only: the master keeps no other
 
 
 class GrpcReporter(BatchReporter):
-    """Collects an attempt's metrics and checkpoints and reports them with its end in one
-    ``ReportBatch`` call through ``link``. A report the master cannot take now (a ``retriable`` error:
-    ``Unavailable``, ``Conflict``) is retried with backoff until it is delivered or ``close`` gives up
-    after ``close_timeout_s``; any other error, a bug in the master included, is logged and the report
-    dropped (the master would refuse it again)."""
+    """Collects an attempt's events as the bus messages ``BusReporter`` would publish (the same ids, the
+    start time included) and sends them with its end in one ``ReportBatch`` call through ``link``. A
+    report the master cannot take now (a ``retriable`` error: ``Unavailable``, ``Conflict``) is retried
+    with backoff until it is delivered or ``close`` gives up after ``close_timeout_s`` (the master applies
+    a message once, so a report sent again changes nothing); any other error, a bug in the master
+    included, is logged and the report dropped (the master would refuse it again)."""
 
     def __init__(
         self,
         link: MasterLink,
         *,
+        node_manager_id: str = "direct",
         initial_backoff_s: float = 0.2,
         max_backoff_s: float = 5.0,
         close_timeout_s: float = 10.0,
@@ -325,6 +343,8 @@ class GrpcReporter(BatchReporter):
     ) -> None:
         super().__init__()
         self.link = link
+        self.node_manager_id = node_manager_id
+        self._ids = MessageIds(node_manager_id)
         self._collected: dict[tuple[int, int], _Collected] = {}
         self._initial = initial_backoff_s
         self._max = max_backoff_s
@@ -334,57 +354,26 @@ class GrpcReporter(BatchReporter):
         self._on_reported = on_reported
 
     async def _event(self, info: AttemptInfo, kind: str, payload: dict[str, Any]) -> None:
+        if kind not in WORKER_MESSAGES:
+            log.warning("unknown worker event not reported", extra={"batch_id": info.batch_id, "kind": kind})
+            return
         got = self._collected.setdefault(info.key, _Collected())
-        if kind == "metrics":
-            values = {str(k): float(v) for k, v in payload["metrics"].items()}
-            got.metrics.append(MetricPoint(int(payload["node"]), int(payload["step"]), values))
-        elif kind == "checkpoint_saved":
-            node, step, nbytes = int(payload["node"]), int(payload["step"]), int(payload["bytes"])
-            kind_, ranks = str(payload["kind"]), int(payload["ranks"])
-            got.checkpoints.append(CheckpointPoint(node, step, str(payload["uri"]), nbytes, kind_, ranks))
-        elif kind == "rescaled":
-            got.rescaled = RescaledPoint(
-                int(payload["node"]),
-                int(payload["step"]),
-                str(payload["uri"]),
-                int(payload["from_ranks"]),
-                int(payload["to_ranks"]),
-            )
-        elif kind == "curve":
-            node = int(payload["node"])
-            for step, values in payload["points"]:
-                got.curve.append(MetricPoint(node, int(step), {str(k): float(v) for k, v in values.items()}))
-        elif kind == "progress":
-            got.reached = max(got.reached, int(payload["step"]))
-        elif kind == "batch_timing":
-            got.timing = AttemptTiming(
-                float(payload["given_at"]),
-                float(payload["startup_s"]),
-                float(payload["checkpoint_s"]),
-                float(payload["train_s"]),
-            )
+        msg = message_of(self.node_manager_id, self._ids.next(info), info, kind, payload)
+        if isinstance(msg, Progress):
+            if got.progress is None or msg.step > got.progress.step:
+                got.progress = msg
+        else:
+            got.messages.append(msg)
 
     def report_of(self, info: AttemptInfo, end: AttemptEnd) -> BatchReport:
+        """The attempt's report: what its worker emitted, and its end where the worker could not say it
+        (an aborted attempt adds nothing: the master ended it already, and keeps what it saved)."""
         got = self._collected.pop(info.key, _Collected())
-        error = end.error
-        if end.status == "aborted" and not error:
-            error = "aborted by the master"
-        return BatchReport(
-            batch_id=info.batch_id,
-            attempt=info.attempt,
-            ok=end.status == "finished",
-            metrics=tuple(got.metrics),
-            checkpoints=tuple(got.checkpoints),
-            error="" if end.status == "finished" else error,
-            oom=end.oom and end.status == "failed",
-            preempted=end.status == "preempted",
-            user_error=end.user_error and end.status == "failed",
-            host_problem=end.host_problem and end.status == "failed",
-            curve=tuple(got.curve),
-            rescaled=got.rescaled,
-            reached_step=got.reached,
-            timing=got.timing,
-        )
+        messages = got.messages if got.progress is None else [*got.messages, got.progress]
+        if end.status == "failed" and not end.by_worker:
+            messages.append(crash_of(self.node_manager_id, self._ids.next(info), info, end))
+        self._ids.forget(info)
+        return BatchReport(info.batch_id, info.attempt, tuple(messages))
 
     async def _finish(self, info: AttemptInfo, end: AttemptEnd) -> None:
         report = self.report_of(info, end)

@@ -9,9 +9,9 @@ import grpc
 import httpx
 import pytest
 
+from stagetree.bus.messages import BatchFinished, Curve, Metrics
 from stagetree.core.batch import BatchSpec
 from stagetree.core.errors import InvalidArgument
-from stagetree.core.lifecycle import MetricPoint
 from stagetree.master.app import MasterApp
 from stagetree.master.auth import Principal
 from stagetree.master.curves import CurveService
@@ -99,8 +99,14 @@ async def test_a_direct_grpc_report_carries_the_attempts_curve(app: MasterApp, g
     node = spec.stages[-1].node
     link = GrpcMasterLink(grpc_target, ADMIN_TOKEN, rpc_timeout_s=5)
     try:
-        curve = tuple(MetricPoint(node, s, {"loss": 1.0 / s}) for s in range(1, 7))
-        report = BatchReport(spec.batch_id, spec.attempt, True, (MetricPoint(node, 6, {"acc": 0.5}),), curve=curve)
+        ids = {"node_manager": "nm", "batch_id": spec.batch_id, "attempt": spec.attempt}
+        steps = list(range(1, 7))
+        messages = (
+            Curve(msg_id="c", **ids, node=node, steps=steps, values=[{"loss": 1.0 / s} for s in steps]),
+            Metrics(msg_id="m", **ids, node=node, step=6, metrics={"acc": 0.5}),
+            BatchFinished(msg_id="f", **ids, steps=6),
+        )
+        report = BatchReport(spec.batch_id, spec.attempt, messages)
         assert await link.report(report) == [req.id]
         assert await link.report(report) == []  # delivered twice (a retry): nothing new, the curve stored once
     finally:

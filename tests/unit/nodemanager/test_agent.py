@@ -47,7 +47,7 @@ async def test_a_run_is_reported_with_its_metrics_and_checkpoint(h: Harness) -> 
     h.run(spec_of(1))
     report = await h.report(1)
     assert report.ok and not report.error
-    assert [(m.node, m.step, sorted(m.values)) for m in report.metrics] == [(1, 10, ["accuracy", "loss"])]
+    assert [(m.node, m.step, sorted(m.metrics)) for m in report.metrics] == [(1, 10, ["accuracy", "loss"])]
     (ckpt,) = report.checkpoints
     assert (ckpt.step, ckpt.kind) == (10, "central") and h.store.exists(ckpt.uri)
     assert (h.tmp / "work" / "logs" / "batch-1-a1.log").exists()
@@ -107,7 +107,7 @@ async def test_abort_kills_a_running_worker_and_drops_a_queued_one(h: Harness) -
     h.send(ABORT, 8)
     h.send(ABORT, 7)
     r7, r8 = await h.report(7), await h.report(8)
-    assert "aborted" in r7.error and "aborted" in r8.error and not r7.ok and not r8.ok
+    assert not (r7.ok or r8.ok) and r7.failure is None and r8.failure is None  # the master ended them
     assert not r8.metrics and not r8.checkpoints
     h.send(ABORT, 99)  # unknown: ignored, and the node manager goes on
     h.run(spec_of(98, steps=2))
@@ -382,7 +382,7 @@ async def test_a_worker_started_ahead_builds_the_trainer_and_the_batch_trains_th
     direct = LocalCheckpointStore(tmp_path / "direct", fsync=False)
     for spec, report in zip(specs[1:], reports[1:], strict=True):
         assert report.ok
-        assert [dict(m.values) for m in report.metrics] == _metrics_in_process(spec, direct)
+        assert [dict(m.metrics) for m in report.metrics] == _metrics_in_process(spec, direct)
 
 
 async def test_a_cpu_slots_worker_runs_its_batches_and_the_next_starts_when_it_exits(tmp_path: Path) -> None:

@@ -69,7 +69,7 @@ async def test_a_two_slot_batch_trains_as_two_ranks_and_is_reported_once(h: Harn
     h.run(_spec(1))
     report = await h.report(1, timeout=60)
     assert report.ok, report.error
-    assert [(m.step, sorted(m.values)) for m in report.metrics] == [(10, ["accuracy", "loss"])]
+    assert [(m.step, sorted(m.metrics)) for m in report.metrics] == [(10, ["accuracy", "loss"])]
     assert [(c.step, c.kind) for c in report.checkpoints] == [(10, "central")]
     logs = h.tmp / "work" / "logs"
     assert (logs / "batch-1-a1-r0.log").exists() and (logs / "batch-1-a1-r1.log").exists()

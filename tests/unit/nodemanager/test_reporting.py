@@ -68,56 +68,46 @@ class Adapter:
     facts: Callable[[], Facts]
 
 
+def _facts_of(messages: list[Message]) -> Facts:
+    out = Facts()
+    for m in messages:
+        if not isinstance(m, BatchMessage) or (m.batch_id, m.attempt) != INFO.key:
+            continue
+        if isinstance(m, Metrics):
+            out.metrics.append((m.node, m.step, m.metrics))
+        elif isinstance(m, CheckpointSaved):
+            out.checkpoints.append((m.node, m.step, m.uri, m.kind))
+            out.ranks.append(m.ranks)
+        elif isinstance(m, Rescaled):
+            out.rescaled.append((m.node, m.step, m.uri, m.from_ranks, m.to_ranks))
+        elif isinstance(m, Curve):
+            out.curve.extend((m.node, s, dict(v)) for s, v in zip(m.steps, m.values, strict=True))
+        elif isinstance(m, Progress):
+            out.reached = max(out.reached, m.step)
+        elif isinstance(m, BatchTiming):
+            out.timing = (m.given_at, m.startup_s, m.checkpoint_s, m.train_s)
+        elif isinstance(m, BatchFinished | BatchPreempted | BatchFailed):
+            out.terminals += 1
+            out.status = {BatchFinished: "finished", BatchPreempted: "preempted", BatchFailed: "failed"}[type(m)]
+            if isinstance(m, BatchFailed):
+                out.error, out.oom = m.error, m.oom
+    return out
+
+
 def _bus_facts(consumer: BusConsumer, seen: list[Message]) -> Callable[[], Facts]:
     def facts() -> Facts:
         while recs := consumer.poll(timeout_s=0):
             seen.extend(r.message for r in recs if isinstance(r.message, Message))
-        out = Facts()
-        for m in seen:
-            if not isinstance(m, BatchMessage) or (m.batch_id, m.attempt) != INFO.key:
-                continue
-            if isinstance(m, Metrics):
-                out.metrics.append((m.node, m.step, m.metrics))
-            elif isinstance(m, CheckpointSaved):
-                out.checkpoints.append((m.node, m.step, m.uri, m.kind))
-                out.ranks.append(m.ranks)
-            elif isinstance(m, Rescaled):
-                out.rescaled.append((m.node, m.step, m.uri, m.from_ranks, m.to_ranks))
-            elif isinstance(m, Curve):
-                out.curve.extend((m.node, s, dict(v)) for s, v in zip(m.steps, m.values, strict=True))
-            elif isinstance(m, Progress):
-                out.reached = max(out.reached, m.step)
-            elif isinstance(m, BatchTiming):
-                out.timing = (m.given_at, m.startup_s, m.checkpoint_s, m.train_s)
-            elif isinstance(m, BatchFinished | BatchPreempted | BatchFailed):
-                out.terminals += 1
-                out.status = {BatchFinished: "finished", BatchPreempted: "preempted", BatchFailed: "failed"}[type(m)]
-                if isinstance(m, BatchFailed):
-                    out.error, out.oom = m.error, m.oom
-        return out
+        return _facts_of(seen)
 
     return facts
 
 
 def _grpc_facts(link: FakeLink) -> Callable[[], Facts]:
+    """The same facts from the reports' messages: the direct path carries the bus's messages."""
+
     def facts() -> Facts:
-        out = Facts()
-        for r in link.reports:
-            if (r.batch_id, r.attempt) != INFO.key:
-                continue
-            out.terminals += 1
-            out.status = "finished" if r.ok else ("preempted" if r.preempted else "failed")
-            out.metrics = [(m.node, m.step, m.values) for m in r.metrics]
-            out.checkpoints = [(c.node, c.step, c.uri, c.kind) for c in r.checkpoints]
-            out.ranks = [c.ranks for c in r.checkpoints]
-            rs = r.rescaled
-            out.rescaled = [] if rs is None else [(rs.node, rs.step, rs.uri, rs.from_ranks, rs.to_ranks)]
-            out.curve = [(m.node, m.step, m.values) for m in r.curve]
-            out.error, out.oom = r.error, r.oom
-            out.reached = r.reached_step
-            t = r.timing
-            out.timing = None if t is None else (t.given_at, t.startup_s, t.checkpoint_s, t.train_s)
-        return out
+        return _facts_of([m for r in link.reports for m in r.messages])
 
     return facts
 
@@ -318,8 +308,27 @@ async def test_direct_report_of_an_aborted_attempt_keeps_what_it_saved() -> None
     await reporter.event(INFO, "checkpoint_saved", ids(node=1, step=4, uri=URI, bytes=1, kind="central", ranks=1))
     await reporter.finish(INFO, AttemptEnd("aborted", by_worker=False))
     (report,) = link.reports
-    assert not report.ok and not report.preempted and "aborted" in report.error
+    assert not report.ok and not report.preempted and report.failure is None  # the master ended it
     assert [c.uri for c in report.checkpoints] == [URI]
+
+
+async def test_the_direct_report_carries_the_bus_messages_and_the_start_time() -> None:
+    link = FakeLink()
+    reporter = GrpcReporter(link, node_manager_id="nm-1")
+    bus = InProcessBus()
+    consumer = bus.subscribe(list(ALL_TOPICS), "test")
+    on_bus = BusReporter(bus, "nm-1", max_age_s=0.01)
+    t = time.time()
+    for r in (reporter, on_bus):
+        await r.event(INFO, "batch_started", ids())
+        await r.event(INFO, "metrics", ids(node=1, step=4, metrics={"loss": 0.5}))
+        await r.event(INFO, "batch_finished", ids(steps=4))
+        await r.finish(INFO, AttemptEnd("finished"))
+    await on_bus.close()
+    (report,) = link.reports
+    published = [r.message for r in consumer.poll(timeout_s=0)]
+    assert [(m.TYPE, m.msg_id) for m in report.messages] == [(m.TYPE, m.msg_id) for m in published]  # type: ignore[union-attr]
+    assert t <= report.messages[0].started_at <= time.time()  # type: ignore[attr-defined]
 
 
 async def test_direct_report_is_retried_while_the_master_is_unavailable() -> None:

@@ -90,7 +90,7 @@ async def test_a_batch_reports_the_curve_at_its_evals_and_its_saves_and_takes_it
     assert report.ok and not report.preempted  # type: ignore[attr-defined]
     curve = synthetic_curve(0)
     stage = {s.node: s.config for s in spec.stages}
-    got = {(m.node, m.step): m.values["loss"] for m in report.metrics}  # type: ignore[attr-defined]
+    got = {(m.node, m.step): m.metrics["loss"] for m in report.metrics}  # type: ignore[attr-defined]
     assert got == {(1, 5): curve(stage[1], 5), (2, 20): curve(stage[2], 20)}
     assert {(c.node, c.step) for c in report.checkpoints} == {(1, 10), (2, 20)}  # type: ignore[attr-defined]
     assert all(c.uri.startswith("sim://sim-0/") for c in report.checkpoints)  # type: ignore[attr-defined]

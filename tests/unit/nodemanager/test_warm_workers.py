@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from stagetree.bus.messages import Curve
 from stagetree.core.batch import BatchSpec, Point, Source
 from stagetree.core.sequences import MultiStep
 from stagetree.nodemanager.examples.digits import DigitsMLP, digits_batch
@@ -144,10 +145,10 @@ async def test_a_batch_that_starts_where_the_last_ended_continues_from_memory_as
     assert "continues from memory" not in (logs / "batch-3-a1.log").read_text()
 
     def metrics(report: Any) -> list[tuple[int, dict[str, float]]]:
-        return [(m.step, dict(m.values)) for m in report.metrics]
+        return [(m.step, dict(m.metrics)) for m in report.metrics]
 
     def curve(report: Any) -> list[tuple[int, dict[str, float]]]:
-        return [(m.step, dict(m.values)) for m in report.curve]
+        return [(s, dict(v)) for m in report.of_type(Curve) for s, v in zip(m.steps, m.values, strict=True)]
 
     assert from_memory.ok and from_checkpoint.ok
     assert metrics(from_memory) == metrics(from_checkpoint)  # exactly: floats compared with ==
