@@ -4,15 +4,20 @@ One mixed sequence of batch reports (successes, user failures, out-of-memory fai
 reports delivered twice, reports for an attempt that is not the running one, late reports of batches
 that ended) is applied through both write paths into fresh SQLite databases:
 
-- the gRPC path: ``ReportBatch`` calls over a real channel to a master on loopback;
-- the bus path: the same facts as bus messages (encoded and decoded as the bus carries them) through the
+- the gRPC path: ``ReportBatch`` calls over a real channel to a master on loopback, carrying the
+  attempt's bus messages as a node manager sends them (``events``);
+- the bus path: the same messages (encoded and decoded as the bus carries them) through the
   aggregator's ``Ingestor``.
 
 Between reports, the requests sent back to the queue are dispatched again the same way in both
 databases (sorted by id, three to a batch), so both see the same batch ids. The two databases must end
-in the same state (requests, batches, attempts, metrics, checkpoints, curve points). Also measured: the largest class
-under ``services/master/store/`` and the number of error-to-status tables in ``services/``. Last line:
-``same_state=<true|false> report_paths=2 store_max_class_lines=<n> status_tables=<n>``.
+in the same state (requests, batches, attempts, metrics, checkpoints, curve points). Also measured, by
+reading the code (``ast``) under ``services/``: ``ingest_functions``, the functions that write a report's
+effects (those that both store metrics and end attempts: ``record_metrics_in`` and ``end_attempts_in``);
+``event_definitions``, the worker event types (the bus message classes) whose name more than one class
+defines; the largest class under ``services/master/store/``; and the number of error-to-status tables.
+Last line: ``same_state=<true|false> report_paths=2 ingest_functions=<n> event_definitions=<n>
+store_max_class_lines=<n> status_tables=<n>`` (targets: true, 1, 0, <= 400, 1).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any
 import grpc
 from pydantic import SecretStr
 
-from stagetree.bus.messages import Message, decode, encode
+from stagetree.bus.messages import MESSAGE_TYPES, Message, decode, encode, encode_many
 from stagetree.master.app import MasterApp
 from stagetree.master.coordination import InProcessCoordination
 from stagetree.master.settings import AuthSettings, MasterSettings, SchedulingSettings
@@ -108,29 +113,19 @@ def script(world: World, n_batches: int, seed: int, send: Callable[[list[Report]
 # -- the two paths -------------------------------------------------------------------------------------
 
 
-def _proto(r: Report) -> pb.ReportBatchRequest:
-    return pb.ReportBatchRequest(
-        batch_id=r.batch_id,
-        attempt=r.attempt,
-        ok=r.end == "finished",
-        metrics=[pb.MetricPoint(node=n, step=s, values=v) for n, s, v in r.metrics],
-        curve=[pb.MetricPoint(node=n, step=s, values=v) for n, s, v in r.curve],
-        checkpoints=[pb.CheckpointPoint(node=n, step=s, uri=u, bytes=b, kind=k) for n, s, u, b, k in r.checkpoints],
-        error="boom" if r.end in ("failed", "oom") else "",
-        oom=r.end == "oom",
-        preempted=r.end == "preempted",
-    )
+def _proto(r: Report, msgs: list[Message]) -> pb.ReportBatchRequest:
+    return pb.ReportBatchRequest(batch_id=r.batch_id, attempt=r.attempt, events=encode_many(msgs))
 
 
 def bus_path(world: World, n_batches: int, seed: int) -> None:
     ing = Ingestor(world.store, max_failures=MAX_ATTEMPTS)
-    sent: dict[int, list[Message]] = {}  # id of a report -> its messages: a redelivery carries the same ids
+    sent: dict[int, tuple[Report, list[Message]]] = {}  # id -> the report, its messages: sent again, the same ids
 
     def send(seq: list[Report]) -> None:
         for r in seq:
-            msgs = sent.get(id(r))
-            if msgs is None:
-                msgs = sent[id(r)] = _messages(world, r)
+            if id(r) not in sent:  # the report is kept with its messages, so its id is never reused
+                sent[id(r)] = (r, _messages(world, r))
+            msgs = sent[id(r)][1]
             ing.apply([decode(encode(m)) for m in msgs])
 
     script(world, n_batches, seed, send)
@@ -169,6 +164,37 @@ def max_class_lines(folder: Path) -> tuple[int, str]:
                 n = node.end_lineno - node.lineno + 1
                 best = max(best, (n, f"{path.relative_to(ROOT)}:{node.name}"))
     return best
+
+
+def _functions(folder: Path) -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    out = []
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                out.append((f"{path.relative_to(ROOT)}:{node.name}", node))
+    return out
+
+
+def ingest_functions(folder: Path) -> list[str]:
+    """The functions that write a report's effects: they store metrics and end attempts."""
+    out = []
+    for where, fn in _functions(folder):
+        called = {n.func.attr for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+        if {"record_metrics_in", "end_attempts_in"} <= called:
+            out.append(where)
+    return out
+
+
+def class_definitions(folder: Path) -> dict[str, list[str]]:
+    """Class name -> where each class of that name is defined (generated protobuf code left out)."""
+    out: dict[str, list[str]] = {}
+    for path in sorted(folder.rglob("*.py")):
+        if "proto" in path.relative_to(folder).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                out.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+    return out
 
 
 def fresh_store(path: Path) -> Store:
@@ -229,10 +255,17 @@ def main() -> None:
     lines, where = max_class_lines(ROOT / "services" / "master" / "store")
     print(f"largest store class: {where} ({lines} lines)")
     tables = count_status_tables(ROOT / "services")
+    ingests = ingest_functions(ROOT / "services")
+    print(f"ingest functions: {ingests}")
+    classes = class_definitions(ROOT / "services")
+    clashes = {name: where for name, where in classes.items() if len(where) > 1}
+    print(f"class names defined more than once: {clashes}")
+    events = sorted({cls.__name__ for cls in MESSAGE_TYPES.values()} & set(clashes))
     print(
         record(
             "ledger",
-            f"same_state={str(same).lower()} report_paths=2 store_max_class_lines={lines} status_tables={tables}",
+            f"same_state={str(same).lower()} report_paths=2 ingest_functions={len(ingests)} "
+            f"event_definitions={len(events)} store_max_class_lines={lines} status_tables={tables}",
         )
     )
 
@@ -251,9 +284,14 @@ def _grpc_in_thread(world: World, target: str, n_batches: int, seed: int, loop: 
     stub = pb_grpc.MasterServiceStub(channel)
     md = (("authorization", f"Bearer {ADMIN}"),)
 
+    sent: dict[int, tuple[Report, list[Message]]] = {}  # id -> the report, its messages: sent again, the same ids
+
     def send(seq: list[Report]) -> None:
         for r in seq:
-            asyncio.run_coroutine_threadsafe(_report(stub, _proto(r), md), loop).result(30)
+            if id(r) not in sent:  # the report is kept with its messages, so its id is never reused
+                sent[id(r)] = (r, _messages(world, r))
+            msgs = sent[id(r)][1]
+            asyncio.run_coroutine_threadsafe(_report(stub, _proto(r, msgs), md), loop).result(30)
 
     try:
         script(world, n_batches, seed, send)
