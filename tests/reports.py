@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from stagetree.bus.messages import BatchMessage, BatchStarted
-from stagetree.core.lifecycle import AttemptTiming, CheckpointPoint, MetricPoint, Rescaled
+from stagetree.core.lifecycle import AttemptTiming, CheckpointPoint, MetricPoint, RankChange
 from stagetree.master.api.reports import DIRECT, messages_of
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
 
@@ -27,7 +27,7 @@ def attempt_report(
     preempted: bool = False,
     user_error: bool = False,
     curve: Iterable[Any] = (),
-    rescaled: Rescaled | None = None,
+    rescaled: RankChange | None = None,
     timing: AttemptTiming | None = None,
     started_at: float | None = None,
 ) -> list[BatchMessage]:

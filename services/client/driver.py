@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from stagetree.client.progress import Progress, watching
+from stagetree.client.progress import LiveProgress, watching
 from stagetree.client.sdk import EvalCancelled, EvalFailed, EvalResult, Evaluation, Study
 from stagetree.client.tuners.base import Action, Event, Failed, Result, Start, Stop, Submit, Tuner
 from stagetree.client.tuners.simulate import Job, Run
@@ -83,7 +83,7 @@ async def drive(
     completed: asyncio.Queue[_Outstanding | None] = asyncio.Queue()  # None: Ctrl-C
     cancels: set[asyncio.Task[EvalResult | None]] = set()
     evals = 0
-    view = Progress(study.name, tuner, enabled=watching() if progress is None else bool(progress))
+    view = LiveProgress(study.name, tuner, enabled=watching() if progress is None else bool(progress))
     poller = asyncio.ensure_future(_poll_stats(study, view)) if view.enabled else None
 
     def cancel(handle: Evaluation) -> None:
@@ -196,7 +196,7 @@ def _interrupted_line(study: Study, cancelled: int, finished: int) -> str:
     )
 
 
-async def _poll_stats(study: Study, view: Progress, *, every_s: float = 2.0, once: bool = False) -> None:
+async def _poll_stats(study: Study, view: LiveProgress, *, every_s: float = 2.0, once: bool = False) -> None:
     """Keep the progress view's steps executed vs trial by trial current (from the study's stats)."""
     while True:
         try:

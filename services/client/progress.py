@@ -1,6 +1,6 @@
 """What a run shows the person who watches it: ``drive``'s progress line and its failures.
 
-This module owns ``Progress``, a view of a driven tuner: a ``tqdm`` bar of finished trials (of the planned
+This module owns ``LiveProgress``, a view of a driven tuner: a ``tqdm`` bar of finished trials (of the planned
 number when the tuner knows it) with the trials running, done, pruned and failed, the best value so far
 and the steps the study executed against what trial-by-trial training would run; each failed trial printed
 once, with the last lines of its error (the trainer's traceback) and the worker's log path; and the one
@@ -68,7 +68,7 @@ def _size() -> dict[str, int]:
     return {"ncols": size.columns, "nrows": size.lines}
 
 
-class Progress:
+class LiveProgress:
     """A live view of ``tuner`` driving ``study`` (see the module doc); ``enabled=False`` draws nothing but
     still reports each failed trial once, through ``logging``."""
 

@@ -138,6 +138,20 @@ class AssignmentKind(StrEnum):
 
 
 @dataclass(frozen=True)
+class Assignment:
+    """One message of a node manager's assignment stream: RUN a batch attempt, or a control action on
+    one (ABORT, PREEMPT) or on checkpoints (DELETE_CHECKPOINTS); the master sends it, the node manager
+    acts on it."""
+
+    batch_id: int
+    attempt: int
+    kind: AssignmentKind = AssignmentKind.RUN
+    spec_json: str = ""  # RUN: the core BatchSpec's JSON
+    checkpoint_uris: tuple[str, ...] = ()  # DELETE_CHECKPOINTS
+    slot_id: str = ""  # RUN: the slot the master placed the batch on
+
+
+@dataclass(frozen=True)
 class RetryPolicy:
     """``max_failures``: failed attempts a request's work may have before the request fails. An error
     of the user's code fails its requests at once, unless their study asked to retry those too
@@ -182,7 +196,7 @@ class CheckpointPoint:
 
 
 @dataclass(frozen=True)
-class Rescaled:
+class RankChange:
     """A batch attempt on ``to_ranks`` ranks resumed from a checkpoint (``uri``, at a point) written by
     ``from_ranks`` ranks: the trainer said it may (``rescalable``), and from that point on the plan's
     path is not the bit-exact run of one number of ranks. The worker reports it once its restore

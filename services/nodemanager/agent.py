@@ -55,13 +55,14 @@ from stagetree.core.errors import (
     Unavailable,
 )
 from stagetree.core.failures import log_note
+from stagetree.core.lifecycle import Assignment
 from stagetree.core.slots import SlotInfo
 from stagetree.nodemanager import metrics
 from stagetree.nodemanager.gpu import GpuProbe
 from stagetree.nodemanager.group import WorkerGroup
-from stagetree.nodemanager.link import ABORT, DELETE_CHECKPOINTS, PREEMPT, RUN, Assignment, MasterLink
+from stagetree.nodemanager.link import ABORT, DELETE_CHECKPOINTS, PREEMPT, RUN, MasterLink
 from stagetree.nodemanager.mps import MpsDaemon
-from stagetree.nodemanager.reporting import TERMINAL_EVENTS, AttemptEnd, AttemptInfo, BatchReporter, RecentKeys
+from stagetree.nodemanager.reporting import TERMINAL_EVENTS, AttemptExit, AttemptInfo, BatchReporter, RecentKeys
 from stagetree.nodemanager.runtime.checkpoints import CheckpointStore
 from stagetree.nodemanager.runtime.ranks import LOOPBACK, RANK_KEY, RankInfo, free_port
 from stagetree.nodemanager.workers import EXIT_USAGE, WorkerLauncher, WorkerProcess
@@ -91,15 +92,15 @@ class _Attempt:
     exited: asyncio.Event = field(default_factory=asyncio.Event)  # the worker is gone (or never started)
 
 
-def classify_end(attempt: _Attempt, returncode: int, stderr_tail: str) -> AttemptEnd:
+def classify_end(attempt: _Attempt, returncode: int, stderr_tail: str) -> AttemptExit:
     """How an attempt ended, from its terminal event (which wins) or else its exit."""
     if attempt.terminal is not None:
         kind, payload = attempt.terminal
         if kind == "batch_finished":
-            return AttemptEnd("finished")
+            return AttemptExit("finished")
         if kind == "batch_preempted":
-            return AttemptEnd("preempted")
-        return AttemptEnd(
+            return AttemptExit("preempted")
+        return AttemptExit(
             "failed",
             error=str(payload["error"]),
             traceback=str(payload["traceback"]),
@@ -108,11 +109,11 @@ def classify_end(attempt: _Attempt, returncode: int, stderr_tail: str) -> Attemp
             host_problem=bool(payload.get("host_problem", False)),
         )
     if attempt.aborted:
-        return AttemptEnd("aborted", error="aborted by the master", by_worker=False)
+        return AttemptExit("aborted", error="aborted by the master", by_worker=False)
     if attempt.worker is not None and attempt.worker.killed:
         if attempt.stopping:
-            return AttemptEnd("preempted", error=STOPPED, by_worker=False)
-        return AttemptEnd("failed", error="the node manager killed its worker after an error", by_worker=False)
+            return AttemptExit("preempted", error=STOPPED, by_worker=False)
+        return AttemptExit("failed", error="the node manager killed its worker after an error", by_worker=False)
     last = next((ln for ln in reversed(stderr_tail.strip().splitlines()) if ln.strip()), "")
     oom = False
     if returncode < 0:
@@ -130,7 +131,7 @@ def classify_end(attempt: _Attempt, returncode: int, stderr_tail: str) -> Attemp
         error = f"worker exited with status {returncode} before reporting an end"
     if last:
         error += f"; last output: {last[-300:]}"
-    return AttemptEnd("failed", error=error, traceback=stderr_tail, oom=oom, by_worker=False)
+    return AttemptExit("failed", error=error, traceback=stderr_tail, oom=oom, by_worker=False)
 
 
 class NodeManager:
@@ -358,7 +359,7 @@ class NodeManager:
             info = AttemptInfo(a.batch_id, a.attempt)
             self._done.add(key)
             log.error("unreadable batch spec: %s", e, extra={"batch_id": a.batch_id})
-            end = AttemptEnd("failed", error=f"unreadable batch spec: {e}", by_worker=False)
+            end = AttemptExit("failed", error=f"unreadable batch spec: {e}", by_worker=False)
             self._spawn(self.reporter.finish(info, end))
             return
         slot_hint = a.slot_id or str(spec.extra.get("slot_id", ""))
@@ -411,7 +412,7 @@ class NodeManager:
         self._attempts.pop(key, None)
         self._done.add(key)
         log.error("attempt refused: %s", why, extra={"batch_id": key[0], "attempt": key[1]})
-        self._spawn(self.reporter.finish(att.info, AttemptEnd("failed", error=why, by_worker=False)))
+        self._spawn(self.reporter.finish(att.info, AttemptExit("failed", error=why, by_worker=False)))
 
     async def _start_worker(self, att: _Attempt) -> WorkerProcess:
         """The attempt's worker: one process, or one per rank as a ``WorkerGroup``."""
@@ -445,7 +446,7 @@ class NodeManager:
             self._queue.remove(att)
             self._attempts.pop(key, None)
             self._done.add(key)
-            self._spawn(self.reporter.finish(att.info, AttemptEnd("aborted", by_worker=False)))
+            self._spawn(self.reporter.finish(att.info, AttemptExit("aborted", by_worker=False)))
         elif att.worker is not None:
             att.worker.kill()
         # else: the worker is being started; _supervise kills it as soon as it exists
@@ -485,14 +486,14 @@ class NodeManager:
         info, key = att.info, att.info.key
         ids = {"batch_id": info.batch_id, "attempt": info.attempt}
         assert att.slot is not None
-        end = AttemptEnd("failed", error="the node manager lost track of its worker", by_worker=False)
+        end = AttemptExit("failed", error="the node manager lost track of its worker", by_worker=False)
         try:
             try:
                 if self._launcher_ready is not None:
                     await asyncio.shield(self._launcher_ready)
                 worker = await self._start_worker(att)
             except Exception as e:
-                end = AttemptEnd("failed", error=f"cannot start a worker: {e!r}", by_worker=False)
+                end = AttemptExit("failed", error=f"cannot start a worker: {e!r}", by_worker=False)
                 log.error("cannot start a worker: %r", e, extra=ids)
                 return
             att.worker = worker
@@ -519,7 +520,7 @@ class NodeManager:
         except asyncio.CancelledError:
             if att.worker is not None:
                 att.worker.kill()
-            end = AttemptEnd("preempted", error=STOPPED, by_worker=False)
+            end = AttemptExit("preempted", error=STOPPED, by_worker=False)
             raise
         finally:
             att.exited.set()
@@ -600,7 +601,7 @@ class NodeManager:
             self._queue.remove(att)
             self._attempts.pop(att.info.key, None)
             self._done.add(att.info.key)
-            self._spawn(self.reporter.finish(att.info, AttemptEnd("preempted", error=STOPPED, by_worker=False)))
+            self._spawn(self.reporter.finish(att.info, AttemptExit("preempted", error=STOPPED, by_worker=False)))
         running = list(self._attempts.values())
         if not running:
             return

@@ -32,6 +32,7 @@ from stagetree.bus.messages import (
     encode_many,
 )
 from stagetree.core import errors
+from stagetree.core.lifecycle import Assignment, AssignmentKind
 from stagetree.core.slots import SlotInfo
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
 from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
@@ -44,18 +45,6 @@ M = TypeVar("M", bound=BatchMessage)
 RUN, ABORT, PREEMPT, DELETE_CHECKPOINTS = "RUN", "ABORT", "PREEMPT", "DELETE_CHECKPOINTS"
 
 TOKEN_HINT = "set STAGETREE_NM_ADMIN_TOKEN to the master's admin token (its STAGETREE_MASTER_AUTH__ADMIN_TOKEN)"
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """One message of the assignment stream: run a batch attempt, or act on one (or on checkpoints)."""
-
-    batch_id: int
-    attempt: int
-    kind: str = RUN
-    spec_json: str = ""  # RUN: the core BatchSpec's JSON
-    checkpoint_uris: tuple[str, ...] = ()  # DELETE_CHECKPOINTS
-    slot_id: str = ""  # the slot the master placed it on, when it says
 
 
 @dataclass(frozen=True)
@@ -174,7 +163,7 @@ def _assignment(a: pb.Assignment) -> Assignment:
     return Assignment(
         batch_id=int(a.batch_id),
         attempt=int(a.attempt),
-        kind=pb.AssignmentKind.Name(a.kind),
+        kind=AssignmentKind(pb.AssignmentKind.Name(a.kind)),
         spec_json=a.batch_spec_json,
         checkpoint_uris=tuple(a.checkpoint_uris),
         slot_id=str(getattr(a, "slot_id", "") or ""),  # a field the master may add

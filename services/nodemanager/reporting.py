@@ -71,7 +71,7 @@ class AttemptInfo:
 
 
 @dataclass(frozen=True)
-class AttemptEnd:
+class AttemptExit:
     """How an attempt ended. ``by_worker``: the worker emitted the terminal event itself (then the bus
     already carries it); otherwise the node manager saw it die or killed it."""
 
@@ -122,7 +122,7 @@ class BatchReporter(ABC):
             return
         await self._event(info, kind, payload)
 
-    async def finish(self, info: AttemptInfo, end: AttemptEnd) -> None:
+    async def finish(self, info: AttemptInfo, end: AttemptExit) -> None:
         """The attempt is over; reports it unless it was reported before."""
         if info.key in self._ended:
             log.warning(
@@ -143,7 +143,7 @@ class BatchReporter(ABC):
     async def _event(self, info: AttemptInfo, kind: str, payload: dict[str, Any]) -> None: ...
 
     @abstractmethod
-    async def _finish(self, info: AttemptInfo, end: AttemptEnd) -> None: ...
+    async def _finish(self, info: AttemptInfo, end: AttemptExit) -> None: ...
 
 
 # -- the bus ---------------------------------------------------------------------------------------
@@ -203,7 +203,7 @@ def message_of(
     )
 
 
-def crash_of(node_manager_id: str, msg_id: str, info: AttemptInfo, end: AttemptEnd) -> BatchFailed:
+def crash_of(node_manager_id: str, msg_id: str, info: AttemptInfo, end: AttemptExit) -> BatchFailed:
     """The ``batch_failed`` of a worker that could not report its own end (it crashed, ran out of memory)."""
     return BatchFailed(
         msg_id=msg_id,
@@ -277,7 +277,7 @@ class BusReporter(BatchReporter):
             message_of(self.node_manager_id, self._msg_id(info), info, kind, payload), now=kind in TERMINAL_EVENTS
         )
 
-    async def _finish(self, info: AttemptInfo, end: AttemptEnd) -> None:
+    async def _finish(self, info: AttemptInfo, end: AttemptExit) -> None:
         if end.status == "failed" and not end.by_worker:
             await self._publish(crash_of(self.node_manager_id, self._msg_id(info), info, end), now=True)
         self._ids.forget(info)
@@ -365,7 +365,7 @@ class GrpcReporter(BatchReporter):
         else:
             got.messages.append(msg)
 
-    def report_of(self, info: AttemptInfo, end: AttemptEnd) -> BatchReport:
+    def report_of(self, info: AttemptInfo, end: AttemptExit) -> BatchReport:
         """The attempt's report: what its worker emitted, and its end where the worker could not say it
         (an aborted attempt adds nothing: the master ended it already, and keeps what it saved)."""
         got = self._collected.pop(info.key, _Collected())
@@ -375,7 +375,7 @@ class GrpcReporter(BatchReporter):
         self._ids.forget(info)
         return BatchReport(info.batch_id, info.attempt, tuple(messages))
 
-    async def _finish(self, info: AttemptInfo, end: AttemptEnd) -> None:
+    async def _finish(self, info: AttemptInfo, end: AttemptExit) -> None:
         report = self.report_of(info, end)
         task = asyncio.current_task()
         if task is not None:

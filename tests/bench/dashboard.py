@@ -233,7 +233,7 @@ def stored_points(app: MasterApp) -> int:
 
         from stagetree.master.store import models as m
 
-        return int(s.scalar(select(func.count()).select_from(m.CurvePoint)) or 0)
+        return int(s.scalar(select(func.count()).select_from(m.CurvePointRow)) or 0)
 
 
 def finished(app: MasterApp, study_id: str) -> int:

@@ -19,10 +19,10 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
+from stagetree.core.lifecycle import Assignment
 from stagetree.master.api.grouping import Grouper
 from stagetree.master.coordination import Coordination
 from stagetree.master.service import ch_node_manager
-from stagetree.master.store.records import Assignment
 
 log = logging.getLogger(__name__)
 

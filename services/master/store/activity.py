@@ -93,8 +93,8 @@ class ActivityReader:
                 step = 0
                 for node, start, end in stages:
                     top = s.scalar(
-                        select(func.max(m.CurvePoint.step)).where(
-                            m.CurvePoint.node_id == node, m.CurvePoint.step > start, m.CurvePoint.step <= end
+                        select(func.max(m.CurvePointRow.step)).where(
+                            m.CurvePointRow.node_id == node, m.CurvePointRow.step > start, m.CurvePointRow.step <= end
                         )
                     )
                     if top is not None:
@@ -236,7 +236,7 @@ class ActivityReader:
         """When the latest curve point of all was recorded (0 without any), by the clock of whoever wrote
         it (an aggregator's): where a study's stream starts comparing from."""
         with self.db.tx("latest curve point") as s:
-            return _f(s.scalar(select(func.max(m.CurvePoint.recorded_at)))) or 0.0
+            return _f(s.scalar(select(func.max(m.CurvePointRow.recorded_at)))) or 0.0
 
     def curve_points_since(self, plan_ids: Sequence[int], since: float) -> float | None:
         """When the latest curve point on the plans was recorded, if after ``since`` (None otherwise).
@@ -245,9 +245,9 @@ class ActivityReader:
             return None
         with self.db.tx("curve points since") as s:
             recent = s.execute(
-                select(m.CurvePoint.node_id, func.max(m.CurvePoint.recorded_at))
-                .where(m.CurvePoint.recorded_at > since)
-                .group_by(m.CurvePoint.node_id)
+                select(m.CurvePointRow.node_id, func.max(m.CurvePointRow.recorded_at))
+                .where(m.CurvePointRow.recorded_at > since)
+                .group_by(m.CurvePointRow.node_id)
             ).all()
             if not recent:
                 return None

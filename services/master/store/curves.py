@@ -23,7 +23,7 @@ from stagetree.master.store.records import metric_value
 CurveRows = Sequence[tuple[int, int, dict[str, float]]]  # (node, step, values) at canonical points
 Point = tuple[int, int, dict[str, float]]
 
-_C = table(m.CurvePoint)
+_C = table(m.CurvePointRow)
 
 
 def _values(v: Any) -> dict[str, float]:

@@ -68,8 +68,7 @@ from stagetree.bus.messages import (
 )
 from stagetree.core.batch import Point
 from stagetree.core.errors import InvalidArgument, NotFound, StagetreeError
-from stagetree.core.lifecycle import AttemptEnd, AttemptTiming, Outcome, RetryPolicy
-from stagetree.core.lifecycle import Rescaled as RescaledPoint
+from stagetree.core.lifecycle import AttemptEnd, AttemptTiming, Outcome, RankChange, RetryPolicy
 from stagetree.core.searchplan import SearchPlan
 from stagetree.master.plans import PlanCache
 from stagetree.master.store import models as m
@@ -226,7 +225,7 @@ class Ingestor:
             metrics: list[tuple[int, int, dict[str, float]]] = []
             metric_ids: list[str] = []
             saved: list[tuple[int, int, str, int, str, int]] = []
-            rescaled: list[tuple[int, int, RescaledPoint]] = []
+            rescaled: list[tuple[int, int, RankChange]] = []
             curve: list[tuple[int, int, dict[str, float]]] = []
             ends: list[AttemptEnd] = []
             for msg, point in placed:
@@ -245,7 +244,7 @@ class Ingestor:
                     out.applied += 1
                 elif isinstance(msg, Rescaled):
                     assert point is not None
-                    change = RescaledPoint(point.node, point.step, msg.uri, msg.from_ranks, msg.to_ranks)
+                    change = RankChange(point.node, point.step, msg.uri, msg.from_ranks, msg.to_ranks)
                     rescaled.append((msg.batch_id, msg.attempt, change))
                     out.applied += 1
                 if isinstance(msg, BatchPreempted):

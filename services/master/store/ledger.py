@@ -533,7 +533,7 @@ class BatchLedger:
         ``since`` (by the clock of whoever recorded it), oldest first: the latest ``limit`` of them, less
         the (batch, attempt) pairs in ``skip`` (the caller has them: their specs are not read again; the
         cost learner reads every second, and a busy cluster finishes thousands of attempts a minute)."""
-        a, b, sl = m.BatchAttempt, m.Batch, m.Slot
+        a, b, sl = m.BatchAttempt, m.Batch, m.SlotRow
         with self.db.tx("finished attempts") as s:
             keys = s.execute(
                 select(a.batch_id, a.attempt)

@@ -226,7 +226,7 @@ class Metric(Base):
     recorded_at: Mapped[float] = mapped_column(Float)
 
 
-class CurvePoint(Base):
+class CurvePointRow(Base):
     """A learning-curve point: the step metrics a trainer reported after ``step`` steps, stored once at
     its canonical node (a trial's curve is its path's points: shared prefixes are never copied)."""
 
@@ -273,7 +273,7 @@ class HostProblem(Base):
     at: Mapped[float] = mapped_column(Float)
 
 
-class Slot(Base):
+class SlotRow(Base):
     __tablename__ = "slots"
 
     node_manager_id: Mapped[str] = mapped_column(ForeignKey("node_managers.id"), primary_key=True)

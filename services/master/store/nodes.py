@@ -11,16 +11,16 @@ from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
 from stagetree.core.errors import NotFound
-from stagetree.core.lifecycle import AssignmentKind, BatchState, NodeManagerState
+from stagetree.core.lifecycle import Assignment, AssignmentKind, BatchState, NodeManagerState
 from stagetree.core.slots import SlotInfo
 from stagetree.master.store import models as m
 from stagetree.master.store.database import Database, table
-from stagetree.master.store.records import Assignment, NodeManagerRecord
+from stagetree.master.store.records import NodeManagerRecord
 
 ALIVE, LOST = NodeManagerState.ALIVE, NodeManagerState.LOST
 
 _A, _B, _NA, _SL, _NM, _HP = (
-    table(t) for t in (m.BatchAttempt, m.Batch, m.NodeManagerAction, m.Slot, m.NodeManager, m.HostProblem)
+    table(t) for t in (m.BatchAttempt, m.Batch, m.NodeManagerAction, m.SlotRow, m.NodeManager, m.HostProblem)
 )
 _SLOTS = select(
     _SL.c.node_manager_id,
@@ -97,7 +97,7 @@ class NodeRegistry:
             s.execute(_HP.delete().where(_HP.c.node_manager_id == nm_id))
             s.execute(_SL.delete().where(_SL.c.node_manager_id == nm_id))
             s.add_all(
-                m.Slot(
+                m.SlotRow(
                     node_manager_id=nm_id,
                     slot_id=i.id,
                     gpu_type=i.gpu_type,
@@ -188,10 +188,10 @@ class NodeRegistry:
             specs = dict(c.execute(_SPECS, {"ids": [r[1] for r in claimed]}).all()) if claimed else {}
             actions = sorted(c.execute(_CLAIM_ACTIONS, {"nms": nms, "t": now}).all(), key=lambda r: r[1])
         for nm, bid, att, slot in claimed:
-            out[nm].append(Assignment(int(bid), int(att), specs[bid], slot_id=slot or ""))
+            out[nm].append(Assignment(int(bid), int(att), spec_json=specs[bid], slot_id=slot or ""))
         for nm, _id, kind, bid, att, payload in actions:
             uris = tuple(str(u) for u in (payload or {}).get("uris", ()))
-            out[nm].append(Assignment(int(bid), int(att), "", AssignmentKind(kind), uris))
+            out[nm].append(Assignment(int(bid), int(att), AssignmentKind(kind), checkpoint_uris=uris))
         return out
 
     def with_unsent(self) -> set[str]:

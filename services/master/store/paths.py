@@ -22,7 +22,7 @@ from typing import Any
 from sqlalchemy import bindparam, select, tuple_
 from sqlalchemy.orm import Session
 
-from stagetree.core.lifecycle import Rescaled
+from stagetree.core.lifecycle import RankChange
 from stagetree.master.store import models as m
 from stagetree.master.store.database import Database, table
 
@@ -62,7 +62,7 @@ class PathChange:
         }
 
 
-AttemptRescale = tuple[int, int, Rescaled]  # (batch id, attempt, the resume at a canonical point)
+AttemptRescale = tuple[int, int, RankChange]  # (batch id, attempt, the resume at a canonical point)
 
 
 class PathChangeStore:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 
 from stagetree.core.batch import Point
 from stagetree.core.ids import RequestId, StudyId
-from stagetree.core.lifecycle import AssignmentKind, BatchState, NodeManagerState, RequestState
+from stagetree.core.lifecycle import Assignment, BatchState, NodeManagerState, RequestState
 from stagetree.core.slots import Slot, SlotInfo
 
 __all__ = [
@@ -161,18 +161,6 @@ class RoundReads:
     owners: dict[str, str] = field(default_factory=dict)  # the owner of each study above
     # per plan: the node managers that cannot run its trainer, and why (``BatchLedger.host_problems_in``)
     host_problems: dict[int, dict[str, str]] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """One message of a node manager's assignment stream: RUN a batch attempt, or a control action."""
-
-    batch_id: int
-    attempt: int
-    spec_json: str
-    kind: AssignmentKind = AssignmentKind.RUN
-    checkpoint_uris: tuple[str, ...] = ()
-    slot_id: str = ""  # RUN: the slot the master placed the batch on
 
 
 def metric_value(v: float | str) -> float:

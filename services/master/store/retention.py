@@ -67,7 +67,7 @@ class Retention:
                     enqueue_action(s, str(nm), AssignmentKind.DELETE_CHECKPOINTS, uris=uris)
                 s.execute(delete(m.Checkpoint).where(m.Checkpoint.node_id.in_(nodes)))
             metrics = _count(s.execute(delete(m.Metric).where(m.Metric.node_id.in_(nodes))))
-            s.execute(delete(m.CurvePoint).where(m.CurvePoint.node_id.in_(nodes)))
+            s.execute(delete(m.CurvePointRow).where(m.CurvePointRow.node_id.in_(nodes)))
             s.execute(delete(m.PathChange).where(m.PathChange.node_id.in_(nodes)))
             ids = select(m.Request.id).where(m.Request.plan_id == plan_id).scalar_subquery()
             s.execute(delete(m.RequeuedRequest).where(m.RequeuedRequest.request_id.in_(ids)))

@@ -44,8 +44,8 @@ class StatsReader:
             slots = int(
                 s.scalar(
                     select(func.count())
-                    .select_from(m.Slot)
-                    .join(m.NodeManager, m.NodeManager.id == m.Slot.node_manager_id)
+                    .select_from(m.SlotRow)
+                    .join(m.NodeManager, m.NodeManager.id == m.SlotRow.node_manager_id)
                     .where(m.NodeManager.state == NodeManagerState.ALIVE)
                 )
                 or 0

@@ -21,7 +21,7 @@ from stagetree.nodemanager.agent import NodeManager
 from stagetree.nodemanager.app import build_node_manager
 from stagetree.nodemanager.gpu import StaticGpuProbe
 from stagetree.nodemanager.link import GrpcMasterLink
-from stagetree.nodemanager.reporting import AttemptEnd, AttemptInfo, BatchReporter, GrpcReporter
+from stagetree.nodemanager.reporting import AttemptExit, AttemptInfo, BatchReporter, GrpcReporter
 from stagetree.nodemanager.settings import NodeManagerSettings
 from tests.integration.conftest import ADMIN_TOKEN
 
@@ -86,13 +86,13 @@ class RecordingReporter(BatchReporter):
         super().__init__()
         self.inner = inner
         self.events: list[tuple[AttemptInfo, str, dict[str, Any]]] = []
-        self.ends: list[tuple[AttemptInfo, AttemptEnd]] = []
+        self.ends: list[tuple[AttemptInfo, AttemptExit]] = []
 
     async def _event(self, info: AttemptInfo, kind: str, payload: dict[str, Any]) -> None:
         self.events.append((info, kind, payload))
         await self.inner.event(info, kind, payload)
 
-    async def _finish(self, info: AttemptInfo, end: AttemptEnd) -> None:
+    async def _finish(self, info: AttemptInfo, end: AttemptExit) -> None:
         self.ends.append((info, end))
         await self.inner.finish(info, end)
 

@@ -163,8 +163,8 @@ class World:
                 ).where(m.Checkpoint.node_id.in_(nodes))
             ).all()
             curve = s.execute(
-                select(m.CurvePoint.node_id, m.CurvePoint.step, m.CurvePoint.values).where(
-                    m.CurvePoint.node_id.in_(nodes)
+                select(m.CurvePointRow.node_id, m.CurvePointRow.step, m.CurvePointRow.values).where(
+                    m.CurvePointRow.node_id.in_(nodes)
                 )
             ).all()
             p = m.PathChange

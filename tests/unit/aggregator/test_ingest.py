@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import select
 
 from stagetree.bus.messages import GpuTelemetry, Message
-from stagetree.core.lifecycle import BatchState, CheckpointPoint, MetricPoint, RequestState, Rescaled, RetryPolicy
+from stagetree.core.lifecycle import BatchState, CheckpointPoint, MetricPoint, RankChange, RequestState, RetryPolicy
 from stagetree.master.auth import Principal
 from stagetree.master.service import MasterService
 from stagetree.master.settings import LimitSettings
@@ -291,7 +291,7 @@ def _run_direct(world: World, scenario: str) -> None:
     metrics = [MetricPoint(world.root, 10, {"loss": 0.5}), MetricPoint(world.child, 70, {"loss": 0.25})]
     ranks = 2 if scenario == "rescaled" else 1
     ckpts = [CheckpointPoint(world.child, BRANCH, f"file:///ckpt/{world.child}/{BRANCH}", 1, "central", ranks)]
-    rescaled = Rescaled(world.root, RESUMED, f"file:///ckpt/{world.root}/{RESUMED}", 1, 2)
+    rescaled = RankChange(world.root, RESUMED, f"file:///ckpt/{world.root}/{RESUMED}", 1, 2)
     if scenario == "stale":
         world.store.ledger.mark_lost(world.nm)
     if scenario == "preempted":

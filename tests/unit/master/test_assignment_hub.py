@@ -10,11 +10,11 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
+from stagetree.core.lifecycle import Assignment
 from stagetree.master.api import assignment_hub
 from stagetree.master.api.assignment_hub import AssignmentHub
 from stagetree.master.coordination import InProcessCoordination
 from stagetree.master.service import ch_node_manager
-from stagetree.master.store.records import Assignment
 
 
 class Outbox:
@@ -29,7 +29,7 @@ class Outbox:
 
     def put(self, nm: str, batch_id: int) -> None:
         with self._lock:
-            self.unsent.setdefault(nm, []).append(Assignment(batch_id, 1, f'{{"batch_id":{batch_id}}}'))
+            self.unsent.setdefault(nm, []).append(Assignment(batch_id, 1, spec_json=f'{{"batch_id":{batch_id}}}'))
 
     def take_many(self, nms: Sequence[str]) -> dict[str, list[Assignment]]:
         if self.slow.is_set():

@@ -18,7 +18,7 @@ from stagetree.core.errors import StagetreeError, Unavailable
 from stagetree.core.slots import SlotInfo
 from stagetree.nodemanager.agent import NodeManager
 from stagetree.nodemanager.link import GrpcMasterLink
-from stagetree.nodemanager.reporting import AttemptEnd, AttemptInfo, GrpcReporter
+from stagetree.nodemanager.reporting import AttemptExit, AttemptInfo, GrpcReporter
 from stagetree.nodemanager.workers import ExecLauncher
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
 from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
@@ -74,7 +74,7 @@ async def test_a_report_the_master_fails_with_a_bug_is_sent_once_and_logged_once
     servicer.codes = [code] * 100  # it would keep failing: a retry only repeats the bug
     reporter = GrpcReporter(link, initial_backoff_s=0.01, max_backoff_s=0.01)
     with caplog.at_level(logging.WARNING, logger="stagetree.nodemanager"):
-        await asyncio.wait_for(reporter.finish(INFO, AttemptEnd("finished")), 5)
+        await asyncio.wait_for(reporter.finish(INFO, AttemptExit("finished")), 5)
     assert servicer.calls["ReportBatch"] == 1
     (record,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert record.levelno == logging.ERROR and SERVER_BUG in record.getMessage()
@@ -88,7 +88,7 @@ async def test_a_report_the_master_cannot_take_yet_is_retried_until_delivered(
     servicer.codes = [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED]
     delivered: list[list[int]] = []
     reporter = GrpcReporter(link, initial_backoff_s=0.01, on_reported=lambda _r, done: delivered.append(done))
-    await asyncio.wait_for(reporter.finish(INFO, AttemptEnd("finished")), 5)
+    await asyncio.wait_for(reporter.finish(INFO, AttemptExit("finished")), 5)
     assert servicer.calls["ReportBatch"] == 3 and delivered == [[1]]
 
 

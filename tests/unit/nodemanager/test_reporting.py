@@ -32,7 +32,7 @@ from stagetree.bus.messages import (
 from stagetree.core.errors import InvalidArgument, Unavailable
 from stagetree.nodemanager.gpu import GpuSample
 from stagetree.nodemanager.reporting import (
-    AttemptEnd,
+    AttemptExit,
     AttemptInfo,
     BatchReporter,
     BusReporter,
@@ -146,7 +146,7 @@ async def test_a_finished_attempt_carries_its_metrics_checkpoints_and_curve(adap
     await r.event(INFO, "metrics", ids(node=1, step=5, metrics={"loss": 0.5, "accuracy": 0.9}))
     await r.event(INFO, "checkpoint_saved", ids(node=1, step=5, uri=URI, bytes=123, kind="central", ranks=1))
     await r.event(INFO, "batch_finished", ids(steps=5))
-    await r.finish(INFO, AttemptEnd("finished"))
+    await r.finish(INFO, AttemptExit("finished"))
     facts = await _settled(adapter)
     assert facts.status == "finished" and facts.terminals == 1
     assert facts.metrics == [(1, 5, {"loss": 0.5, "accuracy": 0.9})]
@@ -162,7 +162,7 @@ async def test_how_far_an_attempt_trained_and_where_its_time_went_reach_the_mast
     timing = {"given_at": 1700000000.5, "startup_s": 1.5, "checkpoint_s": 0.25, "train_s": 3.0}
     await r.event(INFO, "batch_timing", ids(**timing))
     await r.event(INFO, "batch_failed", ids(error="boom", traceback="Traceback ...", oom=False, user_error=True))
-    await r.finish(INFO, AttemptEnd("failed", error="boom", traceback="Traceback ...", user_error=True))
+    await r.finish(INFO, AttemptExit("failed", error="boom", traceback="Traceback ...", user_error=True))
     facts = await _settled(adapter)
     assert facts.reached == 4
     assert facts.timing == (1700000000.5, 1.5, 0.25, 3.0)
@@ -176,7 +176,7 @@ async def test_a_resume_on_another_number_of_ranks_and_the_ranks_of_each_checkpo
     await r.event(INFO, "rescaled", ids(node=1, step=5, uri=URI, from_ranks=1, to_ranks=2))
     await r.event(INFO, "checkpoint_saved", ids(node=1, step=9, uri=URI + "-9", bytes=7, kind="central", ranks=2))
     await r.event(INFO, "batch_finished", ids(steps=4))
-    await r.finish(INFO, AttemptEnd("finished"))
+    await r.finish(INFO, AttemptExit("finished"))
     facts = await _settled(adapter)
     assert facts.rescaled == [(1, 5, URI, 1, 2)]
     assert facts.checkpoints == [(1, 9, URI + "-9", "central")] and facts.ranks == [2]
@@ -187,7 +187,7 @@ async def test_the_workers_own_failure_keeps_its_error_and_oom_flag(adapter: Ada
     error = "OutOfMemoryError: CUDA out of memory"
     await r.event(INFO, "batch_started", ids())
     await r.event(INFO, "batch_failed", ids(error=error, traceback="Traceback ...", oom=True))
-    await r.finish(INFO, AttemptEnd("failed", error=error, traceback="Traceback ...", oom=True))
+    await r.finish(INFO, AttemptExit("failed", error=error, traceback="Traceback ...", oom=True))
     facts = await _settled(adapter)
     assert (facts.status, facts.terminals, facts.oom) == ("failed", 1, True)
     assert error in facts.error
@@ -197,7 +197,7 @@ async def test_a_crash_without_a_terminal_event_is_a_failure_with_the_exit_statu
     r = adapter.reporter
     await r.event(INFO, "batch_started", ids())
     await r.event(INFO, "metrics", ids(node=1, step=2, metrics={"loss": 1.0}))
-    end = AttemptEnd("failed", error="worker exited with status 17 before reporting an end", by_worker=False)
+    end = AttemptExit("failed", error="worker exited with status 17 before reporting an end", by_worker=False)
     await r.finish(INFO, end)
     facts = await _settled(adapter)
     assert (facts.status, facts.terminals, facts.oom) == ("failed", 1, False)
@@ -211,7 +211,7 @@ async def test_a_preempted_attempt_carries_its_peripheral_checkpoint(adapter: Ad
     await r.event(INFO, "batch_started", ids())
     await r.event(INFO, "checkpoint_saved", ids(node=1, step=9, uri=uri, bytes=10, kind="peripheral", ranks=1))
     await r.event(INFO, "batch_preempted", ids(node=1, step=9, uri=uri, ranks=1))
-    await r.finish(INFO, AttemptEnd("preempted"))
+    await r.finish(INFO, AttemptExit("preempted"))
     facts = await _settled(adapter)
     assert (facts.status, facts.terminals) == ("preempted", 1)
     assert facts.checkpoints == [(1, 9, uri, "peripheral")]
@@ -220,10 +220,10 @@ async def test_a_preempted_attempt_carries_its_peripheral_checkpoint(adapter: Ad
 async def test_an_attempt_is_never_reported_twice(adapter: Adapter) -> None:
     r = adapter.reporter
     await r.event(INFO, "batch_started", ids())
-    end = AttemptEnd("failed", error="worker killed by SIGSEGV", by_worker=False)
+    end = AttemptExit("failed", error="worker killed by SIGSEGV", by_worker=False)
     await r.finish(INFO, end)
     await r.finish(INFO, end)
-    await r.finish(INFO, AttemptEnd("finished"))
+    await r.finish(INFO, AttemptExit("finished"))
     await r.event(INFO, "batch_finished", ids(steps=1))  # too late: ignored
     facts = await _settled(adapter)
     assert (facts.status, facts.terminals) == ("failed", 1)
@@ -240,7 +240,7 @@ async def test_bus_messages_are_keyed_by_batch_with_unique_ids_and_routed_by_typ
     await reporter.event(INFO, "progress", ids(node=1, step=1))
     await reporter.event(INFO, "metrics", ids(node=1, step=1, metrics={"loss": 2.0}))
     await reporter.event(INFO, "batch_finished", ids(steps=1))
-    await reporter.finish(INFO, AttemptEnd("finished"))
+    await reporter.finish(INFO, AttemptExit("finished"))
     await reporter.telemetry("nm-1", [GpuSample(0, 55.0, 1 << 30, 8 << 30, {1234: 1 << 20})])
     await reporter.close()
     records = []
@@ -295,7 +295,7 @@ async def test_bus_reporter_says_nothing_more_about_an_aborted_attempt() -> None
     reporter = BusReporter(bus, "nm-1", max_age_s=0.01)
     t = time.time()
     await reporter.event(INFO, "batch_started", ids())
-    await reporter.finish(INFO, AttemptEnd("aborted", by_worker=False))
+    await reporter.finish(INFO, AttemptExit("aborted", by_worker=False))
     await reporter.close()
     messages = [r.message for r in consumer.poll(timeout_s=0)]
     assert [m.TYPE for m in messages] == ["batch_started"]  # type: ignore[union-attr]
@@ -306,7 +306,7 @@ async def test_direct_report_of_an_aborted_attempt_keeps_what_it_saved() -> None
     link = FakeLink()
     reporter = GrpcReporter(link)
     await reporter.event(INFO, "checkpoint_saved", ids(node=1, step=4, uri=URI, bytes=1, kind="central", ranks=1))
-    await reporter.finish(INFO, AttemptEnd("aborted", by_worker=False))
+    await reporter.finish(INFO, AttemptExit("aborted", by_worker=False))
     (report,) = link.reports
     assert not report.ok and not report.preempted and report.failure is None  # the master ended it
     assert [c.uri for c in report.checkpoints] == [URI]
@@ -323,7 +323,7 @@ async def test_the_direct_report_carries_the_bus_messages_and_the_start_time() -
         await r.event(INFO, "batch_started", ids())
         await r.event(INFO, "metrics", ids(node=1, step=4, metrics={"loss": 0.5}))
         await r.event(INFO, "batch_finished", ids(steps=4))
-        await r.finish(INFO, AttemptEnd("finished"))
+        await r.finish(INFO, AttemptExit("finished"))
     await on_bus.close()
     (report,) = link.reports
     published = [r.message for r in consumer.poll(timeout_s=0)]
@@ -336,7 +336,7 @@ async def test_direct_report_is_retried_while_the_master_is_unavailable() -> Non
     link.report_errors = [Unavailable("down"), Unavailable("still down")]
     delivered = []
     reporter = GrpcReporter(link, initial_backoff_s=0.01, on_reported=lambda r, done: delivered.append(r))
-    await reporter.finish(INFO, AttemptEnd("finished"))
+    await reporter.finish(INFO, AttemptExit("finished"))
     assert [r.batch_id for r in link.reports] == [7] and len(delivered) == 1
 
 
@@ -344,7 +344,7 @@ async def test_direct_report_refused_for_good_is_dropped_not_retried() -> None:
     link = FakeLink()
     link.report_errors = [InvalidArgument("step -1 is negative")]
     reporter = GrpcReporter(link, initial_backoff_s=0.01)
-    await reporter.finish(INFO, AttemptEnd("finished"))
+    await reporter.finish(INFO, AttemptExit("finished"))
     assert link.reports == [] and link.report_errors == []
 
 
@@ -352,7 +352,7 @@ async def test_close_gives_up_on_a_master_that_never_comes_back() -> None:
     link = FakeLink()
     link.report_errors = [Unavailable("down")] * 1000
     reporter = GrpcReporter(link, initial_backoff_s=0.01, max_backoff_s=0.05, close_timeout_s=0.2)
-    pending = asyncio.create_task(reporter.finish(INFO, AttemptEnd("finished")))
+    pending = asyncio.create_task(reporter.finish(INFO, AttemptExit("finished")))
     await asyncio.sleep(0.05)
     await asyncio.wait_for(reporter.close(), 5)
     await asyncio.wait_for(pending, 5)
