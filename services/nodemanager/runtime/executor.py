@@ -355,10 +355,6 @@ class BatchRun:
                 self._last_ckpt_step, self._last_ckpt_time = step, self._clock()
                 last_progress = float("-inf")
                 end = spec.end.step
-                # The per-step path runs between two of the user's steps: keep it to a few local
-                # lookups (every bit of work here shows in a small model's step time).
-                emit, clock, should_preempt = self._emit, self._clock, self._should_preempt
-                point_steps, interval = self._point_steps, self._progress_interval
                 periodic = spec.peripheral_every_steps > 0 or spec.peripheral_every_s > 0
                 # on a GPU a copy per step would wait for the device each step: CPU slots only
                 snapshots = (
@@ -368,12 +364,7 @@ class BatchRun:
                     and self._background
                     and type(trainer).snapshots_in_memory()
                 )
-                batch_id, attempt = spec.batch_id, spec.attempt
-                curve_every = spec.curve_every_steps
-                rate = self._curve_rate
-                curve = self._curve
-                group = self._group
-                distributed = group.distributed
+                distributed = self._group.distributed
                 pending_sync: StepSync | None = None
                 for stage in spec.stages:
                     node = stage.node
@@ -387,7 +378,7 @@ class BatchRun:
                         values = trainer.train()
                         step = s + 1
                         trained += 1
-                        now = clock()
+                        now = self._clock()
                         if trainer.logged:
                             values = {**trainer.logged, **values} if values else trainer.logged
                             trainer.logged = {}
@@ -397,8 +388,8 @@ class BatchRun:
                             # (at a stage's last step, at once), so it runs while the next step trains.
                             every_s = spec.peripheral_every_s
                             timed = every_s > 0 and now - self._last_ckpt_time >= every_s
-                            local = (_PERIODIC if timed else 0) | (_PREEMPT if should_preempt() else 0)
-                            started = group.start_sync(local, values, step, now)
+                            local = (_PERIODIC if timed else 0) | (_PREEMPT if self._should_preempt() else 0)
+                            started = self._group.start_sync(local, values, step, now)
                             values = None  # recorded when its average comes back
                             ready = [] if pending_sync is None else [pending_sync]
                             pending_sync = None
@@ -416,14 +407,11 @@ class BatchRun:
                                 periodic_due |= bool(flags & _PERIODIC) and self._last_save_step < sync.step
                                 preempt_now |= bool(flags & _PREEMPT)
                                 self._curve_point(sync.step, sync.at, averaged, node)
-                        if values and curve_every and step % curve_every == 0 and rate.take(now):
-                            curve.append([step, finite_values(values)])
-                            if now - self._curve_flushed >= CURVE_FLUSH_S or len(curve) >= CURVE_MAX_BUFFER:
-                                self._flush_curve(node, now)
-                        if interval <= 0 or now - last_progress >= interval:
-                            emit("progress", {"batch_id": batch_id, "attempt": attempt, "node": node, "step": step})
+                        self._curve_point(step, now, values, node)  # distributed: None, taken from its sync
+                        if self._progress_interval <= 0 or now - last_progress >= self._progress_interval:
+                            self._emit("progress", {**self._ids, "node": node, "step": step})
                             last_progress = now
-                        saved = step in point_steps and self._handle_points(trainer, step)
+                        saved = step in self._point_steps and self._handle_points(trainer, step)
                         if not distributed:
                             periodic_due = periodic and self._peripheral_due(step, now)
                             preempt_now = False
@@ -433,7 +421,7 @@ class BatchRun:
                             self._snapshot(trainer, Point(node, step))
                         if self._pending:
                             self._drain(block=False)
-                        if step < end and (preempt_now or (not distributed and should_preempt())):
+                        if step < end and (preempt_now or (not distributed and self._should_preempt())):
                             if pending_sync is not None:  # every rank has it in flight: take its curve point
                                 _, averaged = pending_sync.wait()
                                 self._curve_point(pending_sync.step, pending_sync.at, averaged, node)
@@ -452,7 +440,7 @@ class BatchRun:
 
     def _curve_point(self, step: int, now: float, values: Any, node: int) -> None:
         """Keep ``values`` as the curve point of ``step`` (ended at ``now``) when the batch's curve rate
-        says so (the one-rank loop does the same inline)."""
+        says so."""
         every = self.spec.curve_every_steps
         if not values or not every or step % every or not self._curve_rate.take(now):
             return
