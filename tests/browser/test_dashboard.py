@@ -179,6 +179,38 @@ def test_evaluations_are_plotted_at_their_steps_and_the_filter_filters_the_chart
     assert not errors, errors
 
 
+def test_the_contour_interpolates_the_metric_over_the_two_numeric_choices(live: LiveCluster, page: Any) -> None:
+    async def grid() -> str:
+        c = live.cluster
+        async with stagetree.connect(c.target, token=c.token) as client:
+            study = await stagetree.Study.create(
+                client, "contour", trainer=ENTRY_POINT, seed=0, values=VALUES, tuned=["lr", "momentum", "bs"]
+            )
+            evs = [
+                study.submit({"lr": lr, "momentum": mo, "bs": 32}, 4, label=f"lr{lr}-m{mo}")
+                for lr in (0.02, 0.2)
+                for mo in (0.5, 0.9)
+            ]
+            await asyncio.wait_for(asyncio.gather(*evs), 180)
+            return study.id
+
+    study_id = live.run(grid())
+    errors = _errors(page)
+    sign_in(page, live, where=f"#/study/{study_id}")
+    page.wait_for_selector("#contour[data-ready='1']")
+    assert sorted([page.get_attribute("#contour", "data-x"), page.get_attribute("#contour", "data-y")]) == [
+        "lr",
+        "momentum",
+    ]
+    assert page.get_attribute("#contour", "data-points") == "4"
+    heat, trials = _option(page, "#contour")["series"]
+    assert heat["n"] == 28 * 28 and trials["n"] == 4  # the surface, and the trials on it
+    assert "over lr and momentum" in page.inner_text("#contour-info") or "over momentum and lr" in page.inner_text(
+        "#contour-info"
+    )
+    assert not errors, errors
+
+
 def test_a_failed_trial_opens_to_its_traceback_and_worker_log(live: LiveCluster, page: Any) -> None:
     values = {**VALUES, "fault": "raise", "fault_step": BRANCH + 2}
     study_id, _, _ = live.run(run_study(live, "trial-page", trainer=FAULTY, values=values))

@@ -2,7 +2,8 @@
 // one line that splits) beside an evaluation metric at each trial's rungs, each with a legend, scales
 // that outliers cannot flatten, a step or wall-time axis and exports; the trials table (a row per trial,
 // its rungs inside; its filter filters the charts too); and the tuned choices: parallel coordinates
-// (failed trials included), importance, slices and the optimisation history.
+// (failed trials included), importance, slices, a contour of the two most important numeric choices and
+// the optimisation history.
 import {
   PALETTE, WORDS, WORD_COLOR, alive, api, badge, countBadges, csv, download, esc, fmt, metricLabel, robustRange,
   throttle, trialHref, trialLink, word,
@@ -15,6 +16,7 @@ const PAGE = 50; // table rows per page
 // line, a hover draws its trial, the table's filter narrows them back to a legend)
 const PER_SERIES_LIMIT = 60;
 const SLICES = 4; // slice plots of the most important choices
+const CONTOUR_GRID = 28; // cells a side of the contour's interpolated surface
 
 export async function renderStudy(main, studyId, gen) {
   const id = encodeURIComponent(studyId);
@@ -57,9 +59,10 @@ export async function renderStudy(main, studyId, gen) {
       <div id="parallel" class="chart"></div>
       <div class="row charts"><div class="chart-box"><h3>Importance</h3><div id="importance" class="chart small"></div></div>
         <div class="chart-box"><h3>Optimisation history</h3><div id="history" class="chart small"></div></div></div>
-      <h3>Slices</h3><div id="slices" class="chart small"></div></div>`;
+      <div class="row charts"><div class="chart-box"><h3>Slices</h3><div id="slices" class="chart small"></div></div>
+        <div class="chart-box"><h3>Contour <span class="muted" id="contour-info"></span></h3><div id="contour" class="chart small"></div></div></div></div>`;
 
-  const charts = Object.fromEntries(["curves", "eval-curves", "parallel", "importance", "history", "slices"].map(
+  const charts = Object.fromEntries(["curves", "eval-curves", "parallel", "importance", "history", "slices", "contour"].map(
     (k) => [k, echarts.init(document.getElementById(k), null, { renderer: "canvas" })]));
   const onResize = () => Object.values(charts).forEach((c) => c.resize());
   window.addEventListener("resize", onResize);
@@ -423,7 +426,7 @@ export async function renderStudy(main, studyId, gen) {
     const trials = visibleTrials();
     const el = document.getElementById("parallel");
     if (!m) {
-      for (const k of ["parallel", "importance", "history", "slices"]) charts[k].clear();
+      for (const k of ["parallel", "importance", "history", "slices", "contour"]) charts[k].clear();
       el.dataset.lines = "0";
       document.getElementById("pc-info").textContent = "no evaluation yet";
       return;
@@ -489,6 +492,8 @@ export async function renderStudy(main, studyId, gen) {
         data: scored.filter((t) => f in t.features).map((t) => [numeric[f] ? t.features[f] : String(t.features[f]), metricOf(t, m), t.key]) })),
     }, { notMerge: true });
 
+    drawContour(m, mode, scored, imp.map((x) => x[0]).filter((f) => numeric[f]), feats.filter((f) => numeric[f]));
+
     // optimisation history: each trial's metric in the order the trials began, and the best so far
     const order = [...trials].sort((a, b) => (a.started_at || 0) - (b.started_at || 0));
     let best = null;
@@ -509,6 +514,58 @@ export async function renderStudy(main, studyId, gen) {
         { name: "best so far", type: "line", step: "end", showSymbol: false, data: line, lineStyle: { color: "#2fa36b", width: 2 } }],
     }, { notMerge: true });
   }
+  // the metric over the two most important numeric choices: the trials, and between them a surface
+  // interpolated by inverse-distance weighting (on the choices scaled to their ranges), as a heat map
+  function drawContour(m, mode, scored, ranked, numericFeats) {
+    const el = document.getElementById("contour");
+    const [fx, fy] = [...new Set([...ranked, ...numericFeats])];
+    const pts = fy === undefined ? [] : scored.filter((t) => typeof t.features[fx] === "number" && typeof t.features[fy] === "number")
+      .map((t) => [t.features[fx], t.features[fy], metricOf(t, m), t.key]);
+    el.dataset.x = fx || ""; el.dataset.y = fy || ""; el.dataset.points = String(pts.length);
+    if (pts.length < 3) {
+      charts.contour.clear();
+      document.getElementById("contour-info").textContent = "(two numeric choices and three scored trials needed)";
+      el.dataset.ready = "1";
+      return;
+    }
+    const span = (i) => { const v = pts.map((p) => p[i]); const a = Math.min(...v), b = Math.max(...v); return [a, b, b - a || 1]; };
+    const [x0, , xw] = span(0), [y0, , yw] = span(1);
+    const cells = [];
+    for (let i = 0; i < CONTOUR_GRID; i++) for (let j = 0; j < CONTOUR_GRID; j++) {
+      const u = (i + 0.5) / CONTOUR_GRID, v = (j + 0.5) / CONTOUR_GRID;
+      let num = 0, den = 0, exact = null;
+      for (const p of pts) {
+        const d2 = ((p[0] - x0) / xw - u) ** 2 + ((p[1] - y0) / yw - v) ** 2;
+        if (d2 < 1e-12) { exact = p[2]; break; }
+        const w = 1 / (d2 * d2);
+        num += w * p[2]; den += w;
+      }
+      cells.push([i, j, exact ?? num / den]);
+    }
+    const vals = pts.map((p) => p[2]);
+    const lo = Math.min(...vals), hi = Math.max(...vals);
+    const colors = mode === "max" ? ["#d64545", "#f5c26b", "#2fa36b"] : ["#2fa36b", "#f5c26b", "#d64545"];
+    const at = (k, a, w) => a + ((k + 0.5) / CONTOUR_GRID) * w;
+    charts.contour.setOption({
+      animation: false, grid: { left: 60, right: 80, top: 10, bottom: 40 },
+      tooltip: { trigger: "item", formatter: (p) => (p.seriesIndex === 1 ? `${esc(p.data[3])}: ${fmt(p.data[2])}` : `≈ ${fmt(p.data[2])}`) },
+      xAxis: [{ type: "category", data: [...Array(CONTOUR_GRID).keys()].map((k) => tick(at(k, x0, xw))), name: fx, nameLocation: "middle", nameGap: 26, axisLabel: { interval: 6 } },
+        { type: "value", min: x0, max: x0 + xw, show: false }],
+      yAxis: [{ type: "category", data: [...Array(CONTOUR_GRID).keys()].map((k) => tick(at(k, y0, yw))), name: fy, axisLabel: { interval: 6 } },
+        { type: "value", min: y0, max: y0 + yw, show: false }],
+      visualMap: { type: "continuous", min: lo, max: hi === lo ? lo + 1e-9 : hi, dimension: 2, seriesIndex: [0, 1], right: 0, top: 10, calculable: true,
+        precision: 4, formatter: tick, text: [mode === "max" ? "better" : "worse", ""], inRange: { color: colors } },
+      series: [{ type: "heatmap", data: cells, itemStyle: { opacity: 0.75 } },
+        { type: "scatter", xAxisIndex: 1, yAxisIndex: 1, data: pts, symbolSize: 7, itemStyle: { borderColor: "#1f2933", borderWidth: 1 } }],
+    }, { notMerge: true });
+    document.getElementById("contour-info").textContent = `${metricLabel(m, "eval")} over ${fx} and ${fy}, ${pts.length} trials`;
+    el.dataset.ready = "1";
+  }
+  charts.contour.on("click", (e) => {
+    const t = e.seriesIndex === 1 && e.data && data.trials.find((x) => x.key === e.data[3]);
+    if (t) location.hash = trialHref(studyId, t);
+  });
+
   charts.history.on("click", (e) => {
     const t = e.data && e.data[2] && data.trials.find((x) => x.key === e.data[2]);
     if (t) location.hash = trialHref(studyId, t);
