@@ -59,5 +59,5 @@ async def test_broker_restarted_mid_study_on_durable_storage_delivers_what_was_p
     async with connect(cluster.target, token=cluster.token, reconnect_s=120) as client:
         out = await broker_restart(cluster, client, down_s=6.0)
         assert out.evals == 6 and out.lost == 0 and out.duplicated == 0 and not out.problems, out
-        assert out.produced_while_down > 0, out  # the batch's messages of the outage reached the broker after
+        assert out.produced_while_down > 0, out  # what the batch trained through the outage reached the broker after
         _all_alive(cluster)
