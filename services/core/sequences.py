@@ -496,7 +496,9 @@ class CyclicLR(Sequence):
 @dataclass(frozen=True, eq=False, repr=False)
 class Warmup(Sequence):
     """Linear from ``init`` to ``then``'s first value over ``period`` steps, then ``then`` (which starts
-    its own step 0 at step ``period``)."""
+    its own step 0 at step ``period``). ``period=0`` is no warm-up: the schedule is ``then`` itself (the
+    same segments, so such a trial shares its whole path with ``then``'s), which lets a search space draw
+    the warm-up's length from a range that includes none."""
 
     init: float | int
     period: int
@@ -506,12 +508,14 @@ class Warmup(Sequence):
 
     def __post_init__(self) -> None:
         _num("Warmup", "init", self.init)
-        object.__setattr__(self, "period", _steps("Warmup", "period", self.period))
+        object.__setattr__(self, "period", _steps("Warmup", "period", self.period, minimum=0))
         object.__setattr__(self, "then", as_sequence(self.then, field="Warmup.then"))
         if _dtype_of(self.then.value(0)) in ("str", "bool"):
             raise SequenceError("Warmup", "then", "must be numeric")
 
     def _raw_segments(self) -> list[Segment]:
+        if self.period == 0:
+            return list(self.then.segments())
         target = self.then.value(0)
         d = "int" if _dtype_of(self.init) == "int" and _dtype_of(target) == "int" else "float"
         slope = canon_float((float(target) - float(self.init)) / self.period)

@@ -193,3 +193,13 @@ def test_an_unknown_field_in_a_family_object_is_refused_naming_it(seq, extra: st
     with pytest.raises(SequenceError) as err:
         Config.of({"lr": {**obj, extra: 1}})
     assert err.value.field == extra and f"is not a field of {obj['kind']}" in str(err.value)
+
+
+def test_a_warmup_of_no_steps_is_its_then_and_shares_its_whole_path() -> None:
+    then = Cosine(0.1, 0.001, 40)
+    none = Warmup(0.0, 0, then=then)
+    assert none.segments() == then.segments() and repr(none) == repr(then)
+    assert Config.of({"lr": none}) == Config.of({"lr": then})  # the same trial, so the same plan path
+    assert [none.value(s) for s in (0, 7, 39)] == [then.value(s) for s in (0, 7, 39)]
+    with pytest.raises(SequenceError, match="period: must be >= 0, got -1"):
+        Warmup(0.0, -1, then=then)

@@ -206,3 +206,16 @@ def test_the_trained_values_and_the_stagetree_trial_are_on_each_optuna_trial() -
         assert float(mine.config["momentum"].value(0)) == trained["momentum"]
     best = tuner.best_params()
     assert best == tuner.study.best_trial.user_attrs["stagetree.params"] and best["momentum"] in (0.5, 0.7, 0.9)
+
+
+def test_a_warmup_length_drawn_from_a_range_with_none_needs_no_split_space() -> None:
+    """``period=IntUniform(0, 3)``: a drawn 0 is no warm-up, and that trial is the plain ``then`` schedule."""
+    s = OptunaSpace({"lr": Family(Warmup, init=0.0, period=IntUniform(0, 3), then=Cosine(0.1, 0.001, 40))})
+    study = optuna.create_study(sampler=optuna.samplers.GridSampler({"lr.period": [0, 1, 2, 3]}))
+    drawn = {}
+    for _ in range(4):
+        t = study.ask()
+        drawn[t.params["lr.period"]] = s.suggest(t)["lr"]
+    assert sorted(drawn) == [0, 1, 2, 3]
+    assert drawn[0].segments() == Cosine(0.1, 0.001, 40).segments()
+    assert drawn[3].value(0) == 0.0 and drawn[3].value(3) == 0.1
