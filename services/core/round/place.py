@@ -13,10 +13,10 @@ through the place step its policies give it (``PlaceStep``):
   (``oversub`` x 100 %), memory and CPU constraints, given the demand the study declares; what fits
   nowhere waits.
 
-Work on ``n > 1`` slots takes ``n`` free slots of one node manager (the first that has them), no two
-on one GPU, whatever its study chose, or waits. No step places work on a node manager that cannot run its plan's trainer
-(``Work.avoid``). Devices, their running jobs and their packed demands are only gathered in
-rounds where some study places by device.
+Work on ``n > 1`` slots takes ``n`` free slots of one node manager (of those that have them, the one
+with the fewest GPUs free: best fit), no two on one GPU, whatever its study chose, or waits. No step
+places work on a node manager that cannot run its plan's trainer (``Work.avoid``). Devices, their
+running jobs and their packed demands are only gathered in rounds where some study places by device.
 """
 
 from __future__ import annotations
@@ -86,19 +86,21 @@ class SlotPool:
                 self._devices.placed(s, w)
 
     def wide(self, n: int, avoid: frozenset[str] = frozenset()) -> tuple[Slot, ...] | None:
-        """``n`` free slots of one node manager not in ``avoid`` (the first that has them, in the free
-        slots' order), no two of them on one GPU (``Slot.rank_place``)."""
+        """``n`` free slots of one node manager not in ``avoid``, no two of them on one GPU
+        (``Slot.rank_place``): of the node managers that have them, the one with the fewest such GPUs
+        free (the first in the free slots' order on ties), so that work on fewer GPUs does not break up
+        a node manager that wider work needs (best fit)."""
         by_host: dict[str, list[Slot]] = {}
         for s in self.free[self._free_at :]:
             if s in self.taken or s.node_manager in avoid:
                 continue
             got = by_host.setdefault(s.node_manager, [])
-            if any(g.rank_place == s.rank_place for g in got):
-                continue
-            got.append(s)
-            if len(got) == n:
-                return tuple(got)
-        return None
+            if all(g.rank_place != s.rank_place for g in got):
+                got.append(s)
+        fits = [got for got in by_host.values() if len(got) >= n]
+        if not fits:
+            return None
+        return tuple(min(fits, key=len)[:n])
 
     def devices(self) -> _Devices:
         if self._devices is None:

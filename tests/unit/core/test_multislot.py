@@ -5,6 +5,8 @@ study's ``slots`` choice, and the lifecycle's out-of-memory state."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stagetree.core.config import Config
 from stagetree.core.errors import InvalidArgument, ResourceExhausted
@@ -43,16 +45,33 @@ def _plan(*trials: tuple[float, int]) -> SearchPlan:
 # -- placement -------------------------------------------------------------------------------------
 
 
-def test_n_slots_come_from_one_node_manager_in_first_fit_order() -> None:
-    pool = SlotPool(_slots(("a", 1), ("b", 3), ("c", 2)), [], [], [], {})
+def test_n_slots_come_from_the_fullest_node_manager_that_has_them() -> None:
+    pool = SlotPool(_slots(("a", 1), ("b", 3), ("c", 2), ("d", 2)), [], [], [], {})
     got = pool.wide(2)
-    assert got is not None and [s.id for s in got] == ["b-s0", "b-s1"]
+    assert got is not None and [s.id for s in got] == ["c-s0", "c-s1"]  # c and d fit exactly; c comes first
     pool.taken.update(got)
-    assert pool.wide(3) is None  # no node manager has 3 free: nothing taken
-    again = pool.wide(2)
-    assert again is not None and [s.id for s in again] == ["c-s0", "c-s1"]
+    assert pool.wide(4) is None  # no node manager has 4 free: nothing taken
+    again = pool.wide(3)
+    assert again is not None and [s.id for s in again] == ["b-s0", "b-s1", "b-s2"]
+    pool.taken.update(again)
+    assert [s.id for s in pool.wide(2) or ()] == ["d-s0", "d-s1"]
     first = pool.first_free()
     assert first is not None and first.id == "a-s0"
+
+
+@settings(max_examples=200)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=6), st.integers(1, 4))
+def test_a_wide_placement_is_n_distinct_gpus_of_the_fullest_node_manager_that_fits(free: list[int], n: int) -> None:
+    slots = [Slot(f"h{h}-g{g}", f"h{h}", gpu_index=g) for h, k in enumerate(free) for g in range(k)]
+    got = SlotPool(slots, [], [], [], {}).wide(n)
+    fits = [k for k in free if k >= n]
+    if not fits:
+        assert got is None
+        return
+    assert got is not None and len(got) == n
+    assert len({s.node_manager for s in got}) == 1 and len({s.rank_place for s in got}) == n
+    host = int(got[0].node_manager[1:])
+    assert free[host] == min(fits) and host == free.index(min(fits))
 
 
 def test_ranks_of_one_batch_never_share_a_gpu() -> None:
