@@ -38,7 +38,7 @@ import bisect
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -47,6 +47,7 @@ from stagetree.core.config import Config
 from stagetree.core.errors import InvalidArgument
 from stagetree.core.ids import BatchId, JobKey, PlanId, RequestId, StudyId
 from stagetree.core.lifecycle import RequestState
+from stagetree.core.policies.genie import widths as gpu_widths
 from stagetree.core.policies.state import PolicyState
 from stagetree.core.policies.study import StudyPolicies
 from stagetree.core.round import (
@@ -544,7 +545,7 @@ class Simulator:
             asked = max((self.policies[s].slots for s in studies if s in self.policies), default=1)
             scale = self.decision_scale(p.key, asked)
             cost = [self.decision_cost(st) * scale for st in forest.stages]
-            step_scale = {k: self.decision_scale(p.key, k) for k in _widths(asked)} if asked > 1 else {}
+            step_scale = {k: self.decision_scale(p.key, k) for k in gpu_widths(asked)} if asked > 1 else {}
             bounds = plan_boundaries(p.plan, p.boundaries) if self.save_at_boundaries else ()
             work = PlanWork(p.id, forest, cost, asked, asked, step_scale, bounds)
             self._works[p.id] = (key, work)
@@ -978,14 +979,6 @@ class Simulator:
 
 
 _LIVE = (RequestState.NOT_SCHED, RequestState.SCHED)
-
-
-def _widths(most: int) -> Iterator[int]:
-    k = 1
-    while k < most:
-        yield k
-        k *= 2
-    yield most
 
 
 def synthetic_curve(seed: int = 0) -> Curve:

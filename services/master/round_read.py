@@ -27,6 +27,7 @@ from stagetree.core.batch import Point
 from stagetree.core.config import FixedPart
 from stagetree.core.errors import StagetreeError
 from stagetree.core.ids import BatchId, PlanId, RequestId, StudyId
+from stagetree.core.policies.genie import widths as gpu_widths
 from stagetree.core.policies.study import StudyPolicies
 from stagetree.core.round import (
     BusySlot,
@@ -231,7 +232,7 @@ class InputReader:
             forest = build_stage_tree(plan.nodes, steps, typed, inflight.get(plan_id, ()), plan=pid)
             want = asked.get(pid, 1)
             slots = self._slots_of(pid, asked)
-            scale = {k: width_scale(pid, k) for k in _widths(want)} if want > 1 else {}
+            scale = {k: width_scale(pid, k) for k in gpu_widths(want)} if want > 1 else {}
             unable = reads.host_problems.get(plan_id, {})
             work.append(PlanWork(pid, forest, [cost(st) for st in forest.stages], slots, want, scale, unable=unable))
         return work, uris, count
@@ -397,11 +398,3 @@ class InputReader:
 
 def _gpu_type(slots: Sequence[Slot]) -> str:
     return slots[0].gpu_type if slots else "cpu"
-
-
-def _widths(most: int) -> list[int]:
-    out, k = [], 1
-    while k < most:
-        out.append(k)
-        k *= 2
-    return [*out, most]

@@ -417,6 +417,12 @@ def choose_width(
     return n, lat, ect_abs - (now + lat)
 
 
+def widths(most: int) -> list[int]:
+    """The GPU counts a batch may run on when its study asks for up to ``most`` slots: every ``g`` in
+    ``1..most``, the placements ``<1, g>`` of §II-B on one node (Alg. 1 weighs each by its CER)."""
+    return list(range(1, max(most, 1) + 1))
+
+
 def _cer_order(opts: Sequence[tuple[int, float]], shape: ClusterShape, theta: float) -> list[tuple[int, float]]:
     """Widths by decreasing cost-effective ratio (Eq. 5 with throughput ``1 / latency``), fewer on ties."""
     return sorted(opts, key=lambda o: (-(1.0 / o[1]) / cost(Placement(1, o[0]), shape, theta), o[0]))

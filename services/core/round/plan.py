@@ -243,7 +243,7 @@ class _Round:
             widths: tuple[tuple[int, float], ...] = ()
             if widths_wanted:
                 one = b.cost / max(p.step_scale.get(p.slots, 1.0 / p.slots), 1e-12)
-                widths = tuple((k, one * p.step_scale.get(k, 1.0 / k)) for k in _widths(p.slots))
+                widths = tuple((k, one * p.step_scale.get(k, 1.0 / k)) for k in genie.widths(p.slots))
             yield Work(b, study, job, b.cost, p.slots, arrival, widths, key=key, first=min(b.requests), avoid=avoid)
 
     def _soon(self) -> tuple[list[Slot], float | None]:
@@ -375,12 +375,3 @@ def no_host_can_run(unable: Mapping[str, str]) -> str:
         f"no node manager can run this plan's trainer ({reasons}); once the module is there, restart the node "
         "managers (one that registers again is tried again)"
     )
-
-
-def _widths(most: int) -> list[int]:
-    """The widths GENIE chooses from: 1, 2, 4, ... below ``most``, and ``most``."""
-    out, k = [], 1
-    while k < most:
-        out.append(k)
-        k *= 2
-    return [*out, most]

@@ -116,11 +116,13 @@ def test_the_round_gives_a_qos_batch_the_width_genie_picks_on_one_node_manager()
     pols = {"s": parse_policies({"qos": "prior", "slots": 4})}
     plan = trials("s", 10)
     work, reqs = plan_work(plan, slots=4, cost=lambda st: 32.0)  # 32 s on 4 slots
-    scale = {1: 1.0, 2: 55.0 / 100.0, 4: 32.0 / 100.0}
+    scale = {1: 1.0, 2: 55.0 / 100.0, 3: 40.0 / 100.0, 4: 32.0 / 100.0}  # t = 10 + 90 / n
     work = type(work)(work.plan, work.forest, work.cost_s, 4, 4, scale)
     (rid,) = reqs
-    late = plan_round(round_input([(work, reqs)], free, policies=pols, arrivals={rid: 0.0}, now=50.0))
-    assert dispatched(late) == [("s", 10, ["b0", "b1", "b2", "b3"])]
+    late = plan_round(round_input([(work, reqs)], free, policies=pols, arrivals={rid: 0.0}, now=65.0))
+    assert dispatched(late) == [("s", 10, ["b0", "b1", "b2", "b3"])]  # only 4 slots finish by the ECT (100 s)
+    sooner = plan_round(round_input([(work, reqs)], free, policies=pols, arrivals={rid: 0.0}, now=50.0))
+    assert dispatched(sooner) == [("s", 10, ["b0", "b1", "b2"])]  # 3 slots finish in time and cost less
     early = plan_round(round_input([(work, reqs)], free, policies=pols, arrivals={rid: 0.0}, now=0.0))
     assert dispatched(early) == [("s", 10, ["a0"])]  # time enough: one slot is the most cost-effective
 

@@ -27,6 +27,7 @@ from stagetree.core.policies.genie import (
     lightweight_profile_plan,
     plan_queue,
 )
+from stagetree.core.policies.genie import widths as gpu_widths
 from tests.sim.papers.genie import genie_tasks, profiled_models, run_qos, true_models
 
 M = PerfModel(a0=0.0, a1=2.0, a2=-0.01, lambda1=0.6, lambda2=0.3, startup_s=10.0)
@@ -148,3 +149,9 @@ def test_deadline_by_the_believed_ect() -> None:
     assert deadline_met(t, 210.0, M) and not deadline_met(t, 210.5, M)
     assert not deadline_met(Task("u", "m", 200, 100, 0.0, "urgent"), 1.0, M)
     assert set(true_models()) == set(profiled_models(ClusterShape(4, 4)))
+
+
+@given(st.integers(1, 16))
+def test_the_widths_are_every_gpu_count_of_one_node_up_to_the_most(most: int) -> None:
+    ws = gpu_widths(most)
+    assert ws == sorted(set(ws)) and ws[0] == 1 and ws[-1] == most and len(ws) == most
