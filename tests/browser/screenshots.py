@@ -121,13 +121,10 @@ def main(argv: list[str] | None = None) -> int:
                 page.wait_for_timeout(300)
                 page.screenshot(path=str(ns.out / "dashboard-study.png"))
                 page.locator("#parallel").scroll_into_view_if_needed()
+                page.wait_for_selector("#contour[data-ready='1']")
                 page.wait_for_timeout(300)
-                box = page.locator("#parallel").bounding_box()
-                assert box is not None
-                page.screenshot(
-                    path=str(ns.out / "dashboard-study-choices.png"),
-                    clip={"x": 0, "y": box["y"] - 80, "width": 1500, "height": 1000},
-                )
+                # the whole "Tuned choices" card: parallel coordinates, importance, history, slices, contour
+                page.locator("div.card:has(#parallel)").screenshot(path=str(ns.out / "dashboard-study-choices.png"))
                 page.select_option("#state-filter", "failed")
                 page.click("#trials tbody tr[data-state=FAILED]")
                 page.wait_for_selector("#traceback")
