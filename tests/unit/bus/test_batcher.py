@@ -221,34 +221,53 @@ def test_bad_settings_are_invalid(max_messages: int, max_age_s: float, max_buffe
         LocalBatcher(bus, max_messages=max_messages, max_age_s=max_age_s, max_buffered=max_buffered)
 
 
-class SlowFlushBus(CountingBus):
-    """A broker round trip per flush: what urgent adds arriving meanwhile share."""
+class GatedFlushBus(CountingBus):
+    """A broker round trip per flush that lasts until ``gate`` opens: what urgent adds arriving meanwhile
+    share."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.flushing = threading.Event()
 
     def flush(self, timeout_s: float | None = None) -> None:
-        time.sleep(0.02)
+        self.flushing.set()
+        assert self.gate.wait(10)
         super().flush(timeout_s)
 
 
+def _published(batcher: LocalBatcher) -> None:
+    deadline = time.monotonic() + 10
+    while batcher.pending():
+        assert time.monotonic() < deadline, f"{batcher.pending()} messages still unpublished after 10 s"
+        time.sleep(0.005)
+
+
 def test_an_urgent_message_goes_out_without_waiting_for_the_age_and_a_burst_shares_few_flushes() -> None:
-    bus = SlowFlushBus()
+    bus = GatedFlushBus()
     consumer = bus.subscribe([TOPIC_METRICS], "agg")
     with LocalBatcher(bus, max_messages=1000, max_age_s=60) as batcher:
         batcher.add(_m(1, 0))  # waits for its age (60 s)
         batcher.add(_m(1, 1), urgent=True)  # takes it along, now
-        deadline = time.monotonic() + 5
-        while batcher.pending() and time.monotonic() < deadline:
-            time.sleep(0.005)
+        _published(batcher)
         assert _drain(consumer) == [_m(1, 0), _m(1, 1)]
         before = bus.flushes
-        # fifty slots end together, each adding its end from its own thread: nobody waits for the broker,
-        # and the ends go out in a few flushes, not fifty
-        threads = [threading.Thread(target=batcher.add, args=(_m(2, s),), kwargs={"urgent": True}) for s in range(50)]
+        # fifty slots end together, each adding its end from its own thread while the first end's flush
+        # waits on the broker: nobody waits for the broker, and the other ends go out together next
+        bus.gate.clear()
+        bus.flushing.clear()
+        batcher.add(_m(2, 0), urgent=True)
+        assert bus.flushing.wait(10)
+        threads = [
+            threading.Thread(target=batcher.add, args=(_m(2, s),), kwargs={"urgent": True}) for s in range(1, 50)
+        ]
         for t in threads:
             t.start()
         for t in threads:
-            t.join()
-        deadline = time.monotonic() + 5
-        while batcher.pending() and time.monotonic() < deadline:
-            time.sleep(0.005)
+            t.join(10)
+        assert not any(t.is_alive() for t in threads)  # every add returned while the broker held the flush
+        bus.gate.set()
+        _published(batcher)
         assert sorted(m.step for m in _drain(consumer) if m.batch_id == 2) == list(range(50))
-        assert bus.flushes - before <= 10
+        assert bus.flushes - before == 2
