@@ -45,6 +45,7 @@ _EXPORTS: dict[str, str] = {
     "LogUniform": "stagetree.client.spaces",
     "IntUniform": "stagetree.client.spaces",
     "Family": "stagetree.client.spaces",
+    "Shared": "stagetree.client.spaces",
     # tuners
     "Tuner": "stagetree.client.tuners",
     "GridTuner": "stagetree.client.tuners",
@@ -120,6 +121,7 @@ if TYPE_CHECKING:
         IntUniform,
         LogUniform,
         RandomSearchSpace,
+        Shared,
         Uniform,
     )
     from stagetree.client.tune import TuneResult, tune

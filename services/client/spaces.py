@@ -18,12 +18,14 @@ Both implement ``SearchSpace``: ``size()`` (``None`` when unbounded) and ``confi
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 import itertools
 import math
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias
 
@@ -147,6 +149,67 @@ def _finite(owner: str, field: str, x: Any) -> float:
 
 def _draw(value: Any, rng: random.Random) -> Any:
     return value.sample(rng) if isinstance(value, Distribution) else value
+
+
+# what the ``Shared`` parameters of the configuration being drawn were drawn as (name -> value)
+_SHARED: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("stagetree_shared", default=None)
+
+
+@contextlib.contextmanager
+def _one_configuration() -> Iterator[None]:
+    """The draws inside are one configuration's: a ``Shared`` parameter is drawn once among them."""
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+@dataclass(frozen=True)
+class Shared(Distribution):
+    """One parameter drawn once per configuration wherever it appears: ``peak = Shared("peak",
+    LogUniform(1e-3, 1e-1))`` used in several families (``Choice([Family(Cosine, init=peak, ...),
+    Family(Exponential, init=peak, ...)])``) gives them the same value, and an Optuna study sees one
+    parameter ``peak`` instead of one per family."""
+
+    name: str
+    dist: Any
+
+    def __post_init__(self) -> None:
+        _check_name(self.name)
+        if isinstance(self.dist, Shared):
+            raise InvalidArgument(f"Shared({self.name!r}): dist: a Shared parameter cannot wrap another")
+
+    def sample(self, rng: random.Random) -> Any:
+        drawn = _SHARED.get()
+        if drawn is None:  # drawn alone, outside a configuration
+            return _draw(self.dist, rng)
+        if self.name not in drawn:
+            drawn[self.name] = _draw(self.dist, rng)
+        return drawn[self.name]
+
+
+def check_shared(owner: str, specs: Iterable[Any]) -> None:
+    """``Shared`` parameters of one name must draw from one distribution."""
+    seen: dict[str, Any] = {}
+
+    def walk(x: Any) -> None:
+        if isinstance(x, Shared):
+            if x.name in seen and seen[x.name] != x.dist:
+                raise InvalidArgument(
+                    f"{owner}: Shared({x.name!r}) draws from {seen[x.name]!r} in one place and {x.dist!r} in another"
+                )
+            seen[x.name] = x.dist
+            walk(x.dist)
+        elif isinstance(x, Choice):
+            for o in x.options:
+                walk(o)
+        elif isinstance(x, Family):
+            for v in x.params.values():
+                walk(v)
+
+    for spec in specs:
+        walk(spec)
 
 
 @dataclass(frozen=True)
@@ -297,6 +360,7 @@ class RandomSearchSpace:
                 spec = _to_sequence(name, spec)
             self._params[name] = spec
         self.names: tuple[str, ...] = tuple(self._params)
+        check_shared("RandomSearchSpace", self._params.values())
         # One draw with a throw-away generator catches bad fixed parameters now, not mid-study.
         probe = random.Random("stagetree-validate")
         for name in self.names:
@@ -307,7 +371,8 @@ class RandomSearchSpace:
 
     def config(self, index: int) -> TrialConfig:
         rng = random.Random(f"stagetree:{self.seed}:{_check_index(index, None)}")
-        return {name: self.sample_param(name, rng) for name in self.names}
+        with _one_configuration():
+            return {name: self.sample_param(name, rng) for name in self.names}
 
     def sample(self, n: int) -> list[TrialConfig]:
         """Configurations 0 .. n-1."""
@@ -323,6 +388,9 @@ class RandomSearchSpace:
         if isinstance(spec, Sequence):
             return spec
         try:
+            if _SHARED.get() is None:  # one parameter alone (PBT's resampling): its own draws
+                with _one_configuration():
+                    return as_sequence(spec.sample(rng), field=name)
             return as_sequence(spec.sample(rng), field=name)
         except SequenceError as e:
             raise SequenceError(name, e.field, e.message.split(": ", 2)[-1]) from None

@@ -32,7 +32,17 @@ import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution
 from optuna.trial import TrialState
 
-from stagetree.client.spaces import Choice, Distribution, Family, IntUniform, LogUniform, TrialConfig, Uniform
+from stagetree.client.spaces import (
+    Choice,
+    Distribution,
+    Family,
+    IntUniform,
+    LogUniform,
+    Shared,
+    TrialConfig,
+    Uniform,
+    check_shared,
+)
 from stagetree.client.tuners.asha import ASHA
 from stagetree.client.tuners.base import (
     Action,
@@ -94,6 +104,7 @@ class OptunaSpace:
             if isinstance(spec, list | tuple):
                 raise InvalidArgument(f"OptunaSpace: {name}: a list is ambiguous; write Choice([...])")
             self.params[name] = spec if isinstance(spec, Distribution) else as_sequence(spec, field=name)
+        check_shared("OptunaSpace", self.params.values())
         for c in _choices(self.params.values()):
             labels = _labels(c)
             if len(set(labels)) != len(labels):
@@ -121,6 +132,8 @@ class OptunaSpace:
             if isinstance(picked, Distribution):
                 return self._draw(trial, f"{name}[{label}]", picked, trained)
             return list(picked) if isinstance(picked, list) else picked
+        if isinstance(spec, Shared):  # one Optuna parameter, whichever option or family it appears in
+            return self._draw(trial, spec.name, spec.dist, trained)
         if isinstance(spec, Family):
             drawn = {p: self._draw(trial, f"{name}.{p}", v, trained) for p, v in spec.params.items()}
             try:
@@ -155,6 +168,8 @@ def _choices(specs: Iterable[Any]) -> Iterable[Choice]:
             yield from _choices(s.options)
         elif isinstance(s, Family):
             yield from _choices(s.params.values())
+        elif isinstance(s, Shared):
+            yield from _choices([s.dist])
 
 
 def _direction(mode: str) -> Literal["maximize", "minimize"]:

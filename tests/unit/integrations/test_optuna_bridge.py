@@ -13,7 +13,7 @@ optuna = pytest.importorskip("optuna")
 
 from optuna.trial import TrialState  # noqa: E402
 
-from stagetree.client.spaces import Choice, Family, IntUniform, LogUniform, TrialConfig, Uniform  # noqa: E402
+from stagetree.client.spaces import Choice, Family, IntUniform, LogUniform, Shared, TrialConfig, Uniform  # noqa: E402
 from stagetree.client.tuners.base import Submit  # noqa: E402
 from stagetree.client.tuners.simulate import simulate  # noqa: E402
 from stagetree.core.errors import InvalidArgument  # noqa: E402
@@ -219,3 +219,23 @@ def test_a_warmup_length_drawn_from_a_range_with_none_needs_no_split_space() -> 
     assert sorted(drawn) == [0, 1, 2, 3]
     assert drawn[0].segments() == Cosine(0.1, 0.001, 40).segments()
     assert drawn[3].value(0) == 0.0 and drawn[3].value(3) == 0.1
+
+
+def test_a_shared_peak_rate_is_one_optuna_parameter_across_the_families() -> None:
+    peak = Shared("peak", LogUniform(0.01, 0.3))
+    decay = Choice(
+        {
+            "cosine": Family(Cosine, init=peak, min_value=0.001, period=80),
+            "exp": Family(Exponential, init=peak, gamma=0.95),
+            "step": Family(MultiStep, init=peak, milestones=[40], gamma=0.3),
+        }
+    )
+    s = OptunaSpace({"lr": Family(Warmup, init=0.0, period=5, then=decay)})
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(12):
+        t = study.ask()
+        cfg = s.suggest(t)
+        assert sorted(t.params) == ["lr.then", "peak"]  # one peak parameter, not one per family
+        assert cfg["lr"].value(5) == pytest.approx(t.params["peak"])  # the warm-up ends at the shared peak
+    with pytest.raises(InvalidArgument, match="Shared\\('peak'\\) draws from"):
+        OptunaSpace({"a": peak, "b": Shared("peak", Uniform(0.0, 1.0))})

@@ -17,6 +17,7 @@ from stagetree.client.spaces import (
     IntUniform,
     LogUniform,
     RandomSearchSpace,
+    Shared,
     Uniform,
 )
 from stagetree.core.config import Config
@@ -182,3 +183,34 @@ def test_index_errors() -> None:
         RandomSearchSpace({"x": Uniform(0, 1)}).config(-1)
     with pytest.raises(InvalidArgument, match="no hyper-parameter 'y'"):
         RandomSearchSpace({"x": Uniform(0, 1)}).sample_param("y", random.Random(0))
+
+
+@settings(max_examples=50)
+@given(st.integers(0, 10_000))
+def test_a_shared_parameter_is_drawn_once_per_configuration_wherever_it_appears(seed: int) -> None:
+    peak = Shared("peak", LogUniform(1e-3, 1e-1))
+    space = RandomSearchSpace(
+        {
+            "lr": Choice(
+                [Family(Cosine, init=peak, min_value=0.0, period=40), Family(Exponential, init=peak, gamma=0.9)]
+            ),
+            "wd": peak,
+        },
+        seed=seed,
+    )
+    peaks = set()
+    for i in range(5):
+        c = space.config(i)
+        assert c["lr"].value(0) == c["wd"].value(0)  # one draw, in whichever family was picked
+        assert c == space.config(i)  # reproducible
+        peaks.add(c["wd"].value(0))
+    assert len(peaks) > 1  # drawn anew for each configuration
+    alone = {space.sample_param("wd", random.Random(i)).value(0) for i in range(5)}
+    assert len(alone) > 1  # resampled alone (PBT), it is drawn anew too
+
+
+def test_a_shared_name_must_draw_from_one_distribution() -> None:
+    with pytest.raises(InvalidArgument, match="Shared\\('peak'\\) draws from"):
+        RandomSearchSpace({"a": Shared("peak", LogUniform(1e-3, 1e-1)), "b": Shared("peak", Uniform(0.0, 1.0))})
+    with pytest.raises(InvalidArgument, match="cannot wrap another"):
+        Shared("a", Shared("b", Uniform(0.0, 1.0)))
