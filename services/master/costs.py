@@ -33,7 +33,7 @@ from stagetree.core.ids import NO_PLAN, PlanId
 from stagetree.core.lifecycle import BatchState
 from stagetree.core.scheduler import StageCost
 from stagetree.core.stagetree import Stage
-from stagetree.master.store.ledger import BatchLedger
+from stagetree.master.store.batches import BatchReader
 from stagetree.master.store.records import FinishedAttempt
 
 log = logging.getLogger(__name__)
@@ -55,15 +55,15 @@ class CostLearner:
         # stage costs per (plan key, GPU type), (node, start, end): dropped when that key learns more
         self._costs: dict[tuple[str, str], dict[tuple[int, int, int], float]] = {}
 
-    def refresh(self, ledger: BatchLedger) -> int:
+    def refresh(self, batches: BatchReader) -> int:
         """Learn from the attempts that finished since the last refresh; how many were new."""
-        return self.observe(ledger.finished_attempts(self._since, skip=self._seen))
+        return self.observe(batches.finished_attempts(self._since, skip=self._seen))
 
-    def refresh_oom(self, ledger: BatchLedger) -> list[tuple[str, int]]:
+    def refresh_oom(self, batches: BatchReader) -> list[tuple[str, int]]:
         """Learn from the attempts that ran out of memory since the last look (every round: the retry of
         the work they carried must already take the doubled slots)."""
         return self.observe_oom(
-            ledger.finished_attempts(self._oom_since, state=BatchState.OUT_OF_MEMORY, skip=self._oom_seen)
+            batches.finished_attempts(self._oom_since, state=BatchState.OUT_OF_MEMORY, skip=self._oom_seen)
         )
 
     def observe_oom(self, attempts: Sequence[FinishedAttempt]) -> list[tuple[str, int]]:

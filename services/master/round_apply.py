@@ -184,7 +184,7 @@ class DecisionApplier:
         notify = self.coord.notify
         for bid in preempts:
             if self.store.ledger.preempt_batch(bid):
-                nm = self.store.ledger.get_batch(bid).node_manager_id
+                nm = self.store.batches.get_batch(bid).node_manager_id
                 log.info("batch preempted by its study's policy", extra={"batch_id": bid})
                 if nm:
                     notify(ch_node_manager(nm))

@@ -122,7 +122,7 @@ class InputReader:
         policies = self.policies.active(reads.policy_studies)
         self.policies.load(policies)
         learning = any(p.stateful for p in policies.values())
-        self.costs.refresh_oom(store.ledger)
+        self.costs.refresh_oom(store.batches)
         asked = self._asked(policies)
         every = free or [s for n in nms for s in n.placed_slots()]
         cost = self.stage_cost(every, asked, settings.cost_refresh_s) if reads.pending else None
@@ -342,7 +342,7 @@ class InputReader:
         now = time.monotonic()
         if now - self._costs_read_at >= refresh_s:
             self._costs_read_at = now
-            self.costs.refresh(self.store.ledger)
+            self.costs.refresh(self.store.batches)
         wide = bool(asked) or self.costs.model.any_ran_out_of_memory()
         need = asked or {}
         return self.costs.stage_cost(

@@ -583,7 +583,7 @@ class MasterService:
         who.require_admin()
         asked = self.store.ledger.preempt_batch(batch_id)
         if asked:
-            batch = self.store.ledger.get_batch(batch_id)
+            batch = self.store.batches.get_batch(batch_id)
             if batch.node_manager_id:
                 self.wakeups.notify(ch_node_manager(batch.node_manager_id))
         return asked

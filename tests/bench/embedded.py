@@ -6,7 +6,7 @@ halving at steps 10, 30 and 90, 2 CPU workers) with a wider MLP (``HEAVY``) so t
 milliseconds instead of one: with the demo's tiny model the figure would measure process start-up, not
 the platform's overhead on a real workload.
 
-* ``embedded_steps_vs_unique`` = steps the workers trained (``store.ledger.executed_steps``) / unique steps of
+* ``embedded_steps_vs_unique`` = steps the workers trained (``store.batches.executed_steps``) / unique steps of
   the plan (each shared prefix once): 1.00 when every shared step ran exactly once.
 * ``embedded_overhead`` = the study's wall time in embedded mode (from creating the study to the
   tuner's finish; the cluster's start-up is reported apart) / the *pure* time: the makespan of the same
@@ -222,7 +222,7 @@ async def _run_studies(home: Path, runs: int) -> tuple[list[StudyRun], float]:
                 plan = await study.plan()
                 store = cluster.app.store
                 plan_id = (await asyncio.to_thread(store.requests.get_requests, study.id))[0].plan_id
-                executed = await asyncio.to_thread(store.ledger.executed_steps, plan_id)
+                executed = await asyncio.to_thread(store.batches.executed_steps, plan_id)
                 after = await asyncio.to_thread(parallel_plain_costs)
                 out.append(StudyRun(run.trace, plan, executed, wall, mean_costs(before, after)))
                 print(

@@ -224,7 +224,7 @@ async def grid_sharing(root: Path) -> tuple[float, bool, str]:
         wall = time.monotonic() - t0
         stats = await study.stats()
         plan_id = (await asyncio.to_thread(cluster.app.store.requests.get_requests, study.id))[0].plan_id
-        ledger = await asyncio.to_thread(cluster.app.store.ledger.executed_steps, plan_id)
+        ledger = await asyncio.to_thread(cluster.app.store.batches.executed_steps, plan_id)
         by_value = unique_steps_by_value(configs, GRID_STEP)
         public = stats.steps_executed == ledger and stats.trial_by_trial_steps == len(configs) * GRID_STEP
         note = (

@@ -268,7 +268,7 @@ class StagetreeSide:
     async def run(self, workload: str, work: list[TrialWork]) -> RunFigures:
         await self._idle()
         store = self.cluster.app.store
-        executed0 = await asyncio.to_thread(store.ledger.executed_steps)
+        executed0 = await asyncio.to_thread(store.batches.executed_steps)
         workers0, self0 = self._cpu()
         since = time.time()
         t0 = time.perf_counter()
@@ -283,7 +283,7 @@ class StagetreeSide:
         finals = [m for (w, s, _), m in zip(handles, results, strict=True) if s == w.stop]
         await self._idle()
         workers1, self1 = self._cpu()
-        executed = await asyncio.to_thread(store.ledger.executed_steps) - executed0
+        executed = await asyncio.to_thread(store.batches.executed_steps) - executed0
         slot_s = await asyncio.to_thread(attempt_slot_seconds, store, since)
         held_s = await asyncio.to_thread(slot_held_seconds, store, since)
         cpu = workers1 - workers0
@@ -307,13 +307,13 @@ class StagetreeSide:
         from stagetree.client.tuners import ASHA
 
         store = self.cluster.app.store
-        executed0 = await asyncio.to_thread(store.ledger.executed_steps)
+        executed0 = await asyncio.to_thread(store.batches.executed_steps)
         t0 = time.perf_counter()
         study = await self._study("s2-asha-live")
         run = await asyncio.wait_for(drive(study, ASHA(s2_space(), **s2_asha_params())), TIMEOUT_S)
         wall = time.perf_counter() - t0
         await self._idle()
-        executed = await asyncio.to_thread(store.ledger.executed_steps) - executed0
+        executed = await asyncio.to_thread(store.batches.executed_steps) - executed0
         return replay_work(run.submits()), wall, executed
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Generic, TypeVar
 
+from stagetree.master.store.batches import BatchReader
 from stagetree.master.store.ledger import BatchLedger
 from stagetree.master.store.plans import PlanStore
 from stagetree.master.store.records import BatchRecord, DispatchItem, StudyRecord
@@ -78,12 +79,17 @@ class CachedPlanStore(PlanStore):
         return got if got is not None else self._fixed.put(plan_id, super().plan_fixed(plan_id))
 
 
-class CachedBatchLedger(BatchLedger):
-    """Each batch's plan, remembered from its dispatch or read once."""
+class CachedBatchReader(BatchReader):
+    """Each batch's plan, remembered from its dispatch (``remember``) or read once."""
 
-    def __init__(self, inner: BatchLedger, size: int = 100_000) -> None:
-        super().__init__(inner.db, inner.requests, inner.checkpoints, inner.curves, inner.paths)
+    def __init__(self, inner: BatchReader, size: int = 100_000) -> None:
+        super().__init__(inner.db)
         self._plans: Bounded[int, int] = Bounded(size)
+
+    def remember(self, records: Sequence[BatchRecord | None]) -> None:
+        for rec in records:
+            if rec is not None:
+                self._plans.put(rec.id, rec.plan_id)
 
     def plan_of_batch(self, batch_id: int) -> int:
         got = self._plans.get(batch_id)
@@ -96,9 +102,15 @@ class CachedBatchLedger(BatchLedger):
             out[b] = self._plans.put(b, p)
         return out
 
+
+class CachedBatchLedger(BatchLedger):
+    """A ledger that tells the cached reader the plan of each batch it dispatches."""
+
+    def __init__(self, inner: BatchLedger, reader: CachedBatchReader) -> None:
+        super().__init__(inner.db, inner.requests, inner.checkpoints, inner.curves, inner.paths)
+        self._reader = reader
+
     def dispatch_many(self, items: Sequence[DispatchItem]) -> list[BatchRecord | None]:
         out = super().dispatch_many(items)
-        for rec in out:
-            if rec is not None:
-                self._plans.put(rec.id, rec.plan_id)
+        self._reader.remember(out)
         return out

@@ -153,7 +153,7 @@ class Ingestor:
         if max_failures < 1 or chunk < 1:
             raise InvalidArgument(f"need max_failures >= 1 and chunk >= 1, got {max_failures}, {chunk}")
         self.db = store.db
-        self.ledger = store.ledger
+        self.ledger, self.batches = store.ledger, store.batches
         self.requests = store.requests
         self.checkpoints = store.checkpoints
         self.curves = store.curves
@@ -307,7 +307,7 @@ class Ingestor:
                 rejected[msg.msg_id] = _reject(msg, InvalidArgument(reason))
             else:
                 ok.append(msg)
-        plan_of = self.ledger.plans_of_batches(sorted({msg.batch_id for msg in ok}))
+        plan_of = self.batches.plans_of_batches(sorted({msg.batch_id for msg in ok}))
         nodes_of: dict[int, set[int]] = {}
         for msg in ok:
             plan_id = plan_of.get(msg.batch_id)

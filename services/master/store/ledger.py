@@ -9,16 +9,13 @@ batch's life live in ``stagetree.core.lifecycle`` alone.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from collections.abc import Callable, Container, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
 
-from sqlalchemy import bindparam, case, func, insert, or_, select, text, tuple_, update
+from sqlalchemy import bindparam, case, insert, or_, select, text, update
 from sqlalchemy.orm import Session
 
-from stagetree.core.errors import NotFound
 from stagetree.core.lifecycle import (
     AssignmentKind,
     AttemptDecision,
@@ -33,14 +30,13 @@ from stagetree.core.lifecycle import (
     after,
     end_attempt,
 )
-from stagetree.core.sharing import EndedAttempt
 from stagetree.master.store import models as m
 from stagetree.master.store.checkpoints import CheckpointCatalog
 from stagetree.master.store.curves import CurveStore
 from stagetree.master.store.database import Database, table
 from stagetree.master.store.nodes import LOST, enqueue_action
 from stagetree.master.store.paths import PathChangeStore
-from stagetree.master.store.records import BatchRecord, DispatchItem, FinishedAttempt
+from stagetree.master.store.records import BatchRecord, DispatchItem
 from stagetree.master.store.requests import RequestStore
 
 log = logging.getLogger(__name__)
@@ -49,7 +45,6 @@ DEFAULT_RETRY = RetryPolicy()
 
 _B, _A, _R = table(m.Batch), table(m.BatchAttempt), table(m.Request)
 _RQ, _HP = table(m.RequeuedRequest), table(m.HostProblem)
-_HOST_PROBLEMS = select(_HP.c.plan_id, _HP.c.node_manager_id, _HP.c.error)
 # the node manager and plan of attempts that found their host cannot run the plan's trainer
 _WHERE_RAN = (
     select(_A.c.batch_id, _A.c.attempt, _A.c.node_manager_id, _B.c.plan_id)
@@ -127,9 +122,6 @@ _TIMING = (
         train_s=bindparam("train"),
     )
 )
-_RUNNING = select(
-    _B.c.id, _B.c.plan_id, _B.c.state, _B.c.attempt, _B.c.spec_json, _B.c.node_manager_id, _B.c.slot_id
-).where(_B.c.state == BatchState.RUNNING)
 
 
 class BatchLedger:
@@ -294,13 +286,6 @@ class BatchLedger:
                 extra={"node_manager_id": nm, "plan_id": plan, "error": rows[(plan, nm)].split("\n", 1)[0][:200]},
             )
 
-    def host_problems_in(self, s: Session) -> dict[int, dict[str, str]]:
-        """Per plan, the node managers that cannot run its trainer and why."""
-        out: dict[int, dict[str, str]] = {}
-        for plan, nm, error in self.db.rows(s, _HOST_PROBLEMS):
-            out.setdefault(int(plan), {})[str(nm)] = str(error)
-        return out
-
     def end_batches(self, batch_ids: Iterable[int], outcome: Outcome, *, what: str) -> list[int]:
         """End the running attempts of these batches with ``outcome`` (LOST, ABORTED); returns the
         batches that were running."""
@@ -448,124 +433,3 @@ class BatchLedger:
             if attempts:
                 c.execute(_NEW_ATTEMPT, attempts)
         return out
-
-    # -- reads ----------------------------------------------------------------------------------------
-
-    def get_batch(self, batch_id: int) -> BatchRecord:
-        with self.db.tx("get batch") as s:
-            b = s.get(m.Batch, batch_id)
-            if b is None:
-                raise NotFound(f"batch {batch_id} does not exist")
-            return _batch_record(b)
-
-    def plan_of_batch(self, batch_id: int) -> int:
-        """The plan a batch belongs to (it never changes)."""
-        return self.get_batch(batch_id).plan_id
-
-    def plans_of_batches(self, batch_ids: Sequence[int]) -> dict[int, int]:
-        """The plan of each of these batches that exists."""
-        out: dict[int, int] = {}
-        ids = sorted(batch_ids)
-        with self.db.tx("plans of batches") as s:
-            for i in range(0, len(ids), 1000):
-                for bid, pid in s.execute(select(_B.c.id, _B.c.plan_id).where(_B.c.id.in_(ids[i : i + 1000]))):
-                    out[int(bid)] = int(pid)
-        return out
-
-    def running_batches(self) -> list[BatchRecord]:
-        with self.db.tx("load running batches") as s:
-            return self.running_in(s)
-
-    def running_in(self, s: Session) -> list[BatchRecord]:
-        return [
-            BatchRecord(int(i), int(p), BatchState(st), a, spec, nm, slot)
-            for i, p, st, a, spec, nm, slot in self.db.rows(s, _RUNNING)
-        ]
-
-    def running_batch_info(self) -> list[tuple[BatchRecord, float, list[str]]]:
-        """Every running batch with when its current attempt was dispatched and the studies of the
-        requests it serves."""
-        with self.db.tx("running batch info") as s:
-            rows = s.execute(
-                select(m.Batch, m.BatchAttempt.dispatched_at)
-                .join(
-                    m.BatchAttempt,
-                    (m.BatchAttempt.batch_id == m.Batch.id) & (m.BatchAttempt.attempt == m.Batch.attempt),
-                )
-                .where(m.Batch.state == BatchState.RUNNING)
-            ).all()
-            studies: dict[int, list[str]] = {}
-            ids = [int(b.id) for b, _ in rows]
-            for i in range(0, len(ids), 1000):
-                for bid, sid in s.execute(
-                    select(_R.c.batch_id, _R.c.study_id).where(_R.c.batch_id.in_(ids[i : i + 1000])).order_by(_R.c.id)
-                ):
-                    studies.setdefault(int(bid or 0), []).append(str(sid))
-            return [(_batch_record(b), float(t), studies.get(int(b.id), [])) for b, t in rows]
-
-    def executed_steps(self, plan_id: int | None = None) -> int:
-        """Training steps of every ended batch attempt (of one plan, or all): all of a batch's when it ran
-        to its end, else up to the furthest step its worker reported (``core.sharing.EndedAttempt``): what
-        the platform actually trained, to compare with the unique steps of the plans."""
-        with self.db.tx("executed steps") as s:
-            q = (
-                select(_A.c.state, _B.c.spec_json, _A.c.reached_step)
-                .join(_B, _B.c.id == _A.c.batch_id)
-                .where(_A.c.state != BatchState.RUNNING)
-            )
-            if plan_id is not None:
-                q = q.where(_B.c.plan_id == plan_id)
-            total = 0
-            for state, spec, reached in s.execute(q):
-                stages = json.loads(spec)["stages"]
-                start, steps = int(stages[0]["start"]), sum(int(st["end"]) - int(st["start"]) for st in stages)
-                total += EndedAttempt(BatchState(state), start, steps, reached, 0.0, None, 0.0).trained
-            return total
-
-    def finished_attempts(
-        self,
-        since: float,
-        limit: int = 1000,
-        state: BatchState = BatchState.DONE,
-        skip: Container[tuple[int, int]] = (),
-    ) -> list[FinishedAttempt]:
-        """Attempts that ran to their end (or ended in ``state``: OUT_OF_MEMORY) and finished at or after
-        ``since`` (by the clock of whoever recorded it), oldest first: the latest ``limit`` of them, less
-        the (batch, attempt) pairs in ``skip`` (the caller has them: their specs are not read again; the
-        cost learner reads every second, and a busy cluster finishes thousands of attempts a minute)."""
-        a, b, sl = m.BatchAttempt, m.Batch, m.SlotRow
-        with self.db.tx("finished attempts") as s:
-            keys = s.execute(
-                select(a.batch_id, a.attempt)
-                .where(a.finished_at >= since, a.state == state)
-                .order_by(a.finished_at.desc())
-                .limit(limit)
-            ).all()
-            wanted = sorted(k for k in {(int(bid), int(att)) for bid, att in keys} if k not in skip)
-            rows: list[Any] = []
-            for i in range(0, len(wanted), 500):
-                rows += s.execute(
-                    select(
-                        a.batch_id,
-                        a.attempt,
-                        b.spec_json,
-                        func.coalesce(a.started_at, a.sent_at, a.dispatched_at),
-                        a.finished_at,
-                        sl.gpu_type,
-                    )
-                    .join(b, b.id == a.batch_id)
-                    .outerjoin(sl, (sl.node_manager_id == a.node_manager_id) & (sl.slot_id == a.slot_id))
-                    .where(tuple_(a.batch_id, a.attempt).in_(wanted[i : i + 500]))
-                ).all()
-            rows.sort(key=lambda r: -float(r[4] or 0.0))
-        return [
-            FinishedAttempt(int(bid), int(att), spec, float(end) - float(began), float(end), gpu or "")
-            for bid, att, spec, began, end, gpu in reversed(rows)
-            if end is not None
-        ]
-
-
-def _batch_record(b: m.Batch) -> BatchRecord:
-    return BatchRecord(
-        int(b.id), int(b.plan_id), BatchState(b.state), b.attempt, b.spec_json, b.node_manager_id, b.slot_id
-    )

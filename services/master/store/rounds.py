@@ -11,9 +11,9 @@ from stagetree.core.batch import Point
 from stagetree.core.ids import RequestId, StudyId
 from stagetree.core.lifecycle import LIVE_REQUEST_STATES, BatchState, RequestState
 from stagetree.master.store import models as m
+from stagetree.master.store.batches import BatchReader
 from stagetree.master.store.checkpoints import CheckpointCatalog
 from stagetree.master.store.database import Database, table
-from stagetree.master.store.ledger import BatchLedger
 from stagetree.master.store.nodes import NodeRegistry
 from stagetree.master.store.records import BatchRecord, RoundReads, SlotInfo
 
@@ -44,10 +44,10 @@ _POLICY_STUDIES = select(_S.c.id, _S.c.fixed_json).where(
 
 
 class RoundReader:
-    def __init__(self, db: Database, nodes: NodeRegistry, ledger: BatchLedger, checkpoints: CheckpointCatalog) -> None:
+    def __init__(self, db: Database, nodes: NodeRegistry, batches: BatchReader, checkpoints: CheckpointCatalog) -> None:
         self.db = db
         self.nodes = nodes
-        self.ledger = ledger
+        self.batches = batches
         self.checkpoints = checkpoints
         # (batch id, attempt) -> the running batch's record: a spec (and slot) never changes once an attempt
         # is dispatched, so each round reads only the specs of attempts it has not seen (a few a round, not
@@ -71,7 +71,7 @@ class RoundReader:
             running = self._running_in(s, started)
             served = self._served_in(s, running)
             owners = self._owners_in(s, {*studies.values(), *(sid for sid, _ in served.values() if sid is not None)})
-            unable = self.ledger.host_problems_in(s) if pending else {}
+            unable = self.batches.host_problems_in(s) if pending else {}
         busy = held_slots((b.node_manager_id, b.slot_id) for b in running if b.node_manager_id)
         return RoundReads(nms, busy, policies, pending, running, started, studies, arrivals, served, owners, unable)
 

@@ -7,6 +7,7 @@
     ├── checkpoints  CheckpointCatalog   checkpoints by canonical point
     ├── curves       CurveStore          learning-curve points by canonical point
     ├── ledger       BatchLedger         batches, attempts, and how an attempt's end is persisted
+    ├── batches      BatchReader         batches and attempts, read (what they trained, how long they took)
     ├── paths        PathChangeStore     resumes on another number of ranks (the plan's path changes)
     ├── nodes        NodeRegistry        node managers, their slots and outboxes
     ├── rounds       RoundReader         what a scheduling round reads, in one transaction
@@ -23,7 +24,8 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine
 
-from stagetree.master.store.cache import CachedBatchLedger, CachedPlanStore, CachedStudyStore
+from stagetree.master.store.batches import BatchReader
+from stagetree.master.store.cache import CachedBatchLedger, CachedBatchReader, CachedPlanStore, CachedStudyStore
 from stagetree.master.store.checkpoints import CheckpointCatalog
 from stagetree.master.store.curves import CurveStore
 from stagetree.master.store.database import Database, make_engine
@@ -56,6 +58,7 @@ class Store:
     curves: CurveStore
     telemetry: TelemetryStore
     paths: PathChangeStore
+    batches: BatchReader
 
     @classmethod
     def open(cls, engine: Engine, *, check: bool = True, cached: bool = True) -> Store:
@@ -64,14 +67,28 @@ class Store:
         requests, checkpoints, nodes, curves = RequestStore(db), CheckpointCatalog(db), NodeRegistry(db), CurveStore(db)
         paths = PathChangeStore(db)
         studies, plans = StudyStore(db), PlanStore(db)
-        ledger = BatchLedger(db, requests, checkpoints, curves, paths)
+        ledger, batches = BatchLedger(db, requests, checkpoints, curves, paths), BatchReader(db)
         if cached:
-            studies, plans, ledger = CachedStudyStore(studies), CachedPlanStore(plans), CachedBatchLedger(ledger)
-        rounds = RoundReader(db, nodes, ledger, checkpoints)
+            studies, plans, batches = CachedStudyStore(studies), CachedPlanStore(plans), CachedBatchReader(batches)
+            ledger = CachedBatchLedger(ledger, batches)
+        rounds = RoundReader(db, nodes, batches, checkpoints)
         stats, retention = StatsReader(db), Retention(db)
         telemetry = TelemetryStore(db)
         return cls(
-            db, studies, plans, requests, checkpoints, ledger, nodes, rounds, stats, retention, curves, telemetry, paths
+            db,
+            studies,
+            plans,
+            requests,
+            checkpoints,
+            ledger,
+            nodes,
+            rounds,
+            stats,
+            retention,
+            curves,
+            telemetry,
+            paths,
+            batches,
         )
 
     def dispose(self) -> None:

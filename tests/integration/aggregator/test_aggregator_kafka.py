@@ -113,7 +113,7 @@ def test_published_messages_become_rows_and_done_requests(bus: KafkaMetricBus, t
                 world.finished(batch.id, 70),
             ],
         )
-        wait_for(lambda: world.store.ledger.get_batch(batch.id).state == BatchState.DONE, what="the batch to end")
+        wait_for(lambda: world.store.batches.get_batch(batch.id).state == BatchState.DONE, what="the batch to end")
     finally:
         stop()
     assert world.request_states([r.id for r in reqs]) == [RequestState.DONE] * 4
@@ -215,7 +215,7 @@ def test_two_aggregators_in_one_group_share_the_partitions_and_apply_each_messag
             msgs.append(world.finished(batch.id, 100 * b + 20))
         _publish(bus, topics, msgs)
         wait_for(
-            lambda: all(world.store.ledger.get_batch(b.id).state != BatchState.RUNNING for b, _ in work),
+            lambda: all(world.store.batches.get_batch(b.id).state != BatchState.RUNNING for b, _ in work),
             what="all batches",
         )
     finally:
@@ -224,4 +224,4 @@ def test_two_aggregators_in_one_group_share_the_partitions_and_apply_each_messag
     assert sum(a.stats.applied for a in aggs) == applied_count(world.store, world.nm) == len(msgs)
     # the finish shares a partition with its batch's metrics: no batch's work went back to the queue
     assert all(world.request_states([r.id for r in reqs]) == [RequestState.DONE] for _, reqs in work)
-    assert all(world.store.ledger.get_batch(b.id).state == BatchState.DONE for b, _ in work)
+    assert all(world.store.batches.get_batch(b.id).state == BatchState.DONE for b, _ in work)

@@ -62,7 +62,7 @@ def test_the_command_applies_the_bus_and_stops_gracefully_on_sigterm(
             for m in msgs:
                 batcher.add(m)
         wait_for(
-            lambda: world.store.ledger.get_batch(batch.id).state == BatchState.DONE, timeout_s=30, what="the batch"
+            lambda: world.store.batches.get_batch(batch.id).state == BatchState.DONE, timeout_s=30, what="the batch"
         )
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0

@@ -122,10 +122,10 @@ def test_a_host_problem_over_the_bus_requeues_uncounted_and_keeps_the_node_manag
     assert Ingestor(store).apply([problem, replace(problem, msg_id=problem.msg_id + "-again")]).applied == 2
     (rec,) = store.requests.get_requests(world.study, [req.id])
     assert rec.state == RequestState.NOT_SCHED and rec.error is None  # requeued, no failure counted
-    assert store.ledger.get_batch(batch.id).state == "FAILED"
+    assert store.batches.get_batch(batch.id).state == "FAILED"
     with store.db.tx("read") as s:
-        unable = store.ledger.host_problems_in(s)
+        unable = store.batches.host_problems_in(s)
     assert unable == {world.plan_id: {world.nm: "trainer entry point 'mine:Net': no module named 'mine'"}}
     store.nodes.register_node_manager(world.nm, "127.0.0.1:1", [("gpu0", "cpu")])  # restarted: tried again
     with store.db.tx("read") as s:
-        assert store.ledger.host_problems_in(s) == {}
+        assert store.batches.host_problems_in(s) == {}

@@ -38,7 +38,7 @@ async def _executed_steps(cluster: Embedded, expected: int, timeout_s: float = 3
     """The steps of the plan's batches that are done, once they reach ``expected`` (or the deadline)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
-        executed: int = await asyncio.to_thread(cluster.app.store.ledger.executed_steps)
+        executed: int = await asyncio.to_thread(cluster.app.store.batches.executed_steps)
         if executed >= expected or asyncio.get_running_loop().time() > deadline:
             return executed
         await asyncio.sleep(0.05)

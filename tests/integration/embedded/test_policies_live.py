@@ -81,7 +81,7 @@ def straight_run(hps: dict[str, Any], step: int, tmp: Path, seed: int) -> dict[s
 
 async def wait_running(cluster: Embedded, n: int = 1, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while len(await asyncio.to_thread(cluster.app.store.ledger.running_batches)) < n:
+    while len(await asyncio.to_thread(cluster.app.store.batches.running_batches)) < n:
         assert time.monotonic() < deadline, "no batch started"
         await asyncio.sleep(0.05)
 

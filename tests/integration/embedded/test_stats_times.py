@@ -36,7 +36,7 @@ async def test_trials_queued_behind_one_slot_count_their_training_as_compute_and
         await asyncio.wait_for(asyncio.gather(*(study.eval(c, STEPS) for c in configs)), 240)
         wall = time.monotonic() - t0
         stats = await study.stats()
-        executed = await asyncio.to_thread(cluster.app.store.ledger.executed_steps)
+        executed = await asyncio.to_thread(cluster.app.store.batches.executed_steps)
     assert stats.steps_executed == executed == len(configs) * STEPS
     # one slot: the batches trained one at a time, within the study's time; what they waited is queueing
     assert len(configs) * STEPS * SLEEP_S <= stats.compute_seconds <= wall

@@ -32,7 +32,7 @@ def test_cancel_of_the_last_request_aborts_the_batch_on_its_node_manager(app: Ma
     app.service.cancel(ALICE, study, rid)
     (abort,) = app.service.take_assignments(ADMIN, nm)
     assert (abort.kind, abort.batch_id, abort.attempt) == ("ABORT", spec.batch_id, 1)
-    assert app.store.ledger.get_batch(spec.batch_id).state == "ABORTED"
+    assert app.store.batches.get_batch(spec.batch_id).state == "ABORTED"
     assert app.service.take_assignments(ADMIN, nm) == []  # sent once
     # the aborted attempt's late report changes nothing
     assert app.service.report_batch(ADMIN, attempt_report(spec.batch_id, 1, ok=True, metrics=[])) == []
@@ -56,7 +56,7 @@ def test_preempted_batch_resumes_from_its_checkpoint_without_counting_a_failure(
             preempted=True,
         ),
     )
-    assert app.store.ledger.get_batch(spec.batch_id).state == "PREEMPTED"
+    assert app.store.batches.get_batch(spec.batch_id).state == "PREEMPTED"
     again = _dispatch_one(app, nm)
     assert again.source.point == Point(node, 7) and again.steps == 13
     app.service.report_batch(
@@ -157,5 +157,5 @@ def test_reports_of_several_batches_in_one_call_reject_only_the_bad_message(app:
     assert state_of[good.batch_id] == ("DONE", {"loss": 0.1}) and state_of[other.batch_id] == ("DONE", {"loss": 0.3})
     # as on the bus, the rest of its report applies: it ended without the metrics, so its request goes back
     assert bad_step.batch_id not in state_of
-    assert app.store.ledger.get_batch(bad_step.batch_id).state == "DONE"
+    assert app.store.batches.get_batch(bad_step.batch_id).state == "DONE"
     assert {r.state for r in app.service.get_requests(ALICE, study, rids) if r.batch_id is None} == {"NOT_SCHED"}

@@ -34,11 +34,11 @@ def test_registration_listing_known_attempts_requeues_only_the_others(app: Maste
     app.coordination.heartbeat(nm, 30)
     kept, lost = _dispatched(app, nm)
     app.service.register_node_manager(ADMIN, nm, "local", [("g0", "cpu"), ("g1", "cpu")], known=[(kept, 1)])
-    assert app.store.ledger.get_batch(kept).state == "RUNNING"
-    assert app.store.ledger.get_batch(lost).state == "LOST"
+    assert app.store.batches.get_batch(kept).state == "RUNNING"
+    assert app.store.batches.get_batch(lost).state == "LOST"
     # a registration that lists nothing (an older node manager) requeues nothing
     app.service.register_node_manager(ADMIN, nm, "local", [("g0", "cpu"), ("g1", "cpu")])
-    assert app.store.ledger.get_batch(kept).state == "RUNNING"
+    assert app.store.batches.get_batch(kept).state == "RUNNING"
     # the requeued work is dispatched again (attempts are sent once: the new batch is new work)
     again = app.scheduler.run_round().dispatched
     assert len(again) == 1 and again[0] not in (kept, lost)
@@ -54,13 +54,13 @@ def test_a_new_leader_gives_silent_node_managers_one_ttl_before_requeueing(app: 
     settings = SchedulingSettings(heartbeat_ttl_s=3.0)  # seconds: the next line may come late under load
     restarted = SchedulingLoop(app.store, app.scheduler.plans, app.coordination, settings, "master-2")
     assert restarted.requeue_lost() == []  # within the grace period
-    assert app.store.ledger.get_batch(bid).state == "RUNNING"
+    assert app.store.batches.get_batch(bid).state == "RUNNING"
     deadline = time.monotonic() + 60
     while (lost := restarted.requeue_lost()) == []:
         assert time.monotonic() < deadline, "never requeued after the grace period"
         time.sleep(0.1)
     assert lost == [nm]
-    assert app.store.ledger.get_batch(bid).state == "LOST"
+    assert app.store.batches.get_batch(bid).state == "LOST"
 
 
 def test_a_node_manager_that_heartbeated_to_the_new_leader_is_lost_at_once(app: MasterApp) -> None:
@@ -104,6 +104,6 @@ def test_a_master_over_the_same_database_schedules_in_its_first_round_while_a_ba
         (sent,) = restarted.scheduler.run_round().dispatched  # the slot freed: the waiting work goes at once
         (got,) = restarted.service.get_requests(ALICE, study.id, [waits.id])
         assert got.batch_id == sent and got.state == "SCHED"
-        assert restarted.store.ledger.get_batch(long).state == "RUNNING"
+        assert restarted.store.batches.get_batch(long).state == "RUNNING"
     finally:
         restarted.store.dispose()

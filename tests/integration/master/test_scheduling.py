@@ -111,7 +111,7 @@ def test_lost_node_manager_work_restarts_from_its_latest_checkpoint(app: MasterA
     report = app.scheduler.run_round()
     assert report.lost_node_managers == [lost]
     (new_bid,) = report.dispatched
-    assert app.store.ledger.get_batch(bid).state == "LOST"
+    assert app.store.batches.get_batch(bid).state == "LOST"
     (again,) = app.service.take_assignments(ADMIN, other)
     attempt, text = again.attempt, again.spec_json
     again = BatchSpec.from_json(json.loads(text))

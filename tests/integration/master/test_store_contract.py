@@ -173,9 +173,9 @@ def test_dispatch_many_commits_a_rounds_batches_together_and_skips_taken_ones(st
         ]
     )
     assert got[1] is None and got[0] is not None and got[0].spec_json == f"spec-{got[0].id}-1"
-    assert {x.spec_json for x in store.ledger.running_batches() if x.plan_id == pid} == {"first", got[0].spec_json}
+    assert {x.spec_json for x in store.batches.running_batches() if x.plan_id == pid} == {"first", got[0].spec_json}
     assert sorted(x.slot_id for x in store.nodes.take_assignments(nm)) == ["gpu0", "gpu1"]
-    assert store.ledger.plan_of_batch(got[0].id) == pid
+    assert store.batches.plan_of_batch(got[0].id) == pid
     assert store.ledger.dispatch_many([]) == []
 
 
@@ -191,7 +191,7 @@ def test_lost_node_manager_requeues_and_stale_report_is_ignored(store: Store) ->
     assert (r.id, Point(node, 3)) in store.rounds.pending()[pid]
     got = Ingestor(store).apply(attempt_report(batch.id, 1, True))
     assert (got.stale, got.completed, got.requeued) == (1, [], [])  # no longer running
-    assert store.ledger.get_batch(batch.id).state == BatchState.LOST
+    assert store.batches.get_batch(batch.id).state == BatchState.LOST
 
 
 def test_failed_batch_requeues_unserved_requests(store: Store) -> None:
@@ -260,17 +260,17 @@ def test_finished_attempts_are_the_ones_that_ran_to_their_end_since_a_time(store
     ok = store.ledger.dispatch(pid, lambda bid, att: f"ok-{bid}", [a.id], nm, "gpu0")
     bad = store.ledger.dispatch(pid, lambda bid, att: f"bad-{bid}", [b.id], nm, "gpu1")
     assert ok is not None and bad is not None
-    before = store.ledger.finished_attempts(0.0)
+    before = store.batches.finished_attempts(0.0)
     store.nodes.take_assignments(nm)
     Ingestor(store).apply(attempt_report(ok.id, 1, True, [(node, 3, {"loss": 1.0})]))
     Ingestor(store).apply(attempt_report(bad.id, 1, False, error="boom"))  # a failed attempt teaches nothing
-    got = [f for f in store.ledger.finished_attempts(0.0) if f not in before]
+    got = [f for f in store.batches.finished_attempts(0.0) if f not in before]
     assert [(f.batch_id, f.attempt, f.spec_json, f.gpu_type) for f in got] == [(ok.id, 1, f"ok-{ok.id}", "a100")]
     assert got[0].seconds >= 0 and got[0].finished_at > 0
-    assert ok.id not in {f.batch_id for f in store.ledger.finished_attempts(got[0].finished_at + 1)}
+    assert ok.id not in {f.batch_id for f in store.batches.finished_attempts(got[0].finished_at + 1)}
     # what the caller has already is left out (its spec is not read again)
-    assert ok.id not in {f.batch_id for f in store.ledger.finished_attempts(0.0, skip={(ok.id, 1)})}
-    assert ok.id in {f.batch_id for f in store.ledger.finished_attempts(0.0, skip={(ok.id, 2)})}
+    assert ok.id not in {f.batch_id for f in store.batches.finished_attempts(0.0, skip={(ok.id, 1)})}
+    assert ok.id in {f.batch_id for f in store.batches.finished_attempts(0.0, skip={(ok.id, 2)})}
 
 
 def test_reports_of_several_batches_apply_in_one_call_each_with_its_own_outcome(store: Store) -> None:
@@ -298,8 +298,8 @@ def test_reports_of_several_batches_apply_in_one_call_each_with_its_own_outcome(
     states = {r.id: r.state for r in store.requests.get_requests(study.id)}
     assert states == {a.id: RequestState.DONE, b.id: RequestState.DONE, c.id: RequestState.NOT_SCHED}
     assert (
-        store.ledger.get_batch(ok.id).state == BatchState.DONE
-        and store.ledger.get_batch(bad.id).state == BatchState.FAILED
+        store.batches.get_batch(ok.id).state == BatchState.DONE
+        and store.batches.get_batch(bad.id).state == BatchState.FAILED
     )
 
 

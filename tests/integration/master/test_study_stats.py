@@ -31,7 +31,7 @@ def _node_manager(app: MasterApp, slots: int = 1) -> str:
 
 
 def _spec(app: MasterApp, batch_id: int) -> BatchSpec:
-    return BatchSpec.from_json(json.loads(app.store.ledger.get_batch(batch_id).spec_json))
+    return BatchSpec.from_json(json.loads(app.store.batches.get_batch(batch_id).spec_json))
 
 
 def test_the_steps_of_an_attempt_lost_with_its_node_manager_count(app: MasterApp) -> None:
@@ -65,7 +65,7 @@ def test_the_steps_of_an_attempt_lost_with_its_node_manager_count(app: MasterApp
     stats = app.service.study_stats(ALICE, study.id)
     # 31 steps by the lost attempt (6 of them trained again), 15 by the one that resumed at 25
     assert (stats.steps_executed, stats.unique_steps) == (31 + 15, 40)
-    assert app.store.ledger.executed_steps(app.store.ledger.get_batch(again).plan_id) == 31 + 15
+    assert app.store.batches.executed_steps(app.store.batches.get_batch(again).plan_id) == 31 + 15
     assert app.service.delete_study(ALICE, study.id) == 1  # with the record of its requeue
 
 

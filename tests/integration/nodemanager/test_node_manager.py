@@ -94,7 +94,7 @@ async def test_two_children_share_their_parent_prefix(scheduling: MasterApp, grp
         assert [r.state for r in recs] == ["DONE", "DONE"], recs
         assert nm.reporter.steps_trained() == 8 + 8 + 8  # the shared [0, 8) once, then each child's [8, 16)
         batches = sorted({info.batch_id for info, _ in nm.reporter.ends})
-        specs = [BatchSpec.from_json(json.loads(app.store.ledger.get_batch(b).spec_json)) for b in batches]
+        specs = [BatchSpec.from_json(json.loads(app.store.batches.get_batch(b).spec_json)) for b in batches]
         first, second = specs
         central = [p for p in nm.reporter.of("checkpoint_saved", first.batch_id) if p["step"] == 8]
         assert central and central[0]["kind"] == "central"
@@ -144,7 +144,7 @@ async def test_preempted_batch_resumes_from_its_checkpoint_exactly(
     finally:
         await nm.close()
     assert rec.state == "DONE"
-    assert app.store.ledger.get_batch(first).state == "PREEMPTED"
+    assert app.store.batches.get_batch(first).state == "PREEMPTED"
     (stop,) = nm.reporter.of("batch_preempted", first)
     assert 5 <= stop["step"] < steps
     saved = [p for p in nm.reporter.of("checkpoint_saved", first) if p["kind"] == "peripheral"]
@@ -154,7 +154,7 @@ async def test_preempted_batch_resumes_from_its_checkpoint_exactly(
     assert sorted(p["step"] for p in saved if p is not ckpt) == list(range(1, stop["step"]))
     resumed = [i.batch_id for i, end in nm.reporter.ends if end.status == "finished"]
     (second,) = resumed
-    spec = BatchSpec.from_json(json.loads(app.store.ledger.get_batch(second).spec_json))
+    spec = BatchSpec.from_json(json.loads(app.store.batches.get_batch(second).spec_json))
     assert spec.source == Source(Point(stop["node"], stop["step"]), stop["uri"])
     assert nm.reporter.steps_trained() == steps - stop["step"]
     assert rec.metrics == await asyncio.to_thread(reference_metrics, tmp_path, fixed, tuned, steps)
@@ -174,7 +174,7 @@ async def test_cancel_aborts_the_running_worker(scheduling: MasterApp, grpc_targ
         ((info, end),) = nm.reporter.ends
         assert info.batch_id == batch and end.status == "aborted"
         assert nm.nm.running() == []
-        assert app.store.ledger.get_batch(batch).state == "ABORTED"
+        assert app.store.batches.get_batch(batch).state == "ABORTED"
         assert not nm.reporter.of("batch_finished")
     finally:
         await nm.close()

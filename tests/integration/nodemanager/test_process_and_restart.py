@@ -193,7 +193,7 @@ async def test_a_stopped_node_manager_is_alive_again_once_it_is_back_and_its_slo
         study, ids = await submit(master.app, [(config_json(fixed_part(), lr=lr), 2)])
         (rec,) = await finished(master.app, study, ids, timeout=240)
         assert rec.state == "DONE" and rec.batch_id is not None, rec.error
-        assert master.app.store.ledger.get_batch(rec.batch_id).node_manager_id == nm_id
+        assert master.app.store.batches.get_batch(rec.batch_id).node_manager_id == nm_id
 
     nm = await NodeManagerProcess.start(target, tmp_path, nm_id=nm_id)
     try:

@@ -60,7 +60,7 @@ async def test_a_checkpoint_written_by_one_node_manager_is_resumed_by_another_wi
         await b.close()
     assert rec.state == "DONE", rec
     (end_b,) = [i.batch_id for i, end in b.reporter.ends if end.status == "finished"]
-    spec = BatchSpec.from_json(json.loads(app.store.ledger.get_batch(end_b).spec_json))
+    spec = BatchSpec.from_json(json.loads(app.store.batches.get_batch(end_b).spec_json))
     assert spec.source is not None and spec.source.uri == stop["uri"]  # resumed from a's checkpoint
     assert b.reporter.steps_trained() == steps - stop["step"]
     assert _cached(host_b / "work" / "checkpoint-cache", stop["uri"])  # downloaded once into b's cache

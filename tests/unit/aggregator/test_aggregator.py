@@ -50,7 +50,7 @@ def test_published_messages_become_rows_done_requests_and_wake_ups(world: World)
         with LocalBatcher(bus, max_messages=3, max_age_s=0.01) as batcher:
             for m in _stream(world, batch.id, [10, 20]):
                 batcher.add(m)
-        wait_for(lambda: world.store.ledger.get_batch(batch.id).state == BatchState.DONE, what="the batch to end")
+        wait_for(lambda: world.store.batches.get_batch(batch.id).state == BatchState.DONE, what="the batch to end")
     finally:
         agg.stop()
     assert world.request_states([r.id for r in reqs]) == [RequestState.DONE, RequestState.DONE]
@@ -97,7 +97,7 @@ def test_killed_between_database_commit_and_offset_commit_the_redelivery_changes
     assert crashing.consumers[0].commits_attempted == 1
     after_crash = world.state()
     assert world.request_states([r.id for r in reqs]) == [RequestState.DONE] * 3  # the effects were durable first
-    assert world.store.ledger.get_batch(batch.id).state == BatchState.DONE
+    assert world.store.batches.get_batch(batch.id).state == BatchState.DONE
 
     second = _aggregator(bus, world)
     second.start()
@@ -190,7 +190,7 @@ def test_two_members_of_one_group_apply_each_message_once_and_keep_each_batch_in
                     batcher.add(m)
                 batcher.add(world.finished(batch.id))
         wait_for(
-            lambda: all(world.store.ledger.get_batch(b.id).state != BatchState.RUNNING for b, _ in work),
+            lambda: all(world.store.batches.get_batch(b.id).state != BatchState.RUNNING for b, _ in work),
             what="all batches",
         )
     finally:

@@ -101,7 +101,7 @@ def test_finish_requeues_only_what_got_no_metrics_and_frees_the_slot(world: Worl
     assert res.completed == [a.id] and res.requeued == [b.id] and res.finished == [batch.id]
     assert res.round_needed and res.results_changed
     assert world.request_states([a.id, b.id]) == [RequestState.DONE, RequestState.NOT_SCHED]
-    assert world.store.ledger.get_batch(batch.id).state == BatchState.DONE
+    assert world.store.batches.get_batch(batch.id).state == BatchState.DONE
     assert (world.nm, "gpu0") not in world.store.rounds.busy_slots()
 
 
@@ -121,7 +121,7 @@ def test_failures_are_bounded_and_out_of_memory_is_named(world: World) -> None:
     assert first.requeued == [r.id] and first.failed_requests == []
     (rec,) = world.store.requests.get_requests(world.study, [r.id])
     assert rec.state == RequestState.NOT_SCHED
-    assert world.store.ledger.get_batch(batch.id).state == BatchState.OUT_OF_MEMORY
+    assert world.store.batches.get_batch(batch.id).state == BatchState.OUT_OF_MEMORY
 
     retry = world.dispatch_ids([r.id])
     second = ing.apply([world.failed(retry.id, "CUDA error", oom=True)])
@@ -136,7 +136,7 @@ def test_a_preemption_records_its_checkpoint_and_is_not_a_failure(world: World) 
     batch, (_a, b) = world.dispatch([(world.root, 10), (world.root, 40)])
     res = ing.apply([world.metrics(batch.id, world.root, 10), world.preempted(batch.id, world.root, 25)])
     assert res.requeued == [b.id] and res.failed_requests == [] and res.checkpoints == 1
-    assert world.store.ledger.get_batch(batch.id).state == BatchState.PREEMPTED
+    assert world.store.batches.get_batch(batch.id).state == BatchState.PREEMPTED
     assert world.store.checkpoints.checkpoints(world.plan_id) == {(world.root, 25): "file:///pre/25"}
     assert world.state()["checkpoints"] == [(world.root, 25, "file:///pre/25", "peripheral", 1)]
     (rec,) = world.store.requests.get_requests(world.study, [b.id])
@@ -229,7 +229,7 @@ def test_a_batch_start_is_recorded_once_and_the_cost_estimator_learns_from_it(wo
     ing.apply([world.started(batch.id)])  # a redelivery keeps the first time
     assert started_at(world.store, batch.id) == first
     ing.apply([world.finished(batch.id, 10)])
-    [done] = world.store.ledger.finished_attempts(0.0)
+    [done] = world.store.batches.finished_attempts(0.0)
     with world.store.db.tx("read") as s:
         finished = s.execute(select(m.BatchAttempt.finished_at).where(m.BatchAttempt.batch_id == batch.id)).scalar()
     assert done.seconds == pytest.approx(finished - first)  # from the start, not the dispatch
