@@ -20,8 +20,15 @@ const CONTOUR_GRID = 28; // cells a side of the contour's interpolated surface
 
 export async function renderStudy(main, studyId, gen) {
   const id = encodeURIComponent(studyId);
-  // the trials and a first curve at once (without a metric, the server picks a loss-like step metric)
-  let [data, first] = await Promise.all([api(`/dashboard/studies/${id}`), api(`/dashboard/studies/${id}/curves`)]);
+  // the trials and a first curve at once (without a metric, the server picks a loss-like step metric);
+  // the evaluation curves of the metric the page will most likely show are asked for as soon as the
+  // trials say which (the step curves take longest), and used if the page picks that metric
+  const dataP = api(`/dashboard/studies/${id}`);
+  let prefetched = dataP.then((d) => {
+    const m = (d.best && d.best.metric) || [...(d.metrics || [])].sort()[0];
+    return m ? api(`/dashboard/studies/${id}/curves?kind=eval&metric=${encodeURIComponent(m)}`).then((got) => ({ m, got })) : null;
+  }).catch(() => null);
+  let [data, first] = await Promise.all([dataP, api(`/dashboard/studies/${id}/curves`)]);
   const state = {
     metric: null, evalMetric: null, pcMetric: null, x: "step", log: false, robust: true, smooth: 0,
     sort: "started_at", asc: true, filter: "", stateFilter: "", page: 0, hover: null,
@@ -264,7 +271,10 @@ export async function renderStudy(main, studyId, gen) {
   // -- evaluation metrics at their steps -----------------------------------------------------------
   async function loadEval() {
     if (!state.evalMetric) { drawEval(); return; }
-    const got = await api(`/dashboard/studies/${id}/curves?kind=eval&metric=${encodeURIComponent(state.evalMetric)}`);
+    const early = prefetched && (await prefetched);
+    prefetched = null; // once: later loads (a new result, another metric) ask again
+    const got = early && early.m === state.evalMetric ? early.got
+      : await api(`/dashboard/studies/${id}/curves?kind=eval&metric=${encodeURIComponent(state.evalMetric)}`);
     if (!alive(gen)) return;
     if (got.eval_metrics) curves.evalNames = got.eval_metrics;
     evals.trials = got.trials || [];
