@@ -96,17 +96,44 @@ FAMILIES: dict[str, dict[str, Any]] = {
     ),
 }
 
+_NUM = {"type": "number"}
+_STEPS = {"type": "integer", "minimum": 1}
+_NUMERIC = {"type": "string", "enum": ["float", "int"]}
+_ANY_DTYPE = {"type": "string", "enum": ["bool", "float", "int", "str"]}
+
+
+def _params(*items: dict[str, Any], dtype: dict[str, Any] = _ANY_DTYPE) -> dict[str, Any]:
+    """A segment's params: its value type, then the kind's parameters (core.sequences.segments_from_json)."""
+    n = len(items) + 1
+    return {"type": "array", "prefixItems": [dtype, *items], "minItems": n, "maxItems": n}
+
+
+def _segment(kinds: list[str], params: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "array",
+        "prefixItems": [
+            {"type": "integer", "minimum": 0},
+            {"type": ["integer", "null"], "minimum": 1},
+            {"type": "string", "enum": kinds},
+            params,
+        ],
+        "minItems": 4,
+        "maxItems": 4,
+    }
+
+
 SEGMENT = {
-    "description": "[start, end (null: forever), kind, [dtype, ...params]]: the canonical form plan views give",
-    "type": "array",
-    "prefixItems": [
-        {"type": "integer", "minimum": 0},
-        {"type": ["integer", "null"], "minimum": 1},
-        {"type": "string", "enum": ["const", "linear", "exp", "step", "cosine", "cyclic"]},
-        {"type": "array", "minItems": 2, "maxItems": 5},
+    "description": "[start, end (null: forever), kind, [dtype, ...params]]: the canonical form plan views give. "
+    "A list of segments must cover [0, forever) in order, each starting where the one before ends (a 422 "
+    "names the gap or overlap): a constraint between items that JSON Schema cannot state",
+    "oneOf": [
+        _segment(["const"], _params(_NUM, dtype=_NUMERIC)),
+        _segment(["const"], _params({"type": ["string", "boolean", "number"]}, dtype={"enum": ["bool", "str"]})),
+        _segment(["linear", "exp"], _params(_NUM, _NUM)),
+        _segment(["step"], _params(_NUM, _STEPS, _NUM)),
+        _segment(["cosine"], _params(_NUM, _NUM, _STEPS, _NUM)),
+        _segment(["cyclic"], _params(_NUM, _NUM, _STEPS, _STEPS)),
     ],
-    "minItems": 4,
-    "maxItems": 4,
 }
 
 SEQUENCE = {
