@@ -33,7 +33,9 @@ Plug-in interface (the master's Order + Place steps for multi-GPU stages and stu
 In the scheduling round (``stagetree.core.round``), a batch's width is chosen by ``choose_width``: Alg. 1
 for one task over widths ``n`` on one node, with the latency the master's cost model predicts on ``n``
 slots standing in for Eq. 1-3 (it is fitted on the batches that ran, ``t = a + b / n`` per step); the
-baselines are there too, by name (``WIDTH_POLICIES``).
+baselines are there too, by name (``WIDTH_POLICIES``). Alg. 1 picks a placement as if the task started
+now; when the chosen width is not free together on one node, the task starts now on the next width of
+``M'_i`` (``in_time_widths``) that is, rather than wait while narrower work backfills the GPUs it needs.
 """
 
 from __future__ import annotations
@@ -395,6 +397,29 @@ def deadline_met(task: Task, finish: float, model: PerfModel) -> bool:
     return finish <= ect(task, model) + 1e-9
 
 
+def _ect_of(qos: str, arrival: float, opts: Sequence[tuple[int, float]]) -> float:
+    """Eq. 4 as an absolute time, from the latency on the fewest GPUs given."""
+    if qos not in QOS_CLASSES:
+        raise InvalidArgument(f"qos must be one of {QOS_CLASSES}, got {qos!r}")
+    lbar = min(opts)[1]
+    return arrival + {"urgent": 0.0, "prior": lbar, "normal": 2.0 * lbar}[qos]
+
+
+def in_time_widths(
+    qos: str,
+    arrival: float,
+    latency_by_width: Sequence[tuple[int, float]],
+    now: float,
+    shape: ClusterShape,
+    theta: float = DEFAULT_THETA,
+) -> list[tuple[int, float]]:
+    """Alg. 1's ``M'_i`` for one task on ``n`` GPUs of one node: the ``(n, latency)`` that meet the ECT
+    (Eq. 4) if started now, by decreasing CER (fewer GPUs on ties)."""
+    opts = _width_options(latency_by_width, shape)
+    ect_abs = _ect_of(qos, arrival, opts)
+    return [o for o in _cer_order(opts, shape, theta) if now + o[1] <= ect_abs]
+
+
 def choose_width(
     qos: str,
     arrival: float,
@@ -407,13 +432,9 @@ def choose_width(
     (Eq. 4) from its latency on the fewest GPUs; among the widths that meet it, the highest CER (Eq. 5:
     throughput ``1 / latency`` over ``c = n / (N G) + theta / N``), else the highest CER of all.
     Returns ``(n, latency, waiting allowance)``."""
-    if qos not in QOS_CLASSES:
-        raise InvalidArgument(f"qos must be one of {QOS_CLASSES}, got {qos!r}")
     opts = _width_options(latency_by_width, shape)
-    lbar = min(opts)[1]
-    ect_abs = arrival + {"urgent": 0.0, "prior": lbar, "normal": 2.0 * lbar}[qos]
-    opts = _cer_order(opts, shape, theta)
-    n, lat = next((o for o in opts if now + o[1] <= ect_abs), opts[0])
+    ect_abs = _ect_of(qos, arrival, opts)
+    n, lat = next(iter(in_time_widths(qos, arrival, opts, now, shape, theta)), _cer_order(opts, shape, theta)[0])
     return n, lat, ect_abs - (now + lat)
 
 
@@ -435,45 +456,58 @@ def _width_options(latency_by_width: Sequence[tuple[int, float]], shape: Cluster
     return opts
 
 
-# (qos, arrival, (n, latency) per width, now, cluster shape, most free slots on one node now)
-#   -> (n, latency, order key: smaller serves first)
-WidthPolicy = Callable[[str, float, Sequence[tuple[int, float]], float, ClusterShape, int], tuple[int, float, float]]
+@dataclass(frozen=True)
+class WidthChoice:
+    """A batch's width and latency there, its order key (smaller serves first) and the other widths it
+    may start on when its own are not free together on one node now, in preference order (GENIE: the
+    other widths of ``M'_i``, which meet the ECT too; the baselines: none, their rule fixes the width)."""
+
+    slots: int
+    latency: float
+    key: float
+    others: tuple[tuple[int, float], ...] = ()
+
+
+# (qos, arrival, (n, latency) per width, now, cluster shape, most free slots on one node now) -> choice
+WidthPolicy = Callable[[str, float, Sequence[tuple[int, float]], float, ClusterShape, int], WidthChoice]
 
 
 def _genie_width(
     qos: str, arrival: float, widths: Sequence[tuple[int, float]], now: float, shape: ClusterShape, most_free: int
-) -> tuple[int, float, float]:
-    return choose_width(qos, arrival, widths, now, shape)
+) -> WidthChoice:
+    n, lat, allowance = choose_width(qos, arrival, widths, now, shape)
+    others = tuple(o for o in in_time_widths(qos, arrival, widths, now, shape) if o[0] != n)
+    return WidthChoice(n, lat, allowance, others)
 
 
 def _maxocc_width(
     qos: str, arrival: float, widths: Sequence[tuple[int, float]], now: float, shape: ClusterShape, most_free: int
-) -> tuple[int, float, float]:
+) -> WidthChoice:
     opts = _width_options(widths, shape)
     fitting = [o for o in opts if o[0] <= max(most_free, 1)] or [min(opts)]
     n, lat = max(fitting)
-    return n, lat, arrival
+    return WidthChoice(n, lat, arrival)
 
 
 def _minocc_width(
     qos: str, arrival: float, widths: Sequence[tuple[int, float]], now: float, shape: ClusterShape, most_free: int
-) -> tuple[int, float, float]:
+) -> WidthChoice:
     n, lat = min(_width_options(widths, shape))
-    return n, lat, arrival
+    return WidthChoice(n, lat, arrival)
 
 
 def _perfpre_width(
     qos: str, arrival: float, widths: Sequence[tuple[int, float]], now: float, shape: ClusterShape, most_free: int
-) -> tuple[int, float, float]:
+) -> WidthChoice:
     n, lat = min(_width_options(widths, shape), key=lambda o: (o[1], o[0]))
-    return n, lat, arrival
+    return WidthChoice(n, lat, arrival)
 
 
 def _cerpre_width(
     qos: str, arrival: float, widths: Sequence[tuple[int, float]], now: float, shape: ClusterShape, most_free: int
-) -> tuple[int, float, float]:
+) -> WidthChoice:
     n, lat = _cer_order(_width_options(widths, shape), shape, DEFAULT_THETA)[0]
-    return n, lat, arrival
+    return WidthChoice(n, lat, arrival)
 
 
 # How the live round picks the width of a batch of a study with a QoS class, by the name the study gives

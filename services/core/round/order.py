@@ -56,8 +56,9 @@ def widths_of(w: Work) -> tuple[tuple[int, float], ...]:
 
 @dataclass(frozen=True)
 class QosOrder:
-    """GENIE: each batch's width by the study's width policy (``genie.WIDTH_POLICIES``), then the work
-    in increasing order key (the waiting allowance ``ECT - (now + latency)``; arrival for a baseline)."""
+    """GENIE: each batch's width by the study's width policy (``genie.WIDTH_POLICIES``), and the other
+    widths it may start on, then the work in increasing order key (the waiting allowance
+    ``ECT - (now + latency)``; arrival for a baseline)."""
 
     qos: str
     width: str = genie.DEFAULT_WIDTH_POLICY
@@ -66,8 +67,8 @@ class QosOrder:
         choose = genie.width_policy(self.width)
         out = []
         for w in work:
-            n, latency, key = choose(self.qos, w.arrival, widths_of(w), view.now, view.shape, view.most_free)
-            out.append(replace(w, slots=n, cost_s=latency, tier=key))
+            c = choose(self.qos, w.arrival, widths_of(w), view.now, view.shape, view.most_free)
+            out.append(replace(w, slots=c.slots, cost_s=c.latency, tier=c.key, others=c.others))
         out.sort(key=lambda w: (w.tier, w.arrival, w.first))
         return out
 

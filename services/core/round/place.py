@@ -14,7 +14,8 @@ through the place step its policies give it (``PlaceStep``):
   nowhere waits.
 
 Work on ``n > 1`` slots takes ``n`` free slots of one node manager (of those that have them, the one
-with the fewest GPUs free: best fit), no two on one GPU, whatever its study chose, or waits. No step
+with the fewest GPUs free: best fit), no two on one GPU, whatever its study chose; when no node manager
+has them, the first of its other widths (``Work.others``) that one has, or it waits. No step
 places work on a node manager that cannot run its plan's trainer (``Work.avoid``). Devices, their
 running jobs and their packed demands are only gathered in rounds where some study places by device.
 """

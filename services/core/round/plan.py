@@ -296,8 +296,7 @@ class _Round:
                 continue
             w = q.pop()
             if w.slots > 1:
-                wide = pool.wide(w.slots, w.avoid)
-                got = None if wide is None else (wide, False)
+                w, got = self._place_wide(w, pool)
             else:
                 got = steps.place.place(w, pool)
             if got is None:
@@ -312,6 +311,16 @@ class _Round:
             while q.head is not None and self.steps_of(q.head.study).orders:
                 waiting.append(q.pop())
         return dispatches, waiting
+
+    @staticmethod
+    def _place_wide(w: Work, pool: SlotPool) -> tuple[Work, tuple[tuple[Slot, ...], bool] | None]:
+        """``w`` on its slots of one node manager, else on the first of its other widths free now (the
+        work as placed, and where; None: it waits)."""
+        for n, cost in ((w.slots, w.cost_s), *w.others):
+            wide = pool.wide(n, w.avoid)
+            if wide is not None:
+                return (w if n == w.slots else replace(w, slots=n, cost_s=cost)), (wide, False)
+        return w, None
 
     def _dispatch(self, w: Work, slots: tuple[Slot, ...], ahead: bool) -> Dispatch:
         b: PlannedBatch = w.batch

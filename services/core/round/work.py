@@ -36,6 +36,9 @@ class Work:
     key: str = ""  # ``str(job)``: the policies' handle of the trial
     first: int = 0  # its first request's id: the order requests were submitted in
     avoid: frozenset[str] = frozenset()  # node managers that cannot run it (``PlanWork.unable``)
+    # other (slots, seconds) it may start on when its ``slots`` are not free on one node manager, in
+    # preference order (``genie.WidthChoice.others``)
+    others: tuple[tuple[int, float], ...] = ()
 
 
 def _boundaries(steps: Sequence[int]) -> Boundaries | None:

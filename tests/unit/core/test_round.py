@@ -127,6 +127,24 @@ def test_the_round_gives_a_qos_batch_the_width_genie_picks_on_one_node_manager()
     assert dispatched(early) == [("s", 10, ["a0"])]  # time enough: one slot is the most cost-effective
 
 
+@pytest.mark.parametrize(("width", "placed"), [("genie", ["a0", "a1"]), ("cerpre", None)])
+def test_a_qos_batch_whose_width_is_not_free_starts_on_another_that_meets_its_deadline(
+    width: str, placed: list[str] | None
+) -> None:
+    """Ideal scaling: GENIE picks 4 slots (the highest CER, all widths meet the ECT), but no node manager
+    has 4 free; 2 of node manager a also finish in time, so it starts there now. A baseline's rule fixes
+    its width: it waits."""
+    free = [Slot("a0", "a", gpu_index=0), Slot("a1", "a", gpu_index=1), Slot("b0", "b", gpu_index=0)]
+    busy = [BusySlot(Slot(f"{h}{i}", h, gpu_index=i)) for h, first in (("a", 2), ("b", 1)) for i in range(first, 4)]
+    pols = {"s": parse_policies({"qos": "normal", "slots": 4, "width": width})}
+    work, reqs = plan_work(trials("s", 10), slots=4, cost=lambda st: 25.0)  # 100 s on one slot
+    (rid,) = reqs
+    dec = plan_round(round_input([(work, reqs)], free, busy=busy, policies=pols, arrivals={rid: 0.0}, now=0.0))
+    assert dispatched(dec) == ([("s", 10, placed)] if placed else [])
+    if placed:
+        assert dec.dispatches[0].batch.slots == 2
+
+
 @pytest.mark.parametrize(("policy", "compute", "placed"), [("wfd", 40, 2), ("wfd", 60, 1), ("one_per_gpu", 40, 1)])
 def test_packing_places_on_a_device_by_declared_compute(policy: str, compute: float, placed: int) -> None:
     pols = {"s": parse_policies({"placement": policy, "placement_params": {"compute": compute}})}

@@ -17,15 +17,18 @@ from stagetree.core.policies.genie import (
     ProfileRun,
     Task,
     cer,
+    choose_width,
     cost,
     deadline_met,
     ect,
     fit_perf_model,
     fit_placement,
     genie_plan,
+    in_time_widths,
     launch,
     lightweight_profile_plan,
     plan_queue,
+    width_policy,
 )
 from stagetree.core.policies.genie import widths as gpu_widths
 from tests.sim.papers.genie import genie_tasks, profiled_models, run_qos, true_models
@@ -155,3 +158,39 @@ def test_deadline_by_the_believed_ect() -> None:
 def test_the_widths_are_every_gpu_count_of_one_node_up_to_the_most(most: int) -> None:
     ws = gpu_widths(most)
     assert ws == sorted(set(ws)) and ws[0] == 1 and ws[-1] == most and len(ws) == most
+
+
+LATENCIES = st.lists(st.floats(1.0, 1e4), min_size=1, max_size=8).map(lambda ls: list(enumerate(ls, start=1)))
+
+
+@given(
+    qos=st.sampled_from(["urgent", "prior", "normal"]),
+    lat=LATENCIES,
+    late=st.floats(0.0, 2e4),
+    policy=st.sampled_from(sorted(WIDTH_POLICIES)),
+)
+def test_a_width_choice_and_its_other_widths(qos: str, lat: list[tuple[int, float]], late: float, policy: str) -> None:
+    """Alg. 1 on one node: the chosen width is the highest-CER width that meets the ECT (else the
+    highest of all); GENIE's other widths are exactly the rest of those that meet it, by decreasing CER;
+    a baseline has none (its rule fixes the width)."""
+    shape = ClusterShape(4, 8)
+    now = 10.0 + late
+    c = width_policy(policy)(qos, 10.0, lat, now, shape, 8)
+    assert (c.slots, c.latency) in lat
+    in_time = in_time_widths(qos, 10.0, lat, now, shape)
+    lbar = lat[0][1]
+    ect_abs = 10.0 + {"urgent": 0.0, "prior": lbar, "normal": 2 * lbar}[qos]
+    assert all(now + t <= ect_abs for _, t in in_time)
+    assert {n for n, t in lat if now + t <= ect_abs} == {n for n, _ in in_time}
+    ratio = [(1.0 / t) / cost(Placement(1, n), shape, 0.02) for n, t in in_time]
+    assert ratio == sorted(ratio, reverse=True)
+    if policy != "genie":
+        assert c.others == ()
+        return
+    assert (c.slots, c.latency, c.key) == choose_width(qos, 10.0, lat, now, shape)
+    if in_time:
+        assert (c.slots, c.latency) == in_time[0] and c.key >= 0
+        assert list(c.others) == in_time[1:]
+    else:
+        assert c.others == () and c.key < 0
+    assert qos != "urgent" or c.others == ()  # nothing meets an urgent ECT (its arrival)
