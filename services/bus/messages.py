@@ -1,7 +1,7 @@
 """The versioned messages that travel on the metric/event bus, and their JSON wire form.
 
 This module owns the schema (version 1) of everything a node manager publishes and an aggregator
-consumes: the nine batch events the worker runtime emits, GPU telemetry, which topic each kind goes
+consumes: the eleven batch events the worker runtime emits, GPU telemetry, which topic each kind goes
 to, the key that keeps one batch's messages ordered, and validation. Validation runs on both ends:
 constructing a message (and so encoding it) checks every field, and decoding checks the bytes the same
 way, so a bad emitter fails at its own call site and a foreign or corrupt record never reaches the
@@ -28,8 +28,9 @@ Topics and order: a topic per audience, every record keyed by batch id (telemetr
   ``metrics`` before (or in the same database transaction as) its ``batch_finished``. Were they on two
   topics, two aggregators could apply the finish first, and the finish would send the requests still
   waiting for those metrics back to the queue to be trained again;
-- the events topic carries lifecycle notices with no effect on the outcome (``batch_started``), for
-  observers;
+- the events topic carries what has no effect on the outcome: the lifecycle notice ``batch_started``,
+  and ``log_line``, a line of text the trainer logged (kept with its batch attempt, bounded by
+  ``core.loglines``);
 - the telemetry topic carries ``gpu_telemetry``.
 
 Order still holds only per batch: a consumer must not infer from one batch's stream anything about
@@ -48,6 +49,7 @@ import pydantic_core
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from stagetree.core.errors import InvalidArgument
+from stagetree.core.loglines import MAX_LINE_CHARS, MAX_LINES
 
 SCHEMA_VERSION = 1
 
@@ -293,6 +295,22 @@ class BatchFailed(BatchMessage):
 
 
 @pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=_SCHEMA)
+class LogLine(BatchMessage):
+    """One line of text the batch's trainer logged (``Trainer.log_text``): the attempt's ``seq``-th, at
+    ``at`` (epoch seconds, the worker's clock) while the batch stood at (node, step). Bounded by
+    ``core.loglines``: ``seq`` below ``MAX_LINES`` and ``line`` at most ``MAX_LINE_CHARS`` characters."""
+
+    TYPE: ClassVar[str] = "log_line"
+    TOPIC: ClassVar[str] = TOPIC_EVENTS
+
+    seq: Annotated[int, Field(ge=0, lt=MAX_LINES)]
+    node: Count
+    step: Count
+    at: Seconds
+    line: Annotated[str, Field(max_length=MAX_LINE_CHARS)]
+
+
+@pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=_SCHEMA)
 class GpuProcess(_Checked):
     """One process on a GPU, as NVML reports it (memory in bytes)."""
 
@@ -332,6 +350,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         BatchFinished,
         BatchPreempted,
         BatchFailed,
+        LogLine,
         GpuTelemetry,
     )
 }

@@ -33,6 +33,7 @@ from stagetree.master.store.ingest import Ingestor
 from stagetree.master.store.paths import PathChange
 from stagetree.master.store.records import (
     Assignment,
+    LoggedLine,
     NewRequest,
     NodeManagerRecord,
     RequestRecord,
@@ -364,6 +365,14 @@ class MasterService:
             check_id(rid, "request_ids")
         study = self.get_study(who, study_id)
         return self.store.requests.get_requests(study.id, request_ids)
+
+    def request_log(self, who: Principal, study_id: str, request_id: int) -> list[LoggedLine]:
+        """The text lines the trainers of the batches that carried the request logged (``Trainer.log_text``),
+        in the order they ran; a request of another study (or owner) does not exist for the caller."""
+        check_id(request_id, "request_id")
+        if not self.get_requests(who, study_id, [request_id]):
+            raise NotFound(f"request {request_id} does not exist in study {study_id!r}")
+        return self.store.batches.request_log_lines(request_id)
 
     def plan_versions(self, plan_ids: Iterable[int]) -> dict[int, tuple[str, str]]:
         """Plan id -> (plan key, trainer code version) for the plans of listed requests; a plan's key and

@@ -40,6 +40,7 @@ from stagetree.bus.messages import (
     Curve,
     GpuProcess,
     GpuTelemetry,
+    LogLine,
     Message,
     Metrics,
     Progress,
@@ -161,6 +162,7 @@ WORKER_MESSAGES: dict[str, type[BatchMessage]] = {
     "batch_finished": BatchFinished,
     "batch_preempted": BatchPreempted,
     "batch_failed": BatchFailed,
+    "log_line": LogLine,
 }
 
 

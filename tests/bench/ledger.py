@@ -11,7 +11,8 @@ that ended) is applied through both write paths into fresh SQLite databases:
 
 Between reports, the requests sent back to the queue are dispatched again the same way in both
 databases (sorted by id, three to a batch), so both see the same batch ids. The two databases must end
-in the same state (requests, batches, attempts, metrics, checkpoints, curve points). Also measured, by
+in the same state (requests, batches, attempts, metrics, checkpoints, curve points, path changes, the
+trainers' log lines). Also measured, by
 reading the code (``ast``) under ``services/``: ``ingest_functions``, the functions that write a report's
 effects (those that both store metrics and end attempts: ``record_metrics_in`` and ``end_attempts_in``);
 ``event_definitions``, the worker event types (the bus message classes) whose name more than one class
@@ -143,6 +144,10 @@ def _messages(world: World, r: Report) -> list[Message]:
         for n, pts in sorted(by_node.items())
     ]
     out += [world.metrics(r.batch_id, n, s, v, attempt=r.attempt) for n, s, v in r.metrics]
+    out += [
+        world.log_line(r.batch_id, i, f"{r.end} {n}:{s}", n, s, attempt=r.attempt)
+        for i, (n, s, _) in enumerate(r.metrics)
+    ]
     if r.end == "finished":
         out.append(world.finished(r.batch_id, attempt=r.attempt))
     elif r.end == "preempted":

@@ -27,6 +27,7 @@ from starlette.routing import BaseRoute, Match
 
 from stagetree.core.batch import MAX_CURVE_EVERY_STEPS, MAX_CURVE_RATE
 from stagetree.core.errors import StagetreeError
+from stagetree.core.loglines import MAX_LINE_CHARS, MAX_LINES
 from stagetree.core.searchplan import MAX_STEP
 from stagetree.core.seqforms import config_family_json
 from stagetree.core.text import INT64_MAX
@@ -139,6 +140,21 @@ class RequestOut(BaseModel):
     code_version: str = Field(
         "", description="the trainer code version of that plan (set when listing): results of edited code differ"
     )
+
+
+class LogLineOut(BaseModel):
+    batch_id: int
+    attempt: int
+    seq: int = Field(description="the line's place among its batch attempt's lines")
+    node: int = Field(description="the plan node the batch was training when its trainer logged the line")
+    step: int
+    at: float = Field(description="when the trainer logged it (epoch seconds, its host's clock)")
+    line: str
+
+
+class RequestLogOut(BaseModel):
+    request_id: int
+    lines: list[LogLineOut]
 
 
 class StudyDeleted(BaseModel):
@@ -408,6 +424,17 @@ def create_rest_app(master: MasterApp) -> FastAPI:
     @api.delete(f"{PREFIX}/studies/{{study_id}}/requests/{{request_id}}", responses=responses(404, 413))
     def cancel(study_id: StudyId, request_id: RequestId, who: Who) -> RequestOut:
         return _request(svc.cancel(who, study_id, request_id))
+
+    @api.get(
+        f"{PREFIX}/studies/{{study_id}}/requests/{{request_id}}/logs",
+        responses=responses(404),
+        description="The text lines the trainer logged (`self.log_text`) in every batch attempt that trained "
+        f"the request, in the order they ran. A batch attempt keeps at most {MAX_LINES} lines of at most "
+        f"{MAX_LINE_CHARS} characters (docs/trainers.md).",
+    )
+    def request_log(study_id: StudyId, request_id: RequestId, who: Who) -> RequestLogOut:
+        lines = svc.request_log(who, study_id, request_id)
+        return RequestLogOut(request_id=request_id, lines=[LogLineOut(**dataclasses.asdict(ln)) for ln in lines])
 
     @api.post(f"{PREFIX}/studies/{{study_id}}/metrics/query", responses=responses(404, 413))
     def metrics(study_id: StudyId, body: MetricsQuery, who: Who) -> MetricsOut:

@@ -1,5 +1,5 @@
-"""What the batch ledger wrote, read: batches, what their attempts trained and how long they took, and
-the hosts that cannot run a plan's trainer.
+"""What the batch ledger wrote, read: batches, what their attempts trained and how long they took, the
+text lines their trainers logged, and the hosts that cannot run a plan's trainer.
 
 Reads only; every write to batches and attempts goes through ``store.ledger.BatchLedger``.
 """
@@ -10,7 +10,7 @@ import json
 from collections.abc import Container, Sequence
 from typing import Any
 
-from sqlalchemy import func, select, tuple_
+from sqlalchemy import bindparam, func, select, tuple_
 from sqlalchemy.orm import Session
 
 from stagetree.core.errors import NotFound
@@ -18,9 +18,15 @@ from stagetree.core.lifecycle import BatchState
 from stagetree.core.sharing import EndedAttempt
 from stagetree.master.store import models as m
 from stagetree.master.store.database import Database, table
-from stagetree.master.store.records import BatchRecord, FinishedAttempt
+from stagetree.master.store.records import BatchRecord, FinishedAttempt, LoggedLine
 
 _B, _A, _R, _HP = table(m.Batch), table(m.BatchAttempt), table(m.Request), table(m.HostProblem)
+_RQ, _LL = table(m.RequeuedRequest), table(m.LogLineRow)
+_LOG_LINES = (
+    select(_LL.c.batch_id, _LL.c.attempt, _LL.c.seq, _LL.c.node_id, _LL.c.step, _LL.c.at, _LL.c.line)
+    .where(_LL.c.batch_id.in_(bindparam("ids", expanding=True)))
+    .order_by(_LL.c.batch_id, _LL.c.attempt, _LL.c.seq)
+)
 _HOST_PROBLEMS = select(_HP.c.plan_id, _HP.c.node_manager_id, _HP.c.error)
 _RUNNING = select(
     _B.c.id, _B.c.plan_id, _B.c.state, _B.c.attempt, _B.c.spec_json, _B.c.node_manager_id, _B.c.slot_id
@@ -91,6 +97,21 @@ class BatchReader:
                 ):
                     studies.setdefault(int(bid or 0), []).append(str(sid))
             return [(_batch_record(b), float(t), studies.get(int(b.id), [])) for b, t in rows]
+
+    def request_log_lines(self, request_id: int) -> list[LoggedLine]:
+        """The text lines logged by the trainers of every batch that carried the request (those that sent
+        it back to the queue, then the one that holds it now), in the order the batches ran, each
+        attempt's in its order (``seq``). Empty for an unknown request."""
+        with self.db.tx("request log lines") as s:
+            earlier = s.scalars(select(_RQ.c.batch_id).where(_RQ.c.request_id == request_id)).all()
+            now = s.scalar(select(_R.c.batch_id).where(_R.c.id == request_id))
+            ids = sorted({int(b) for b in earlier} | ({int(now)} if now is not None else set()))
+            if not ids:
+                return []
+            return [
+                LoggedLine(int(b), int(a), int(q), int(n), int(st), float(at), str(line))
+                for b, a, q, n, st, at, line in s.execute(_LOG_LINES, {"ids": ids})
+            ]
 
     def executed_steps(self, plan_id: int | None = None) -> int:
         """Training steps of every ended batch attempt (of one plan, or all): all of a batch's when it ran

@@ -27,6 +27,9 @@ for both transports of a worker's events: the aggregator's bus records and the n
   steps count then);
 - ``batch_timing``: the worker's measure of the attempt's time (``BatchLedger.record_timing_in``; the
   same values again on a redelivery, so no claim either);
+- ``log_line``: a text line the trainer logged, kept with its batch attempt
+  (``BatchLedger.record_log_lines_in``; one row per (batch, attempt, seq), and ``seq`` is bounded by the
+  message, so an attempt keeps at most ``core.loglines.MAX_LINES`` lines);
 - ``gpu_telemetry`` has no database effect (counted, dropped).
 
 Idempotence: every message with an effect inserts its ``msg_id`` into ``applied_messages`` in the same
@@ -61,6 +64,7 @@ from stagetree.bus.messages import (
     BatchTiming,
     CheckpointSaved,
     Curve,
+    LogLine,
     Message,
     Metrics,
     Progress,
@@ -74,6 +78,7 @@ from stagetree.master.plans import PlanCache
 from stagetree.master.store import models as m
 from stagetree.master.store.curves import CurveRows
 from stagetree.master.store.database import table
+from stagetree.master.store.records import LoggedLine
 from stagetree.master.store.store import Store
 
 log = logging.getLogger(__name__)
@@ -83,7 +88,7 @@ MAX_INT32 = 2**31 - 1  # metrics.step, checkpoints.step
 MAX_INT64 = 2**63 - 1  # ids, checkpoint bytes
 PREEMPTION_CHECKPOINT_KIND = "peripheral"  # a preemption saves where it stopped, not at a branch point
 
-_EFFECTFUL = frozenset({Metrics, Curve, CheckpointSaved, Rescaled, BatchFinished, BatchPreempted, BatchFailed})
+_EFFECTFUL = frozenset({Metrics, Curve, CheckpointSaved, Rescaled, BatchFinished, BatchPreempted, BatchFailed, LogLine})
 _POINTED = frozenset({Metrics, CheckpointSaved, Rescaled, BatchPreempted})  # the kinds that carry a (node, step)
 _NODED = frozenset({Metrics, Curve, CheckpointSaved, Rescaled, BatchPreempted})  # the kinds that name a node
 _Terminal = BatchFinished | BatchPreempted | BatchFailed
@@ -104,6 +109,7 @@ class IngestResult:
     curve_points: int = 0  # learning-curve points offered by the curve messages applied
     checkpoints: int = 0  # checkpoint_saved / batch_preempted checkpoints applied
     path_changes: int = 0  # rescaled messages applied (resumes on another number of ranks)
+    log_lines: int = 0  # log_line messages applied (text lines of existing attempts)
     completed: list[int] = field(default_factory=list)  # request ids that became DONE
     failed_requests: list[int] = field(default_factory=list)  # request ids that became FAILED
     finished: list[int] = field(default_factory=list)  # batch ids whose running attempt ended
@@ -128,7 +134,7 @@ class IngestResult:
             *("applied", "duplicates", "ignored", "started", "progress", "timings"),
             *("rejected", "points", "curve_points", "checkpoints"),
         )
-        for name in (*counts, "stale", "path_changes"):
+        for name in (*counts, "stale", "path_changes", "log_lines"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("completed", "failed_requests", "finished", "requeued"):
             getattr(self, name).extend(getattr(other, name))
@@ -227,6 +233,7 @@ class Ingestor:
             saved: list[tuple[int, int, str, int, str, int]] = []
             rescaled: list[tuple[int, int, RankChange]] = []
             curve: list[tuple[int, int, dict[str, float]]] = []
+            lines: list[LoggedLine] = []
             ends: list[AttemptEnd] = []
             for msg, point in placed:
                 if msg.msg_id not in new:
@@ -247,6 +254,9 @@ class Ingestor:
                     change = RankChange(point.node, point.step, msg.uri, msg.from_ranks, msg.to_ranks)
                     rescaled.append((msg.batch_id, msg.attempt, change))
                     out.applied += 1
+                elif isinstance(msg, LogLine):
+                    lines.append(LoggedLine(msg.batch_id, msg.attempt, msg.seq, msg.node, msg.step, msg.at, msg.line))
+                    out.applied += 1
                 if isinstance(msg, BatchPreempted):
                     assert point is not None
                     saved.append((point.node, point.step, msg.uri, 0, PREEMPTION_CHECKPOINT_KIND, msg.ranks))
@@ -257,6 +267,7 @@ class Ingestor:
             self.checkpoints.record_in(s, saved, now)
             out.path_changes += self.paths.record_in(s, rescaled, now)
             out.curve_points += self.curves.record_in(s, curve, now)
+            out.log_lines += self.ledger.record_log_lines_in(s, lines)
             out.checkpoints += len({(n, st) for n, st, *_ in saved})
             done_at = self.requests.record_metrics_in(s, metrics, now)
             for ids in done_at.values():
@@ -383,6 +394,8 @@ def _invalid(msg: BatchMessage) -> str:
         return "checkpoint bytes out of range"
     if "\x00" in getattr(msg, "uri", ""):
         return "checkpoint uri holds a NUL"
+    if "\x00" in getattr(msg, "line", ""):
+        return "log line holds a NUL"
     return ""
 
 

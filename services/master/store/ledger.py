@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from sqlalchemy import bindparam, case, insert, or_, select, text, update
+from sqlalchemy import bindparam, case, insert, or_, select, text, tuple_, update
 from sqlalchemy.orm import Session
 
 from stagetree.core.lifecycle import (
@@ -36,7 +36,7 @@ from stagetree.master.store.curves import CurveStore
 from stagetree.master.store.database import Database, table
 from stagetree.master.store.nodes import LOST, enqueue_action
 from stagetree.master.store.paths import PathChangeStore
-from stagetree.master.store.records import BatchRecord, DispatchItem
+from stagetree.master.store.records import BatchRecord, DispatchItem, LoggedLine
 from stagetree.master.store.requests import RequestStore
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 DEFAULT_RETRY = RetryPolicy()
 
 _B, _A, _R = table(m.Batch), table(m.BatchAttempt), table(m.Request)
-_RQ, _HP = table(m.RequeuedRequest), table(m.HostProblem)
+_RQ, _HP, _LL = table(m.RequeuedRequest), table(m.HostProblem), table(m.LogLineRow)
 # the node manager and plan of attempts that found their host cannot run the plan's trainer
 _WHERE_RAN = (
     select(_A.c.batch_id, _A.c.attempt, _A.c.node_manager_id, _B.c.plan_id)
@@ -181,6 +181,37 @@ class BatchLedger:
                     for (b, a), t in sorted(rows.items())
                 ],
             )
+
+    def record_log_lines_in(self, s: Session, lines: Sequence[LoggedLine]) -> int:
+        """Keep the text lines of these attempts (insert-or-ignore on (batch, attempt, seq): a redelivered
+        line is the same row; lines of an attempt that does not exist are dropped). Returns how many were
+        offered for existing attempts. The bounds are the message's (``bus.messages.LogLine``)."""
+        keys = sorted({(ln.batch_id, ln.attempt) for ln in lines})
+        if not keys:
+            return 0
+        known = {
+            (int(b), int(a))
+            for b, a in s.execute(
+                select(_A.c.batch_id, _A.c.attempt).where(tuple_(_A.c.batch_id, _A.c.attempt).in_(keys))
+            )
+        }
+        rows: dict[tuple[int, int, int], dict[str, object]] = {}
+        for ln in lines:
+            if (ln.batch_id, ln.attempt) in known:
+                rows.setdefault(
+                    (ln.batch_id, ln.attempt, ln.seq),
+                    {
+                        "batch_id": ln.batch_id,
+                        "attempt": ln.attempt,
+                        "seq": ln.seq,
+                        "node_id": ln.node,
+                        "step": ln.step,
+                        "at": ln.at,
+                        "line": ln.line,
+                    },
+                )
+        self.db.insert_ignore(s, _LL, [rows[k] for k in sorted(rows)], ["batch_id", "attempt", "seq"])
+        return len(rows)
 
     def end_attempts_in(
         self,

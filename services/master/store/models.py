@@ -217,6 +217,23 @@ class PathChange(Base):
     recorded_at: Mapped[float] = mapped_column(Float)
 
 
+class LogLineRow(Base):
+    """A line of text a batch attempt's trainer logged (the bus message ``LogLine``): the attempt's
+    ``seq``-th, at (node, step) as its worker said (not checked against the plan: a line is the
+    attempt's, not a point's). At most ``core.loglines.MAX_LINES`` per attempt (``seq`` is below it),
+    each at most ``MAX_LINE_CHARS`` characters; a redelivered line is the same row."""
+
+    __tablename__ = "log_lines"
+
+    batch_id: Mapped[int] = mapped_column(ForeignKey("batches.id"), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    node_id: Mapped[int] = mapped_column(BigInteger)
+    step: Mapped[int] = mapped_column(Integer)
+    at: Mapped[float] = mapped_column(Float)  # when the trainer logged it (epoch seconds, the worker's clock)
+    line: Mapped[str] = mapped_column(Text)
+
+
 class Metric(Base):
     __tablename__ = "metrics"
 

@@ -16,6 +16,7 @@ __all__ = [
     "BatchRecord",
     "DispatchItem",
     "FinishedAttempt",
+    "LoggedLine",
     "NewNode",
     "NewRequest",
     "NewTreeNode",
@@ -80,6 +81,20 @@ class FinishedAttempt:
     seconds: float  # from its worker's start (else the node manager taking it, else its dispatch) to its end
     finished_at: float
     gpu_type: str  # of its slot ("" when the slot is no longer registered)
+
+
+@dataclass(frozen=True)
+class LoggedLine:
+    """A line of text a batch attempt's trainer logged: the attempt's ``seq``-th, logged at ``at`` (epoch
+    seconds, the worker's clock) while the batch stood at (node, step)."""
+
+    batch_id: int
+    attempt: int
+    seq: int
+    node: int
+    step: int
+    at: float
+    line: str
 
 
 @dataclass(frozen=True)

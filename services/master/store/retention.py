@@ -4,8 +4,9 @@
   requeue) and its policy state. Its plans stay: they belong to the scope (the owner or the team), and
   other studies of that scope may use them; ``forget_plan`` frees them.
 - ``forget_plan``: what a plan computed, i.e. its checkpoints (their files are deleted by the live node
-  managers, through the outbox), its metrics and learning curves, the path changes recorded on it (they
-  say how what is forgotten was computed), and the finished requests those metrics answered. The plan
+  managers, through the outbox), its metrics and learning curves, the path changes recorded on it and
+  the text lines its batches' trainers logged (they say how what is forgotten was computed), and the
+  finished requests those metrics answered. The plan
   row and its nodes stay (plans are never deleted, so caches of plan ids stay true); the next eval on it
   trains again. Refused while a request on it is live: cancel those first.
 
@@ -69,6 +70,8 @@ class Retention:
             metrics = _count(s.execute(delete(m.Metric).where(m.Metric.node_id.in_(nodes))))
             s.execute(delete(m.CurvePointRow).where(m.CurvePointRow.node_id.in_(nodes)))
             s.execute(delete(m.PathChange).where(m.PathChange.node_id.in_(nodes)))
+            batches = select(m.Batch.id).where(m.Batch.plan_id == plan_id).scalar_subquery()
+            s.execute(delete(m.LogLineRow).where(m.LogLineRow.batch_id.in_(batches)))
             ids = select(m.Request.id).where(m.Request.plan_id == plan_id).scalar_subquery()
             s.execute(delete(m.RequeuedRequest).where(m.RequeuedRequest.request_id.in_(ids)))
             requests = _count(s.execute(delete(m.Request).where(m.Request.plan_id == plan_id)))

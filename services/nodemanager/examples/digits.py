@@ -2,8 +2,9 @@
 
 A two-layer MLP trained by SGD with momentum through the resumable loader. Tuned hyper-parameters:
 ``lr``, ``momentum`` (optional, default 0) and ``bs`` (batch size, optional, default 32). Fixed values:
-``hidden`` (64), ``minibatches`` per ``train()`` call (1), ``dropout`` (0.0, exercises the torch RNG).
-``evaluate`` reports accuracy and loss on a fixed held-out split of 360 images.
+``hidden`` (64), ``minibatches`` per ``train()`` call (1), ``dropout`` (0.0, exercises the torch RNG),
+``log_every`` (0: never; else a text line ``step <n> train_loss <loss>`` every that many steps, through
+``log_text``). ``evaluate`` reports accuracy and loss on a fixed held-out split of 360 images.
 
 ``digits_batch`` builds a ``BatchSpec`` for it; tests, the benchmark and the demo use both.
 """
@@ -107,6 +108,7 @@ class DigitsMLP(Trainer):
         self.model.to(self.device)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.0)
         self.loader = ResumableLoader(x_train, y_train, batch_size=32, seed=self.seed)
+        self.log_every = int(self.fixed.get("log_every", 0))
 
     def setup(self, hp_changes: dict[str, Value]) -> None:
         for group in self.optimizer.param_groups:
@@ -126,6 +128,8 @@ class DigitsMLP(Trainer):
             loss = F.cross_entropy(self.model(x), y)
             loss.backward()  # type: ignore[no-untyped-call]
             self.optimizer.step()
+        if self.log_every and (self.step + 1) % self.log_every == 0:
+            self.log_text(f"step {self.step + 1} train_loss {loss.item():.4f}")
         # the step's last minibatch loss, a learning-curve point; a tensor, so that converting it (a
         # device sync on a GPU) happens only for the points the runtime keeps
         return {"train_loss": loss.detach()}

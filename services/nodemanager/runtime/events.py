@@ -36,6 +36,9 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
     "batch_preempted": frozenset({"batch_id", "attempt", "node", "step", "uri", "ranks"}),
     # ``user_error``: the trainer's own code raised; ``host_problem``: this host cannot import the trainer
     "batch_failed": frozenset({"batch_id", "attempt", "error", "traceback", "oom", "user_error", "host_problem"}),
+    # a line of text the trainer logged (``Trainer.log_text``): the attempt's ``seq``-th, logged at ``at``
+    # (epoch seconds) while the batch stood at (node, step); bounded by ``core.loglines``
+    "log_line": frozenset({"batch_id", "attempt", "seq", "node", "step", "at", "line"}),
 }
 
 # What a worker says of itself, for the node manager alone (never reported): ``worker_idle`` after a batch

@@ -10,7 +10,10 @@ the step, save, stop). What ``train`` returns (and what it ``log``-ged) is a lea
 kept every ``spec.curve_every_steps`` steps and, past its first ``CURVE_BURST`` points, at most
 ``spec.curve_max_per_s`` a second (``core.batch.CurveRate``; non-finite values dropped), buffered, and
 emitted as ``curve`` events of one node: at most every ``CURVE_FLUSH_S``, at the end of each stage, and
-before the batch ends, so none is lost to a finish.
+before the batch ends, so none is lost to a finish. The text lines the trainer logged (``log_text``) are
+emitted as ``log_line`` events after ``init``, after each step (its evaluations' included) and before the
+batch ends, numbered within the attempt; past ``core.loglines.MAX_LINES`` the last line kept says how many
+more were logged.
 Checkpoints of trainers with ``state_dict`` are snapshotted in memory and written by a background
 thread; a failed write fails the batch. With ``spec.snapshot_budget_bytes`` such a trainer (on one rank)
 is also snapshotted in memory after every step that saves nothing (every k-th step when a snapshot of
@@ -60,6 +63,7 @@ import torch
 
 from stagetree.core.batch import BatchSpec, CurveRate, Point
 from stagetree.core.config import Config, FixedPart
+from stagetree.core.loglines import MAX_LINES, cap_notice
 from stagetree.core.sequences import Value
 from stagetree.nodemanager.runtime.checkpoints import CheckpointStore, StoredCheckpoint
 from stagetree.nodemanager.runtime.distributed import SINGLE_RANK, RankGroup, StepSync, is_peer_lost
@@ -328,6 +332,8 @@ class BatchRun:
         self._snap_stride = 0  # a snapshot every this many steps (0: not decided until the first one)
         self._given_at = given_at
         self._times = _Times(0.0, 0.0)
+        self._lines = 0  # text lines the trainer logged in this attempt (emitted or not)
+        self._last_line: dict[str, Any] | None = None  # the line of seq MAX_LINES - 1, held until the end
 
     @property
     def trainer(self) -> Trainer | None:
@@ -352,6 +358,7 @@ class BatchRun:
                 trainer.step = step
                 applied = self._setup(trainer, spec.stages[0].config.values_at(step), {})
                 self._handle_points(trainer, step, initial=True)
+                self._take_lines(trainer, spec.stages[0].node, step)
                 self._last_ckpt_step, self._last_ckpt_time = step, self._clock()
                 last_progress = float("-inf")
                 end = spec.end.step
@@ -412,6 +419,8 @@ class BatchRun:
                             self._emit("progress", {**self._ids, "node": node, "step": step})
                             last_progress = now
                         saved = step in self._point_steps and self._handle_points(trainer, step)
+                        if trainer.logged_lines:
+                            self._take_lines(trainer, node, step)
                         if not distributed:
                             periodic_due = periodic and self._peripheral_due(step, now)
                             preempt_now = False
@@ -430,6 +439,8 @@ class BatchRun:
                 self._flush_curve(self._curve_node)
                 self._write_pack()
                 self._drain(block=True)
+            self._take_lines(trainer, self._curve_node, step)  # a save's lines too
+            self._end_lines()
             self._emit("batch_timing", {**self._ids, **self._times.payload(time.monotonic())})
             self._emit("batch_finished", {**self._ids, "steps": trained})
             return BatchOutcome("finished", step, trained)
@@ -458,12 +469,37 @@ class BatchRun:
         self._curve_node = node
         self._curve_flushed = self._clock() if now is None else now
 
+    def _take_lines(self, trainer: Trainer, node: int, step: int) -> None:
+        """Emit the text lines ``trainer`` logged since this was last called, at (node, step): ``seq`` in
+        the attempt's order, the line of the last ``seq`` held until the end (``_end_lines``)."""
+        lines, trainer.logged_lines = trainer.logged_lines, []
+        first = self._lines
+        self._lines += len(lines) + trainer.lines_dropped
+        trainer.lines_dropped = 0
+        for seq, (at, line) in enumerate(lines[: max(0, MAX_LINES - first)], start=first):
+            event = {**self._ids, "seq": seq, "node": node, "step": step, "at": at, "line": line}
+            if seq < MAX_LINES - 1:
+                self._emit("log_line", event)
+            else:
+                self._last_line = event
+
+    def _end_lines(self) -> None:
+        """Emit the held line of the last ``seq``: the trainer's own, or, when it logged more, how many
+        more (every later line was dropped)."""
+        if self._last_line is None:
+            return
+        event, self._last_line = self._last_line, None
+        if self._lines > MAX_LINES:
+            event["line"] = cap_notice(self._lines - (MAX_LINES - 1))
+        self._emit("log_line", event)
+
     def _start(self) -> Trainer:
         spec = self.spec
         continued, self._continued = self._continued, None
         if continued is not None:
             self._trainer = continued.trainer
             continued.trainer.logged = {}
+            continued.trainer.logged_lines, continued.trainer.lines_dropped = [], 0
             restore_rng_state(continued.rng)
             log.info(
                 "batch continues from memory: the trainer the batch before left at step %d",
@@ -675,6 +711,8 @@ class BatchRun:
         uri = record.future.result().uri
         at = record.points[0].node
         ranks = self._group.info.world_size
+        self._take_lines(trainer, node, step)
+        self._end_lines()
         self._emit("batch_timing", {**self._ids, **self._times.payload(time.monotonic())})
         self._emit("batch_preempted", {**self._ids, "node": at, "step": step, "uri": uri, "ranks": ranks})
         log.info("batch preempted", extra={"batch_id": self.spec.batch_id, "step": step, "uri": uri})
@@ -694,6 +732,9 @@ class BatchRun:
         except Exception:
             log.exception("checkpoint write failed while failing batch", extra={"batch_id": self.spec.batch_id})
         self._pending.clear()
+        if self._trainer is not None:  # what the trainer logged up to the failure shows why it failed
+            self._take_lines(self._trainer, self._curve_node, step)
+        self._end_lines()
         error = error_text(exc, tb)
         if peer_lost:
             error = f"{PEER_LOST_NOTE}: {error}"

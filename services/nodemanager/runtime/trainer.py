@@ -5,7 +5,8 @@ A trainer is the user's training logic (TreeML §5.1): ``init`` builds model, op
 them at the first step of a run or resume); ``train`` runs one logical step and may return its step
 metrics (``{"loss": 0.41}``: the learning curve, sampled by the runtime at the batch's curve rate; or
 call ``self.log(loss=...)`` during the step); ``evaluate`` returns metrics; ``save``/``load`` persist the
-trainer's own state into / from a directory.
+trainer's own state into / from a directory. ``self.log_text(line)`` logs a line of text, kept with the
+batch attempt and shown with each request it served (bounded: ``core.loglines``).
 
 A trainer that implements ``state_dict``/``load_state_dict`` (tensors and plain containers) and keeps
 the default ``save``/``load`` gets background checkpoints: the runtime snapshots that state in memory
@@ -32,6 +33,7 @@ import json
 import logging
 import random
 import sys
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -42,6 +44,7 @@ import numpy as np
 import torch
 
 from stagetree.core.errors import InvalidArgument
+from stagetree.core.loglines import MAX_LINES, lines_of
 from stagetree.core.sequences import Value
 from stagetree.nodemanager.runtime.userpath import user_search_path
 
@@ -81,6 +84,10 @@ class Trainer(ABC):
     step: int
     # step metrics logged during the current step (``log``); the runtime takes them after ``train``
     logged: dict[str, float | torch.Tensor]
+    # text lines logged (``log_text``) as (epoch seconds, line), and how many more did not fit: the runtime
+    # takes them after each step (and after ``init`` and each evaluation)
+    logged_lines: list[tuple[float, str]]
+    lines_dropped: int
 
     # Whether ``init`` only builds (model, optimizer, data: no side effects outside the process, such as
     # creating an experiment-tracker run) so that a warm worker may run it ahead, before its batch
@@ -102,6 +109,7 @@ class Trainer(ABC):
         self.world_size = ctx.world_size
         self.step = 0
         self.logged = {}
+        self.logged_lines, self.lines_dropped = [], 0
 
     def cached(self, name: str, build: Callable[[], T]) -> T:
         """``build()``, kept by this worker process for the next batches it runs of the same fixed part:
@@ -131,6 +139,19 @@ class Trainer(ABC):
             self.logged.update(values)
         if more:
             self.logged.update(more)
+
+    def log_text(self, line: object) -> None:
+        """Log a line of text (its ``str``; a text of several lines is that many lines), kept with this
+        batch attempt and shown with every request the batch served (REST ``GET .../requests/{id}/logs``).
+        Bounded (``core.loglines``): a line keeps its first ``MAX_LINE_CHARS`` characters, an attempt its
+        first ``MAX_LINES`` lines (the last of which then says how many more were logged). On a batch of
+        several ranks, rank 0's lines are kept."""
+        now = time.time()
+        for text in lines_of(line):
+            if len(self.logged_lines) < MAX_LINES:
+                self.logged_lines.append((now, text))
+            else:  # the runtime takes them every step: only a step that logs this much gets here
+                self.lines_dropped += 1
 
     @abstractmethod
     def init(self) -> None:

@@ -234,7 +234,7 @@ def test_old_schema_refuses_with_the_upgrade_command(tmp_path: object) -> None:
     upgrade(engine)
     check_schema(engine)
     Store.open(engine)
-    assert head_revision() == "0015"
+    assert head_revision() == "0016"
     engine.dispose()
 
 

@@ -18,6 +18,7 @@ from stagetree.bus.messages import (
     BatchTiming,
     CheckpointSaved,
     Curve,
+    LogLine,
     Metrics,
     Progress,
     Rescaled,
@@ -135,6 +136,11 @@ class World:
     def preempted(self, batch_id: int, node: int, step: int, attempt: int = 1) -> BatchPreempted:
         return BatchPreempted(**self._common(batch_id, attempt), node=node, step=step, uri=f"file:///pre/{step}")
 
+    def log_line(
+        self, batch_id: int, seq: int, line: str, node: int = 0, step: int = 0, attempt: int = 1, at: float = 1.0
+    ) -> LogLine:
+        return LogLine(**self._common(batch_id, attempt), seq=seq, node=node, step=step, at=at, line=line)
+
     # -- what the database holds ----------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
@@ -171,6 +177,12 @@ class World:
             paths = s.execute(
                 select(p.batch_id, p.attempt, p.node_id, p.step, p.from_ranks, p.to_ranks).where(p.node_id.in_(nodes))
             ).all()
+            ll = m.LogLineRow
+            lines = s.execute(
+                select(ll.batch_id, ll.attempt, ll.seq, ll.node_id, ll.step, ll.at, ll.line)
+                .join(m.Batch, m.Batch.id == ll.batch_id)
+                .where(m.Batch.plan_id == self.plan_id)
+            ).all()
         return {
             "requests": sorted(tuple(r) for r in reqs),
             "batches": [tuple(b) for b in batches],
@@ -179,6 +191,7 @@ class World:
             "checkpoints": sorted(tuple(c) for c in ckpts),
             "curve": sorted((n, st, sorted(_json(v).items())) for n, st, v in curve),
             "path_changes": sorted(tuple(c) for c in paths),
+            "log_lines": sorted(tuple(x) for x in lines),
         }
 
     def request_states(self, ids: list[int]) -> list[str]:

@@ -182,6 +182,63 @@ def test_kinds_without_a_database_effect_are_counted_and_leave_no_trace(world: W
     assert applied_count(world.store) == 0
 
 
+def test_log_lines_are_kept_with_their_attempt_once_and_shown_with_the_requests_it_carried(world: World) -> None:
+    batch, (r,) = world.dispatch([(world.root, 10)])
+    lines: list[Message] = [
+        world.log_line(batch.id, 0, "epoch 1", world.root, 4, at=10.0),
+        world.log_line(batch.id, 1, "epoch 2", world.root, 8, at=11.0),
+    ]
+    ing = Ingestor(world.store)
+    res = ing.apply(lines)
+    assert (res.applied, res.log_lines, res.duplicates) == (2, 2, 0)
+    assert not res.results_changed and not res.round_needed  # nothing to wake for
+    after_first = world.state()
+    assert after_first["log_lines"] == [
+        (batch.id, 1, 0, world.root, 4, 10.0, "epoch 1"),
+        (batch.id, 1, 1, world.root, 8, 11.0, "epoch 2"),
+    ]
+    # the same messages again, in one apply and in a later one: one row each
+    again = ing.apply([*lines, *lines])
+    assert (again.applied, again.log_lines, again.duplicates) == (0, 0, 4)
+    assert world.state() == after_first
+    # the same line under another id (a producer that numbers its messages afresh): the same row
+    assert ing.apply([world.log_line(batch.id, 1, "epoch 2", world.root, 8, at=11.0)]).log_lines == 1
+    assert world.state() == after_first
+    got = world.store.batches.request_log_lines(r.id)
+    assert [(ln.seq, ln.node, ln.step, ln.line) for ln in got] == [
+        (0, world.root, 4, "epoch 1"),
+        (1, world.root, 8, "epoch 2"),
+    ]
+
+
+def test_a_requests_log_holds_every_batch_that_carried_it_in_the_order_they_ran(world: World) -> None:
+    first, (r,) = world.dispatch([(world.root, 10)])
+    ing = Ingestor(world.store, max_failures=3)
+    ing.apply([world.log_line(first.id, 0, "first try"), world.failed(first.id)])  # requeued: r moves on
+    second = world.dispatch_ids([r.id])
+    ing.apply([world.log_line(second.id, 0, "second try"), world.metrics(second.id, world.root, 10)])
+    got = world.store.batches.request_log_lines(r.id)
+    assert [(ln.batch_id, ln.line) for ln in got] == [(first.id, "first try"), (second.id, "second try")]
+    assert world.store.batches.request_log_lines(10**12) == []
+
+
+def test_a_log_line_of_an_unknown_batch_or_attempt_is_not_kept(world: World) -> None:
+    batch, _ = world.dispatch([(world.root, 10)])
+    res = Ingestor(world.store).apply(
+        [world.log_line(10**12, 0, "no such batch"), world.log_line(batch.id, 0, "no such attempt", attempt=9)]
+    )
+    assert (res.rejected, res.log_lines) == (1, 0)
+    assert world.state()["log_lines"] == []
+
+
+def test_forgetting_a_plan_drops_its_batches_log_lines(world: World) -> None:
+    batch, _ = world.dispatch([(world.root, 10)])
+    Ingestor(world.store).apply([world.log_line(batch.id, 0, "x"), world.metrics(batch.id, world.root, 10)])
+    assert len(world.state()["log_lines"]) == 1
+    world.store.retention.forget_plan(world.plan_id)
+    assert world.state()["log_lines"] == []
+
+
 def _attempt_work(store: Store, batch_id: int) -> tuple[Any, ...]:
     a = m.BatchAttempt
     with store.db.tx("read") as s:

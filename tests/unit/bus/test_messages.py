@@ -25,6 +25,7 @@ from stagetree.bus.messages import (
     Curve,
     GpuProcess,
     GpuTelemetry,
+    LogLine,
     MalformedMessage,
     Message,
     Metrics,
@@ -40,6 +41,7 @@ from stagetree.bus.messages import (
     route,
 )
 from stagetree.core.errors import InvalidArgument
+from stagetree.core.loglines import MAX_LINE_CHARS, MAX_LINES
 
 ids = st.text(min_size=1, max_size=20)
 counts = st.integers(min_value=0, max_value=2**53)
@@ -95,6 +97,14 @@ messages: st.SearchStrategy[Message] = st.one_of(
     st.builds(BatchPreempted, **batch_fields, **at, uri=ids, ranks=st.integers(1, 64)),
     st.builds(BatchFailed, **batch_fields, error=st.text(), traceback=st.text(), oom=st.booleans()),
     st.builds(
+        LogLine,
+        **batch_fields,
+        **at,
+        seq=st.integers(0, MAX_LINES - 1),
+        at=st.floats(0, 4e9),
+        line=st.text(max_size=MAX_LINE_CHARS),
+    ),
+    st.builds(
         GpuTelemetry,
         msg_id=ids,
         node_manager=ids,
@@ -124,14 +134,14 @@ def test_a_message_is_keyed_by_its_batch_or_its_node_manager(message: Message) -
         assert (topic, key) == (TOPIC_TELEMETRY, message.node_manager)
     else:
         assert key == str(message.batch_id)  # type: ignore[attr-defined]
-        assert topic == (TOPIC_EVENTS if isinstance(message, BatchStarted) else TOPIC_METRICS)
+        assert topic == (TOPIC_EVENTS if isinstance(message, (BatchStarted, LogLine)) else TOPIC_METRICS)
 
 
 def test_everything_that_decides_a_batch_outcome_shares_one_topic_so_one_partition_orders_it() -> None:
     # A finish applied before that batch's last metrics would requeue work that is already done.
     outcome = {Metrics, CheckpointSaved, Rescaled, BatchTiming, BatchFinished, BatchPreempted, BatchFailed}
     assert {cls.TOPIC for cls in outcome} == {TOPIC_METRICS}
-    assert [cls.TYPE for cls in MESSAGE_TYPES.values() if cls.TOPIC == TOPIC_EVENTS] == ["batch_started"]
+    assert [cls.TYPE for cls in MESSAGE_TYPES.values() if cls.TOPIC == TOPIC_EVENTS] == ["batch_started", "log_line"]
 
 
 @given(st.binary(max_size=200))
@@ -291,7 +301,7 @@ def test_plan_key_is_optional_on_the_wire() -> None:
     assert decode(json.dumps(obj).encode()).plan_key is None  # type: ignore[attr-defined]
 
 
-def test_the_registry_has_the_eleven_kinds() -> None:
+def test_the_registry_has_the_twelve_kinds() -> None:
     assert sorted(MESSAGE_TYPES) == sorted(
         [
             "batch_started",
@@ -304,6 +314,7 @@ def test_the_registry_has_the_eleven_kinds() -> None:
             "batch_finished",
             "batch_preempted",
             "batch_failed",
+            "log_line",
             "gpu_telemetry",
         ]
     )
@@ -390,3 +401,14 @@ def test_a_curve_needs_aligned_finite_points() -> None:
     for steps, values in (([1], []), ([], []), ([0], [{"loss": 1.0}]), ([1], [{"loss": math.nan}])):
         with pytest.raises(MalformedMessage):
             Curve(**base, steps=steps, values=values)
+
+
+def test_a_log_line_is_bounded_in_length_and_in_number_per_attempt() -> None:
+    """A line over ``MAX_LINE_CHARS`` characters, or a ``seq`` at or past ``MAX_LINES``, is malformed: the
+    message itself bounds what an attempt can store."""
+    fields: dict[str, Any] = dict(msg_id="m", node_manager="nm", batch_id=1, attempt=1, node=1, step=2, at=1.0)
+    assert LogLine(**fields, seq=MAX_LINES - 1, line="x" * MAX_LINE_CHARS).line == "x" * MAX_LINE_CHARS
+    with pytest.raises(MalformedMessage, match=r"log_line\.line"):
+        LogLine(**fields, seq=0, line="x" * (MAX_LINE_CHARS + 1))
+    with pytest.raises(MalformedMessage, match=r"log_line\.seq"):
+        LogLine(**fields, seq=MAX_LINES, line="x")

@@ -24,6 +24,7 @@ from stagetree.bus.messages import (
     CheckpointSaved,
     Curve,
     GpuTelemetry,
+    LogLine,
     Message,
     Metrics,
     Progress,
@@ -60,6 +61,7 @@ class Facts:
     terminals: int = 0
     reached: int = 0  # the furthest step its progress said
     timing: tuple[float, float, float, float] | None = None  # its worker's measure of its time
+    lines: list[tuple[int, int, int, float, str]] = field(default_factory=list)  # (seq, node, step, at, line)
 
 
 @dataclass
@@ -86,6 +88,8 @@ def _facts_of(messages: list[Message]) -> Facts:
             out.reached = max(out.reached, m.step)
         elif isinstance(m, BatchTiming):
             out.timing = (m.given_at, m.startup_s, m.checkpoint_s, m.train_s)
+        elif isinstance(m, LogLine):
+            out.lines.append((m.seq, m.node, m.step, m.at, m.line))
         elif isinstance(m, BatchFinished | BatchPreempted | BatchFailed):
             out.terminals += 1
             out.status = {BatchFinished: "finished", BatchPreempted: "preempted", BatchFailed: "failed"}[type(m)]
@@ -180,6 +184,18 @@ async def test_a_resume_on_another_number_of_ranks_and_the_ranks_of_each_checkpo
     facts = await _settled(adapter)
     assert facts.rescaled == [(1, 5, URI, 1, 2)]
     assert facts.checkpoints == [(1, 9, URI + "-9", "central")] and facts.ranks == [2]
+
+
+async def test_the_trainers_log_lines_reach_the_master_in_order_with_a_failed_attempt_too(adapter: Adapter) -> None:
+    r = adapter.reporter
+    await r.event(INFO, "batch_started", ids())
+    await r.event(INFO, "log_line", ids(seq=0, node=1, step=0, at=1700000000.0, line="loading data"))
+    await r.event(INFO, "log_line", ids(seq=1, node=1, step=3, at=1700000001.5, line="loss diverging: 1e9"))
+    await r.event(INFO, "batch_failed", ids(error="boom", traceback="Traceback ...", oom=False))
+    await r.finish(INFO, AttemptExit("failed", error="boom", traceback="Traceback ..."))
+    facts = await _settled(adapter)
+    assert facts.status == "failed"
+    assert facts.lines == [(0, 1, 0, 1700000000.0, "loading data"), (1, 1, 3, 1700000001.5, "loss diverging: 1e9")]
 
 
 async def test_the_workers_own_failure_keeps_its_error_and_oom_flag(adapter: Adapter) -> None:
