@@ -164,6 +164,21 @@ class EvalResult:
 
 
 @dataclass(frozen=True)
+class TrainerLine:
+    """A line of text a trainer logged (``Trainer.log_text``) in a batch attempt that trained a request:
+    the attempt's ``seq``-th, logged at ``at`` (epoch seconds, the worker's clock) while the batch stood
+    at (node, step)."""
+
+    batch_id: int
+    attempt: int
+    seq: int
+    node: int
+    step: int
+    at: float
+    line: str
+
+
+@dataclass(frozen=True)
 class StudyInfo:
     id: str
     name: str
@@ -883,6 +898,18 @@ class Study:
         )
         r = await self.client.call("GetCurve", req, idempotent=True)
         return [(int(p.step), dict(p.values)) for p in r.points]
+
+    async def logs(self, request_id: int) -> list[TrainerLine]:
+        """The text lines the trainer logged (``self.log_text``) in every batch attempt that trained a
+        request (an ``EvalResult.request_id``), in the order they ran; a batch attempt keeps at most 200
+        lines of at most 1,000 characters (docs/trainers.md)."""
+        r = await self.client.call(
+            "GetRequestLog", pb.GetRequestLogRequest(study_id=self.id, request_id=request_id), idempotent=True
+        )
+        return [
+            TrainerLine(int(x.batch_id), int(x.attempt), int(x.seq), int(x.node), int(x.step), float(x.at), x.line)
+            for x in r.lines
+        ]
 
     async def plan(self, plan_key: str = "") -> dict[str, Any]:
         """The search plan this study uses, in the REST API's JSON shape: ``{"key", "fixed", "nodes": [{"id",

@@ -238,6 +238,26 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
         points = [pb.CurvePoint(node=p.node, step=p.step, values=p.values) for p in c.points]
         return pb.Curve(request_id=c.request_id, node=c.node, step=c.step, total=c.total, points=points)
 
+    async def GetRequestLog(self, request: pb.GetRequestLogRequest, context: Any) -> pb.RequestLog:
+        lines = await self._call(
+            context, lambda who: self.svc.request_log(who, request.study_id, int(request.request_id))
+        )
+        return pb.RequestLog(
+            request_id=request.request_id,
+            lines=[
+                pb.RequestLogLine(
+                    batch_id=ln.batch_id,
+                    attempt=ln.attempt,
+                    seq=ln.seq,
+                    node=ln.node,
+                    step=ln.step,
+                    at=ln.at,
+                    line=ln.line,
+                )
+                for ln in lines
+            ],
+        )
+
     async def ForgetPlan(self, request: pb.ForgetPlanRequest, context: Any) -> pb.ForgetPlanResponse:
         out = await self._call(context, lambda who: self.svc.forget_plan(who, request.study_id, request.plan_key))
         return pb.ForgetPlanResponse(

@@ -1,6 +1,6 @@
 """A trainer's log lines end to end in the embedded mode: real worker processes train the digits MLP, which
 logs a line every other step (``log_text``); the lines travel worker -> node manager -> bus -> aggregator
--> database, and REST shows them with the request they trained, to its owner's token only."""
+-> database, and REST and the SDK (gRPC) show them with the request they trained."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ async def test_a_trainers_lines_reach_the_requests_record(tmp_path: Path) -> Non
                 if len(body["lines"]) >= END // 2:
                     break
                 await asyncio.sleep(0.1)
+            via_sdk = await study.logs(rid)
             wrong_token = await http.get(url, headers={"authorization": "Bearer not-a-token"})
             missing = await http.get(
                 f"/api/v1/studies/no-such-study/requests/{rid}/logs",
@@ -47,3 +48,6 @@ async def test_a_trainers_lines_reach_the_requests_record(tmp_path: Path) -> Non
     assert all(x["line"].startswith(f"step {x['step']} train_loss ") for x in lines)
     assert len({x["batch_id"] for x in lines}) == 1 and all(x["attempt"] == 1 for x in lines)
     assert wrong_token.status_code == 401 and missing.status_code == 404
+    assert [(x.batch_id, x.attempt, x.seq, x.node, x.step, x.at, x.line) for x in via_sdk] == [
+        (x["batch_id"], x["attempt"], x["seq"], x["node"], x["step"], x["at"], x["line"]) for x in lines
+    ]

@@ -1,7 +1,7 @@
 """A trainer's log lines reported on the direct path (a real gRPC ``ReportBatch`` whose ``events`` are the
 bus messages, retried as a node manager retries when it hears no answer), kept once in PostgreSQL, and
-read back with the request over REST: by its owner only (another owner's study does not exist), with its
-path's ids checked."""
+read back with the request over REST and gRPC: by its owner only (another owner's study does not exist),
+with its ids checked."""
 
 from __future__ import annotations
 
@@ -89,3 +89,14 @@ async def test_log_lines_reported_directly_are_kept_once_and_shown_to_the_owner_
     for bad in ("0", "-1", "abc", str(2**63)):
         assert (await asyncio.to_thread(get, f"/studies/{sid}/requests/{bad}/logs", ALICE)).status_code == 422
     assert (await asyncio.to_thread(get, f"/studies/{sid}/requests/{rid}/logs", {})).status_code == 401
+    # the same over gRPC (the SDK's Study.logs)
+    ask = pb.GetRequestLogRequest(study_id=sid, request_id=rid)
+    answer = await stub.GetRequestLog(ask, metadata=bearer(TOKENS["alice"]))
+    assert [(x.seq, x.line, x.at) for x in answer.lines] == [(x["seq"], x["line"], x["at"]) for x in body["lines"]]
+    for who, req, code in [
+        ("bob", ask, grpc.StatusCode.NOT_FOUND),
+        ("alice", pb.GetRequestLogRequest(study_id=sid, request_id=0), grpc.StatusCode.INVALID_ARGUMENT),
+    ]:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.GetRequestLog(req, metadata=bearer(TOKENS[who]))
+        assert err.value.code() == code

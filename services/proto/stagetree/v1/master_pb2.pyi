@@ -523,6 +523,40 @@ class ListNodeManagersResponse(_message.Message):
     node_managers: _containers.RepeatedCompositeFieldContainer[NodeManager]
     def __init__(self, node_managers: _Optional[_Iterable[_Union[NodeManager, _Mapping]]] = ...) -> None: ...
 
+class GetRequestLogRequest(_message.Message):
+    __slots__ = ("study_id", "request_id")
+    STUDY_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    study_id: str
+    request_id: int
+    def __init__(self, study_id: _Optional[str] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class RequestLogLine(_message.Message):
+    __slots__ = ("batch_id", "attempt", "seq", "node", "step", "at", "line")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    attempt: int
+    seq: int
+    node: int
+    step: int
+    at: float
+    line: str
+    def __init__(self, batch_id: _Optional[int] = ..., attempt: _Optional[int] = ..., seq: _Optional[int] = ..., node: _Optional[int] = ..., step: _Optional[int] = ..., at: _Optional[float] = ..., line: _Optional[str] = ...) -> None: ...
+
+class RequestLog(_message.Message):
+    __slots__ = ("request_id", "lines")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LINES_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    lines: _containers.RepeatedCompositeFieldContainer[RequestLogLine]
+    def __init__(self, request_id: _Optional[int] = ..., lines: _Optional[_Iterable[_Union[RequestLogLine, _Mapping]]] = ...) -> None: ...
+
 class GetCurveRequest(_message.Message):
     __slots__ = ("study_id", "request_id", "start", "end", "has_end", "max_points")
     STUDY_ID_FIELD_NUMBER: _ClassVar[int]

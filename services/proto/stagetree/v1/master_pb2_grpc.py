@@ -95,6 +95,11 @@ class MasterServiceStub:
                 request_serializer=stagetree_dot_v1_dot_master__pb2.GetCurveRequest.SerializeToString,
                 response_deserializer=stagetree_dot_v1_dot_master__pb2.Curve.FromString,
                 _registered_method=True)
+        self.GetRequestLog = channel.unary_unary(
+                '/stagetree.v1.MasterService/GetRequestLog',
+                request_serializer=stagetree_dot_v1_dot_master__pb2.GetRequestLogRequest.SerializeToString,
+                response_deserializer=stagetree_dot_v1_dot_master__pb2.RequestLog.FromString,
+                _registered_method=True)
         self.ForgetPlan = channel.unary_unary(
                 '/stagetree.v1.MasterService/ForgetPlan',
                 request_serializer=stagetree_dot_v1_dot_master__pb2.ForgetPlanRequest.SerializeToString,
@@ -204,6 +209,13 @@ class MasterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetRequestLog(self, request, context):
+        """The text lines the trainer logged (Trainer.log_text) in every batch attempt that trained a request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ForgetPlan(self, request, context):
         """Drops a plan's checkpoints and metrics and the finished requests they answered.
         """
@@ -305,6 +317,11 @@ def add_MasterServiceServicer_to_server(servicer, server):
                     servicer.GetCurve,
                     request_deserializer=stagetree_dot_v1_dot_master__pb2.GetCurveRequest.FromString,
                     response_serializer=stagetree_dot_v1_dot_master__pb2.Curve.SerializeToString,
+            ),
+            'GetRequestLog': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRequestLog,
+                    request_deserializer=stagetree_dot_v1_dot_master__pb2.GetRequestLogRequest.FromString,
+                    response_serializer=stagetree_dot_v1_dot_master__pb2.RequestLog.SerializeToString,
             ),
             'ForgetPlan': grpc.unary_unary_rpc_method_handler(
                     servicer.ForgetPlan,
@@ -661,6 +678,33 @@ class MasterService:
             '/stagetree.v1.MasterService/GetCurve',
             stagetree_dot_v1_dot_master__pb2.GetCurveRequest.SerializeToString,
             stagetree_dot_v1_dot_master__pb2.Curve.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRequestLog(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagetree.v1.MasterService/GetRequestLog',
+            stagetree_dot_v1_dot_master__pb2.GetRequestLogRequest.SerializeToString,
+            stagetree_dot_v1_dot_master__pb2.RequestLog.FromString,
             options,
             channel_credentials,
             insecure,
