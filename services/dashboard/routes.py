@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import FastAPI, Query, Request
 from fastapi import Path as PathParam
-from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
 from stagetree.core.text import INT64_MAX
 from stagetree.dashboard import schemas
+from stagetree.dashboard.cache import VersionedCache
 from stagetree.dashboard.cluster import LOG_TAIL_BYTES, MAX_LOG_TAIL_BYTES, ClusterViews
 from stagetree.dashboard.tree import TreeViews
 from stagetree.dashboard.views import DashboardViews
@@ -59,6 +60,7 @@ def add_dashboard_routes(api: FastAPI, master: MasterApp) -> None:
     clusters = ClusterViews(master.service, lambda: master.worker_logs)
     curves = CurveService(master.service)
     activity = ActivityReader(master.store.db)
+    curve_answers: VersionedCache[dict[str, Any]] = VersionedCache()  # see ``cache``
 
     api.mount("/dashboard/static", StaticFiles(directory=STATIC), name="dashboard-static")
 
@@ -104,7 +106,8 @@ def add_dashboard_routes(api: FastAPI, master: MasterApp) -> None:
     def tree(study_id: StudyId, who: Who, plan_key: PlanKey = "") -> Any:
         """The study's plan: each node's span, what was trained of it and its own state, checkpoints and
         how many trials pass through it; and each trial's last node (to find it in the tree)."""
-        return JSONResponse(trees.tree(who, study_id, plan_key))  # large: written as built (its shape is tested)
+        # large (2 MB at 10,000 nodes): written as built and kept encoded (its shape is tested)
+        return Response(trees.tree_json(who, study_id, plan_key), media_type="application/json")
 
     @api.get(
         f"{PREFIX}/dashboard/studies/{{study_id}}/tree/nodes/{{node_id}}",
@@ -136,7 +139,36 @@ def add_dashboard_routes(api: FastAPI, master: MasterApp) -> None:
         answered at]``. Without ``metric``: the step curves' first loss-like metric, or the first
         evaluation metric when there is no step curve. ``metrics`` lists the step metrics when ``metric``
         or ``kind`` is not given, ``eval_metrics`` the evaluation metrics when they were read."""
-        as_of = time.time()
+        as_of = time.time()  # before anything is read: the next call's ``since``
+        if since is None:  # a whole answer: kept while the plan's curves and the study's requests are unchanged
+            st = master.service.get_study(who, study_id)
+            _key, pid = master.service.study_plan(who, study_id, plan_key)
+            version = (
+                len(master.service.plans.refresh(pid).nodes),
+                activity.curve_version(pid),
+                activity.request_version(st.id),
+            )
+            got = curve_answers.get(
+                (st.id, plan_key, metric, kind, max_points, times),
+                version,
+                lambda: read_curves(who, study_id, metric, kind, max_points, None, times, plan_key),
+            )
+        else:
+            got = read_curves(who, study_id, metric, kind, max_points, since, times, plan_key)
+        # large (20,000 points by default): written as built, its shape tested against the spec, where
+        # validating it through the response model cost several times the encoding (tests/bench/dashboard)
+        return JSONResponse({**got, "as_of": as_of if got["kind"] is not None else None})
+
+    def read_curves(
+        who: Principal,
+        study_id: str,
+        metric: str | None,
+        kind: str | None,
+        max_points: int,
+        since: float | None,
+        times: bool,
+        plan_key: str,
+    ) -> dict[str, Any]:
         names = curves.metric_names(who, study_id, plan_key) if metric is None or kind is None else []
         evals: list[str] = []  # listed when they are read anyway (the study page has them already)
         if kind is None:
@@ -153,9 +185,9 @@ def add_dashboard_routes(api: FastAPI, master: MasterApp) -> None:
                 kind = "step"
         if kind == "eval" and not evals:
             evals = views.eval_metrics(who, study_id)
-        out: dict[str, Any] = {"as_of": as_of, "metric": metric, "kind": kind, "metrics": names, "eval_metrics": evals}
+        out: dict[str, Any] = {"metric": metric, "kind": kind, "metrics": names, "eval_metrics": evals}
         if metric is None:
-            return {**out, "as_of": None, "kind": None}
+            return {**out, "kind": None}
         if kind == "eval":
             return {**out, "trials": views.eval_curves(who, study_id, metric)}
         got = curves.plan_curves(who, study_id, plan_key, max_points, since=since, metric=metric, timed=times)
@@ -171,9 +203,7 @@ def add_dashboard_routes(api: FastAPI, master: MasterApp) -> None:
             for c in got
             if c.series or since is None
         ]
-        # large (20,000 points by default): written as built, its shape tested against the spec, where
-        # validating it through the response model cost several times the encoding (tests/bench/dashboard)
-        return JSONResponse(out)
+        return out
 
     @api.get(
         f"{PREFIX}/dashboard/studies/{{study_id}}/batches/{{batch_id}}/log",
@@ -277,7 +307,7 @@ class _Scope:
         self.master = master
         self.activity = activity
         self.study_id = study_id
-        self.requests = activity.request_fingerprint(study_id)
+        self.requests = activity.request_version(study_id)
         self.plans = master.store.plans.study_plan_ids(study_id)
         self.curve_at = activity.latest_curve_time()  # the writers' clock, not this host's
         # whether the page that opens the stream has every point: None when it did not say what it read
@@ -297,7 +327,7 @@ class _Scope:
         """Of the events that ``fired``, those that changed this study."""
         out = []
         if "counts" in fired:
-            now = self.activity.request_fingerprint(self.study_id)
+            now = self.activity.request_version(self.study_id)
             if now != self.requests:
                 self.requests = now
                 self.plans = self.master.store.plans.study_plan_ids(self.study_id)  # a new fixed part: a new plan

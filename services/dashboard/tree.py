@@ -12,6 +12,7 @@ second); a node's schedule, checkpoints, evaluations and trials come with ``node
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from stagetree.core.errors import NotFound
 from stagetree.core.failures import parse_failure
 from stagetree.core.lifecycle import RequestState
 from stagetree.core.searchplan import SearchPlan
+from stagetree.dashboard.cache import VersionedCache
 from stagetree.dashboard.cluster import occupancy
 from stagetree.dashboard.views import Trial, _metrics_json, group_trials, schedule_text, trial_state
 from stagetree.master.auth import Principal
@@ -136,21 +138,45 @@ class TreeViews:
         self.svc = service
         self.store = service.store
         self.activity = ActivityReader(service.store.db)
+        self.trees: VersionedCache[bytes] = VersionedCache(size=16)  # (study, plan key) -> ``tree`` as JSON
+
+    def _running(self, plan_id: int) -> list[RunningBatch]:
+        """The plan's batches that occupy a slot."""
+        occupants = [occ for occ, _ahead in occupancy(self.activity.running_batches()).values()]
+        return list({b.batch_id: b for b in occupants if b.plan_id == plan_id}.values())
 
     def _read(
-        self, who: Principal, study_id: str, plan_key: str
+        self, who: Principal, study_id: str, plan_key: str, running: list[RunningBatch] | None = None
     ) -> tuple[str, int, SearchPlan, list[RequestRecord], dict[int, NodeFacts], Any]:
         key, pid = self.svc.study_plan(who, study_id, plan_key)  # the caller's study, or NotFound
         plan = self.svc.plans.refresh(pid)
         reqs = [r for r in self.activity.request_heads(study_id) if r.plan_id == pid]
         _counts, ckpts, mets = self.store.plans.plan_state(pid)
-        occupants = [occ for occ, _ahead in occupancy(self.activity.running_batches()).values()]
-        running = list({b.batch_id: b for b in occupants if b.plan_id == pid}.values())
-        facts = node_facts(plan, reqs, mets, ckpts, running)
+        facts = node_facts(plan, reqs, mets, ckpts, self._running(pid) if running is None else running)
         return key, pid, plan, reqs, facts, (ckpts, mets)
 
-    def tree(self, who: Principal, study_id: str, plan_key: str = "") -> dict[str, Any]:
-        key, _pid, plan, reqs, facts, (ckpts, mets) = self._read(who, study_id, plan_key)
+    def tree_json(self, who: Principal, study_id: str, plan_key: str = "") -> bytes:
+        """``tree`` as JSON, built again only when the study's requests, the plan's nodes, checkpoints,
+        evaluations or path changes changed, and never kept while a batch of the plan runs (its
+        progress is on the tree): see ``cache``. 10,000 nodes take most of a second to read and build."""
+        key, pid = self.svc.study_plan(who, study_id, plan_key)  # the caller's study, or NotFound
+        version = (
+            len(self.svc.plans.refresh(pid).nodes),
+            self.activity.request_version(study_id),
+            self.activity.plan_marks_version(pid),
+        )
+        running = self._running(pid)
+        return self.trees.get(
+            (study_id, key),
+            version,
+            lambda: json.dumps(self.tree(who, study_id, key, running), separators=(",", ":")).encode(),
+            cacheable=not running,
+        )
+
+    def tree(
+        self, who: Principal, study_id: str, plan_key: str = "", running: list[RunningBatch] | None = None
+    ) -> dict[str, Any]:
+        key, _pid, plan, reqs, facts, (ckpts, mets) = self._read(who, study_id, plan_key, running)
         changes = self.store.paths.of_nodes(list(plan.nodes))
         through: dict[int, set[str]] = defaultdict(set)
         trials = []

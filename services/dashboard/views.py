@@ -31,11 +31,12 @@ from stagetree.core.searchplan import SearchPlan
 from stagetree.core.seqforms import to_text
 from stagetree.core.sequences import Segments, boundaries, value_at
 from stagetree.core.text import check_id
+from stagetree.dashboard.cache import VersionedCache
 from stagetree.master.auth import Principal
 from stagetree.master.curves import CurveService
 from stagetree.master.service import MasterService
 from stagetree.master.store.activity import ActivityReader
-from stagetree.master.store.records import RequestRecord
+from stagetree.master.store.records import RequestRecord, StudyRecord
 
 SCHEDULE_SAMPLES = 240  # points of each hyper-parameter's schedule plot
 TRIAL_CURVE_POINTS = 4000
@@ -170,6 +171,10 @@ class DashboardViews:
         self.store = service.store
         self.activity = ActivityReader(service.store.db)
         self.curves = CurveService(service)
+        # per study, built from its requests alone and kept while they are unchanged (``cache``): the
+        # study page but its stats, and the studies list's row but its stats and times
+        self.pages: VersionedCache[dict[str, Any]] = VersionedCache()
+        self.rows: VersionedCache[dict[str, Any]] = VersionedCache(size=1024)
 
     # -- studies --------------------------------------------------------------------------------------
 
@@ -179,28 +184,23 @@ class DashboardViews:
         now = time.time()
         out = []
         for st in studies:
-            reqs = self.svc.get_requests(who, st.id, None)
+            version = self.activity.request_version(st.id)
+            row = self.rows.get(st.id, version, functools.partial(self._study_row, who, st.id))
             stats = self.svc.study_stats(who, st.id)
-            counts = Counter(str(r.state) for r in reqs)
-            state = study_state(counts)
+            state = row["state"]
             t = times.get(st.id)
             first = t.first_request_at if t is not None else None
             end = now if state in ("running", "waiting") else (t.last_done_at if t is not None else None)
-            trials = group_trials(reqs)
             out.append(
                 {
                     "id": st.id,
                     "name": st.name,
                     "owner": st.owner,
                     "created_at": st.created_at,
-                    "state": state,
                     "first_request_at": first,
                     "last_done_at": t.last_done_at if t is not None else None,
                     "duration_s": None if first is None or end is None else round(max(0.0, end - first), 1),
-                    "counts": {s.value: counts.get(s.value, 0) for s in RequestState},
-                    "trials": len(trials),
-                    "trial_counts": dict(Counter(str(trial_state(tr.rungs)) for tr in trials)),
-                    "best": best_of(trials),
+                    **row,
                     "merge_rate": round(stats.merge_rate, 3),
                     "steps_executed": stats.steps_executed,
                     "saved_steps": stats.saved_steps,
@@ -208,6 +208,19 @@ class DashboardViews:
                 }
             )
         return out
+
+    def _study_row(self, who: Principal, study_id: str) -> dict[str, Any]:
+        """What the studies list shows of a study's requests."""
+        reqs = self.svc.get_requests(who, study_id, None)
+        counts = Counter(str(r.state) for r in reqs)
+        trials = group_trials(reqs)
+        return {
+            "state": study_state(counts),
+            "counts": {s.value: counts.get(s.value, 0) for s in RequestState},
+            "trials": len(trials),
+            "trial_counts": dict(Counter(str(trial_state(tr.rungs)) for tr in trials)),
+            "best": best_of(trials),
+        }
 
     # -- one study ------------------------------------------------------------------------------------
 
@@ -221,9 +234,15 @@ class DashboardViews:
         return configs, plans
 
     def study(self, who: Principal, study_id: str) -> dict[str, Any]:
+        """The study page: its trials and what they tell, built again only when its requests changed
+        (``cache``), and its sharing stats (read each time: an attempt's end moves them)."""
         st = self.svc.get_study(who, study_id)
-        reqs = self.svc.get_requests(who, study_id, None)
-        stats = self.svc.study_stats(who, study_id)
+        version = self.activity.request_version(st.id)
+        page = self.pages.get(st.id, version, lambda: self._study_page(who, st))
+        return {**page, "stats": self.svc.study_stats(who, st.id).to_json()}
+
+    def _study_page(self, who: Principal, st: StudyRecord) -> dict[str, Any]:
+        reqs = self.svc.get_requests(who, st.id, None)
         times = self.activity.request_times(st.id)
         configs, _ = self._configs(reqs)
         trials = group_trials(reqs)
@@ -268,7 +287,6 @@ class DashboardViews:
         return {
             "study": {"id": st.id, "name": st.name, "owner": st.owner, "created_at": st.created_at},
             "state": study_state(counts),
-            "stats": stats.to_json(),
             "counts": dict(counts),
             "trial_counts": dict(Counter(row["state"] for row in rows)),
             "metrics": metrics,

@@ -20,7 +20,11 @@ headless Chromium.
   evaluation curves, parallel coordinates and the trials table; tree: the tree; trial: its curve,
   schedule and rungs), median of ``--runs``. The tree is that of a second study of ``--tree-trials``
   trials in the same shape (another seed, so another plan; evaluations, no curves):
-  ``tree_nodes`` is how many nodes the page holds.
+  ``tree_nodes`` is how many nodes the page holds. The first run of each page reads the database; the
+  later ones find the server's answers kept (``dashboard.cache``: the studies are finished, so their
+  versions do not move), as a researcher going back and forth between the pages does (every run's
+  figure is in ``runs`` of the results file). The parallel coordinates draw their 2,000 lines 400 a
+  frame after their first (progressive): "drawn" is their first frame.
 * ``live_update_ms``: with the study page open, one new curve point is published on the bus; the time
   until the page has drawn it (the aggregator stores it and wakes ``curves``, the server-sent event
   reaches the page, which fetches the new points and redraws), median of ``--runs``.

@@ -17,18 +17,19 @@ const PAGE = 50; // table rows per page
 const PER_SERIES_LIMIT = 60;
 const SLICES = 4; // slice plots of the most important choices
 const CONTOUR_GRID = 28; // cells a side of the contour's interpolated surface
+// a scatter of more points than this is drawn in bulk, as one path (no element per point): at 2,000
+// trials, a symbol element per point made the slices, contour and history take most of the page's
+// drawing time (tests/bench/dashboard's study_page_ms)
+const BULK = { large: true, largeThreshold: 500 };
+// parallel coordinates of more lines than this draw them a frame at a time, after the rest of the page
+// (at 2,000 trials, all at once held the page's first paint by a quarter of a second)
+const PROGRESSIVE = { progressive: 400, progressiveThreshold: 800 };
 
 export async function renderStudy(main, studyId, gen) {
   const id = encodeURIComponent(studyId);
   // the trials and a first curve at once (without a metric, the server picks a loss-like step metric);
-  // the evaluation curves of the metric the page will most likely show are asked for as soon as the
-  // trials say which (the step curves take longest), and used if the page picks that metric
-  const dataP = api(`/dashboard/studies/${id}`);
-  let prefetched = dataP.then((d) => {
-    const m = (d.best && d.best.metric) || [...(d.metrics || [])].sort()[0];
-    return m ? api(`/dashboard/studies/${id}/curves?kind=eval&metric=${encodeURIComponent(m)}`).then((got) => ({ m, got })) : null;
-  }).catch(() => null);
-  let [data, first] = await Promise.all([dataP, api(`/dashboard/studies/${id}/curves`)]);
+  // the evaluation curves are the trials' rungs, so they come with the trials (no request of their own)
+  let [data, first] = await Promise.all([api(`/dashboard/studies/${id}`), api(`/dashboard/studies/${id}/curves`)]);
   const state = {
     metric: null, evalMetric: null, pcMetric: null, x: "step", log: false, robust: true, smooth: 0,
     sort: "started_at", asc: true, filter: "", stateFilter: "", page: 0, hover: null,
@@ -269,15 +270,16 @@ export async function renderStudy(main, studyId, gen) {
   charts.curves.on("globalout", () => { if (state.hover !== null) { state.hover = null; drawCurves(); drawEval(); } });
 
   // -- evaluation metrics at their steps -----------------------------------------------------------
-  async function loadEval() {
-    if (!state.evalMetric) { drawEval(); return; }
-    const early = prefetched && (await prefetched);
-    prefetched = null; // once: later loads (a new result, another metric) ask again
-    const got = early && early.m === state.evalMetric ? early.got
-      : await api(`/dashboard/studies/${id}/curves?kind=eval&metric=${encodeURIComponent(state.evalMetric)}`);
-    if (!alive(gen)) return;
-    if (got.eval_metrics) curves.evalNames = got.eval_metrics;
-    evals.trials = got.trials || [];
+  // each trial's finished rungs with the metric as [step, value, when answered]: what the API's
+  // curves?kind=eval answers, read from the trials the page holds
+  function loadEval() {
+    const m = state.evalMetric;
+    evals.trials = [];
+    if (m) for (const t of data.trials) {
+      const points = [];
+      for (const r of t.rungs) if (r.state === "DONE" && typeof r.metrics[m] === "number") points.push([r.step, r.metrics[m], r.done_at]);
+      if (points.length) evals.trials.push({ key: t.key, node: t.node, state: t.state, points });
+    }
     drawEval();
   }
 
@@ -299,14 +301,18 @@ export async function renderStudy(main, studyId, gen) {
           emphasis: { focus: "series", lineStyle: { width: 3 } }, animation: false, clip: true };
       });
     } else {
-      const d = [];
+      // one line series (a gap between trials) and the rungs as one scatter drawn in bulk: a symbol
+      // element per rung made this chart the slowest of the page at 2,000 trials (tests/bench/dashboard)
+      const d = [], dots = [];
       evalIndex = [];
       for (const t of trials) {
-        for (const p of t.points) { d.push([x(p), p[1]]); values.push(p[1]); evalIndex.push(t.key); points += 1; }
-        d.push([null, null]); evalIndex.push(null);
+        for (const p of t.points) { const xy = [x(p), p[1]]; d.push(xy); dots.push(xy); values.push(p[1]); evalIndex.push(t.key); points += 1; }
+        d.push([null, null]);
       }
-      series = [{ id: "all", name: `${trials.length} trials`, type: "line", data: d, connectNulls: false, showSymbol: true, symbolSize: 4,
-        lineStyle: { width: 0.8, opacity: 0.45 }, itemStyle: { opacity: 0.7 }, animation: false, clip: true }];
+      series = [{ id: "all", name: `${trials.length} trials`, type: "line", data: d, connectNulls: false, showSymbol: false,
+        lineStyle: { width: 0.8, opacity: 0.45 }, animation: false, clip: true, silent: true },
+      { id: "dots", name: `${trials.length} trials`, type: "scatter", data: dots, symbolSize: 4, large: true, largeThreshold: 500,
+        itemStyle: { color: PALETTE[0], opacity: 0.7 }, animation: false, clip: true }];
     }
     const hover = state.hover !== null && evals.trials.find((t) => t.key === state.hover);
     if (hover) series.push({ id: "hover", name: `${hover.key} (highlighted)`, type: "line", data: hover.points.map((p) => [x(p), p[1]]), z: 10,
@@ -319,7 +325,7 @@ export async function renderStudy(main, studyId, gen) {
       legend: { show: true, type: "scroll", top: 0, left: 0, right: 10, textStyle: { fontSize: 11 } },
       grid: { left: 60, right: 20, top: 44, bottom: 40 },
       tooltip: { trigger: "item", formatter: (p) => {
-        const name = p.seriesId === "all" && evalIndex ? evalIndex[p.dataIndex] : p.seriesName;
+        const name = p.seriesId === "dots" && evalIndex ? evalIndex[p.dataIndex] : p.seriesName;
         return `${esc(name)}<br>${state.x === "time" ? new Date(p.value[0]).toLocaleTimeString() : `step ${p.value[0]}`}: ${fmt(p.value[1])}`;
       } },
       xAxis: xAxis(), yAxis: y,
@@ -334,14 +340,14 @@ export async function renderStudy(main, studyId, gen) {
     el.dataset.points = String(points);
     el.dataset.ready = "1";
   }
-  let evalIndex = null; // in one-series mode: the trial of each point
+  let evalIndex = null; // in one-series mode: the trial of each rung drawn
   charts["eval-curves"].on("mouseover", (e) => {
-    const key = e.seriesId === "all" && evalIndex ? evalIndex[e.dataIndex] : e.seriesId && e.seriesId.startsWith("t:") ? e.seriesId.slice(2) : null;
+    const key = e.seriesId === "dots" && evalIndex ? evalIndex[e.dataIndex] : e.seriesId && e.seriesId.startsWith("t:") ? e.seriesId.slice(2) : null;
     if (key && state.hover !== key) { state.hover = key; drawCurves(); drawEval(); }
   });
   charts["eval-curves"].on("globalout", () => { if (state.hover !== null) { state.hover = null; drawCurves(); drawEval(); } });
   charts["eval-curves"].on("click", (e) => {
-    const key = e.seriesId === "all" && evalIndex ? evalIndex[e.dataIndex] : e.seriesId && e.seriesId.startsWith("t:") ? e.seriesId.slice(2) : null;
+    const key = e.seriesId === "dots" && evalIndex ? evalIndex[e.dataIndex] : e.seriesId && e.seriesId.startsWith("t:") ? e.seriesId.slice(2) : null;
     const t = key && data.trials.find((x) => x.key === key);
     if (t) location.hash = trialHref(studyId, t);
   });
@@ -471,7 +477,7 @@ export async function renderStudy(main, studyId, gen) {
         inRange: { color: colors } } : undefined,
       tooltip: { trigger: "item" },
       series: [
-        { name: `${scored.length} with ${m}`, type: "parallel", lineStyle: { width: 1, opacity: 0.55 }, progressive: 2000, data: scored.map(row) },
+        { name: `${scored.length} with ${m}`, type: "parallel", lineStyle: { width: 1, opacity: 0.55 }, ...PROGRESSIVE, data: scored.map(row) },
         { name: `${unscored.length} without (failed, cancelled, unfinished)`, type: "parallel", lineStyle: { width: 1, opacity: 0.6, type: "dashed", color: WORD_COLOR.failed },
           data: unscored.map(row) },
       ],
@@ -498,7 +504,7 @@ export async function renderStudy(main, studyId, gen) {
       xAxis: top.map((f, i) => (numeric[f] ? { gridIndex: i, type: "value", scale: true } : { gridIndex: i, type: "category", data: cats[f] })),
       yAxis: top.map((f, i) => ({ gridIndex: i, type: "value", scale: true, name: i === 0 ? metricLabel(m, "eval") : "" })),
       tooltip: { trigger: "item", formatter: (p) => `${esc(p.data[2])}: ${fmt(p.data[1])}` },
-      series: top.map((f, i) => ({ type: "scatter", xAxisIndex: i, yAxisIndex: i, symbolSize: 6, itemStyle: { color: "#2f6fde", opacity: 0.7 },
+      series: top.map((f, i) => ({ type: "scatter", xAxisIndex: i, yAxisIndex: i, symbolSize: 6, itemStyle: { color: "#2f6fde", opacity: 0.7 }, ...BULK,
         data: scored.filter((t) => f in t.features).map((t) => [numeric[f] ? t.features[f] : String(t.features[f]), metricOf(t, m), t.key]) })),
     }, { notMerge: true });
 
@@ -520,7 +526,7 @@ export async function renderStudy(main, studyId, gen) {
       tooltip: { trigger: "item", formatter: (p) => (p.data[2] ? `${esc(p.data[2])}: ${fmt(p.data[1])}` : `best so far: ${fmt(p.data[1])}`) },
       xAxis: { type: "value", name: "trial (in the order they began)", nameLocation: "middle", nameGap: 26, min: 1 },
       yAxis: { type: "value", scale: true, name: metricLabel(m, "eval") },
-      series: [{ name: "trial", type: "scatter", symbolSize: 5, data: pts, itemStyle: { color: "#2f6fde", opacity: 0.6 } },
+      series: [{ name: "trial", type: "scatter", symbolSize: 5, data: pts, itemStyle: { color: "#2f6fde", opacity: 0.6 }, ...BULK },
         { name: "best so far", type: "line", step: "end", showSymbol: false, data: line, lineStyle: { color: "#2fa36b", width: 2 } }],
     }, { notMerge: true });
   }
@@ -566,7 +572,7 @@ export async function renderStudy(main, studyId, gen) {
       visualMap: { type: "continuous", min: lo, max: hi === lo ? lo + 1e-9 : hi, dimension: 2, seriesIndex: [0, 1], right: 0, top: 10, calculable: true,
         precision: 4, formatter: tick, text: [mode === "max" ? "better" : "worse", ""], inRange: { color: colors } },
       series: [{ type: "heatmap", data: cells, itemStyle: { opacity: 0.75 } },
-        { type: "scatter", xAxisIndex: 1, yAxisIndex: 1, data: pts, symbolSize: 7, itemStyle: { borderColor: "#1f2933", borderWidth: 1 } }],
+        { type: "scatter", xAxisIndex: 1, yAxisIndex: 1, data: pts, symbolSize: 7, itemStyle: { borderColor: "#1f2933", borderWidth: 1 }, ...BULK }],
     }, { notMerge: true });
     document.getElementById("contour-info").textContent = `${metricLabel(m, "eval")} over ${fx} and ${fy}, ${pts.length} trials`;
     el.dataset.ready = "1";
@@ -594,7 +600,7 @@ export async function renderStudy(main, studyId, gen) {
     document.getElementById("pc-metric").innerHTML = opts(ev, state.pcMetric, "eval") || `<option value="">none</option>`;
   }
   document.getElementById("metric").addEventListener("change", async (e) => { state.metric = e.target.value; await loadCurves(false); });
-  document.getElementById("eval-metric").addEventListener("change", async (e) => { state.evalMetric = e.target.value; drawTrials(); await loadEval(); });
+  document.getElementById("eval-metric").addEventListener("change", (e) => { state.evalMetric = e.target.value; drawTrials(); loadEval(); });
   document.getElementById("pc-metric").addEventListener("change", (e) => { state.pcMetric = e.target.value; drawChoices(); });
   document.getElementById("x-axis").addEventListener("change", async (e) => { state.x = e.target.value; await loadCurves(false); drawEval(); });
   document.getElementById("robust").addEventListener("change", (e) => { state.robust = e.target.checked; drawCurves(); drawEval(); });
@@ -605,8 +611,7 @@ export async function renderStudy(main, studyId, gen) {
   if (first.kind === "step") { state.metric = first.metric; applyCurves(first, false); }
   else { applyCurves(first, false); if (first.kind === "eval") state.evalMetric = first.metric; }
   fillMetrics();
-  if (first.kind === "eval") { evals.trials = first.trials; drawEval(); } else await loadEval();
-  if (!alive(gen)) return null;
+  loadEval();
   if (first.kind !== "step") drawCurves();
   drawTrials();
   drawChoices();
@@ -618,7 +623,7 @@ export async function renderStudy(main, studyId, gen) {
     rebuilds();
     fillMetrics();
     drawHeader(); drawTrials(); drawChoices();
-    await loadEval();
+    loadEval();
     if (!state.metric) { const c = await api(`/dashboard/studies/${id}/curves`); if (alive(gen) && c.kind === "step") { state.metric = c.metric; applyCurves(c, false); } }
   }, 500);
   const moreCurves = throttle(async () => { if (await loadCurves(true)) rebuilds(); }, 100);

@@ -4,8 +4,9 @@
   a batch sent to a busy slot ahead of time has not) and how far its nodes' curves have got;
 - the requests each batch carries (which study and trial a slot works for);
 - attempt intervals over a time window (the slots' utilisation history) and a batch's attempts;
-- a study's request times (its duration, a trial's rung times) and the cheap fingerprints the event
-  stream compares to tell whether a study changed.
+- a study's request times (its duration, a trial's rung times) and the cheap versions that the event
+  stream and the dashboard's caches compare to tell whether a study's requests, a plan's curves or its
+  checkpoints and evaluations changed.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy import and_, func, or_, select
 
@@ -220,17 +222,68 @@ class ActivityReader:
             stmt = select(m.Request.id, m.Request.created_at, m.Request.done_at).where(m.Request.study_id == study_id)
             return {int(r): (float(c), _f(d)) for r, c, d in s.execute(stmt)}
 
-    def request_fingerprint(self, study_id: str) -> tuple[tuple[str, int], ...]:
-        """What changes whenever a request of the study changes state: its requests counted by state
-        (a request moves between states; none is ever deleted but with its study)."""
-        with self.db.tx("request fingerprint") as s:
+    def request_version(self, study_id: str) -> tuple[tuple[Any, ...], ...]:
+        """What changes whenever a request of the study changes (the dashboard's caches and the event
+        stream compare it): per state, how many, the latest id, batch and finish time, the failed
+        attempts counted and the errors set. Each change a request can go through moves one of these:
+        a new one (the count, the id), a dispatch (a later batch: batch ids only grow), an answer,
+        failure or cancellation (the count, a finish time), a requeue (the counts), an error said later
+        (the errors), a forgotten plan (the counts). A few milliseconds for 10,000 requests."""
+        r = m.Request
+        with self.db.tx("request version") as s:
             stmt = (
-                select(m.Request.state, func.count())
-                .where(m.Request.study_id == study_id)
-                .group_by(m.Request.state)
-                .order_by(m.Request.state)
+                select(
+                    r.state,
+                    func.count(),
+                    func.max(r.id),
+                    func.max(r.batch_id),
+                    func.max(r.done_at),
+                    func.sum(r.failures),
+                    func.count(r.error),
+                    func.sum(func.length(r.error)),
+                )
+                .where(r.study_id == study_id)
+                .group_by(r.state)
+                .order_by(r.state)
             )
-            return tuple((str(st), int(n)) for st, n in s.execute(stmt))
+            return tuple(tuple(row) for row in s.execute(stmt))
+
+    def curve_version(self, plan_id: int) -> tuple[int, float | None]:
+        """What changes whenever the plan's curve points change: how many there are and when the latest
+        was recorded (a point is never rewritten: the first value at a point wins; points go only with
+        what a forgotten plan computed, which the count shows)."""
+        c = m.CurvePointRow
+        with self.db.tx("curve version") as s:
+            n, latest = s.execute(
+                select(func.count(), func.max(c.recorded_at))
+                .select_from(c)
+                .join(m.Node, m.Node.id == c.node_id)
+                .where(m.Node.plan_id == plan_id)
+            ).one()
+            return int(n or 0), _f(latest)
+
+    def plan_marks_version(self, plan_id: int) -> tuple[Any, ...]:
+        """What changes whenever the plan's checkpoints, evaluations or path changes do (what a stage tree
+        marks on its nodes): how many of each, and the checkpoints' steps and nodes summed (a checkpoint
+        deleted and another saved between two reads still moves them)."""
+        n = m.Node
+        with self.db.tx("plan marks version") as s:
+            ck = s.execute(
+                select(func.count(), func.sum(m.Checkpoint.step), func.sum(m.Checkpoint.node_id))
+                .select_from(m.Checkpoint)
+                .join(n, n.id == m.Checkpoint.node_id)
+                .where(n.plan_id == plan_id)
+            ).one()
+            mets = s.scalar(
+                select(func.count()).select_from(m.Metric).join(n, n.id == m.Metric.node_id).where(n.plan_id == plan_id)
+            )
+            paths = s.scalar(
+                select(func.count())
+                .select_from(m.PathChange)
+                .join(n, n.id == m.PathChange.node_id)
+                .where(n.plan_id == plan_id)
+            )
+            return (*tuple(ck), int(mets or 0), int(paths or 0))
 
     def latest_curve_time(self) -> float:
         """When the latest curve point of all was recorded (0 without any), by the clock of whoever wrote

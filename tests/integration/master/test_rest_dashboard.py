@@ -86,7 +86,7 @@ def _study(http: httpx.Client, app: MasterApp) -> dict[str, Any]:
     app.service.report_batch(ROOT_ADMIN, attempt_report(ok.id, 1, True, metrics))
     error = f"ValueError: boom\n{TRACEBACK}\n{log_note(f'/srv/nm/logs/batch-{bad.id}-a1.log', nm)}"
     app.service.report_batch(ROOT_ADMIN, attempt_report(bad.id, 1, False, error=error, user_error=True))
-    return {"sid": sid, "reqs": reqs, "nm": nm, "ok": ok.id, "bad": bad.id, "pid": pid}
+    return {"sid": sid, "reqs": reqs, "nm": nm, "ok": ok.id, "bad": bad.id, "pid": pid, "fixed": fx}
 
 
 def test_pages_read_trials_their_rungs_and_a_failure_with_its_traceback(http: httpx.Client, app: MasterApp) -> None:
@@ -324,3 +324,71 @@ def test_a_stream_opened_after_the_page_read_its_curves_announces_the_points_in_
     finally:
         late.close()
         current.close()
+
+
+def test_the_pages_kept_between_reads_follow_every_change(http: httpx.Client, app: MasterApp) -> None:
+    """The study page, the stage tree and the curves are kept while what they were built from is unchanged
+    (``dashboard.cache``): a read after each kind of change shows it."""
+    s = _study(http, app)
+    sid, reqs, pid = s["sid"], s["reqs"], s["pid"]
+
+    def read() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
+        page = http.get(f"/dashboard/studies/{sid}", headers=ALICE).json()
+        tree = http.get(f"/dashboard/studies/{sid}/tree", headers=ALICE).json()
+        curves = http.get(f"/dashboard/studies/{sid}/curves", headers=ALICE).json()
+        (row,) = [x for x in http.get("/dashboard/studies", headers=ALICE).json() if x["id"] == sid]
+        return page, tree, curves, row
+
+    page, tree, curves, row = read()
+    again = read()
+    assert again[0] == page and again[1] == tree and again[3] == row
+    assert {k: v for k, v in again[2].items() if k != "as_of"} == {k: v for k, v in curves.items() if k != "as_of"}
+
+    # a curve point: in the curves
+    node = reqs[2]["node"]
+    app.store.curves.record([(node, END, {"train_loss": 0.25})])
+    _, _, curves, _ = read()
+    assert [END, 0.25] in next(n for n in curves["nodes"] if n["node"] == node)["points"]
+
+    # a new trial: on the page, in the list, in the tree; then answered, with its metrics
+    fx = s["fixed"]
+    (new,) = http.post(
+        f"/studies/{sid}/requests", json={"items": [_item("e", 0.9, END, "trial-3", fx)]}, headers=ALICE
+    ).json()
+    page, tree, _, row = read()
+    assert page["trials"][-1]["key"] == "trial-3" and page["trials"][-1]["state"] == "NOT_SCHED"
+    assert row["trials"] == 4 and {t["key"] for t in tree["trials"]} >= {"trial-3"}
+    batch = app.store.ledger.dispatch(pid, lambda b, a: _spec(app, pid, [new]), [new["request_id"]], s["nm"], "slot0")
+    assert batch is not None
+    assert read()[0]["trials"][-1]["state"] == "SCHED"
+    app.service.report_batch(
+        ROOT_ADMIN, attempt_report(batch.id, 1, True, [MetricPoint(new["node"], END, {"accuracy": 0.99})])
+    )
+    page, tree, _, row = read()
+    assert page["trials"][-1]["metrics"] == {"accuracy": 0.99} and page["best"]["trial"] == "trial-3"
+    assert row["best"]["trial"] == "trial-3"
+    assert {t["key"]: t["state"] for t in tree["trials"]}["trial-3"] == "DONE"
+
+    # a checkpoint: on its node in the tree
+    app.store.checkpoints.record_checkpoint(node, END, "file:///ck", 10, "full")
+    tree = read()[1]
+    assert END in next(n for n in tree["nodes"] if n["id"] == node)["checkpoints"]
+
+
+def test_an_unchanged_study_is_not_built_again(app: MasterApp, http: httpx.Client) -> None:
+    from stagetree.dashboard.tree import TreeViews
+    from stagetree.dashboard.views import DashboardViews
+
+    s = _study(http, app)
+    alice = Principal("alice")
+    views, trees = DashboardViews(app.service), TreeViews(app.service)
+    first, tree = views.study(alice, s["sid"]), trees.tree_json(alice, s["sid"])
+    assert views.study(alice, s["sid"]) == first and trees.tree_json(alice, s["sid"]) == tree
+    assert (views.pages.builds, trees.trees.builds) == (1, 1)
+    app.service.cancel(alice, s["sid"], s["reqs"][3]["request_id"])  # finished already: nothing changes
+    views.study(alice, s["sid"])
+    assert views.pages.builds == 1
+    fx = s["fixed"]
+    http.post(f"/studies/{s['sid']}/requests", json={"items": [_item("e", 0.9, END, "t", fx)]}, headers=ALICE)
+    assert len(views.study(alice, s["sid"])["trials"]) == 4 and views.pages.builds == 2
+    assert json.loads(trees.tree_json(alice, s["sid"]))["trials"][-1]["key"] == "t" and trees.trees.builds == 2
