@@ -74,6 +74,9 @@ class EmbeddedSettings:
     # STAGETREE_NM_WORKER_PRELOAD's; e.g. ("sklearn", "pandas") when the trainer imports them
     worker_preload: tuple[str, ...] = ()
     worker_reuse: bool = True  # a worker runs batch after batch (docs/trainers.md, "warm workers")
+    # the fork server is a fork of this process, taken at start where that is safe (one thread, no gRPC
+    # or CUDA running yet): it then holds what the script imported, torch and the trainer's modules
+    fork_workers_from_script: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "home", Path(self.home))  # a str is fine too
@@ -101,6 +104,7 @@ class EmbeddedSettings:
             progress=self.progress,
             worker_preload=self.worker_preload,
             worker_reuse=self.worker_reuse,
+            fork_workers_from_script=self.fork_workers_from_script,
         )
 
 
@@ -132,6 +136,7 @@ class Embedded:
         self.node_manager: Any = None
         self.bus: Any = None
         self._home_lock: HomeLock | None = None
+        self.worker_fork = "none"  # where the workers' fork server came from: "script", "fresh" or "none"
 
     @property
     def token(self) -> str:
@@ -155,13 +160,12 @@ class Embedded:
         from stagetree.nodemanager.app import build_node_manager
         from stagetree.nodemanager.runtime.userpath import trainer_import_problem
         from stagetree.nodemanager.settings import NodeManagerSettings
-        from stagetree.nodemanager.workers import ensure_fork_server
+        from stagetree.nodemanager.workers import ensure_fork_server, fork_this_process
 
         s = self.settings
         t0 = time.monotonic()
         slots = f"{s.workers} CPU worker slots unless it finds GPUs"
         self._say(f"starting an embedded stagetree in {s.home} (a master and a node manager with {slots}) ...")
-        self._home_lock = HomeLock.acquire(s.home)  # one master per home (stagetree.homelock)
         nm_settings = NodeManagerSettings(
             admin_token=SecretStr(s.admin_token),
             node_manager_id=s.node_manager_id,
@@ -181,10 +185,19 @@ class Embedded:
             extra = ",".join([nm_settings.worker_preload, *s.worker_preload])
             nm_settings = nm_settings.model_copy(update={"worker_preload": extra})
         if nm_settings.worker_start != "exec":
+            preload = [m.strip() for m in nm_settings.worker_preload.split(",")]
+            if s.fork_workers_from_script:
+                # While this process is one thread (before the home's lock, threads, gRPC): a fork of it as
+                # the workers' fork server holds what the script imported (torch, the trainer's modules),
+                # which no worker then imports again.
+                why_not = fork_this_process(preload)
+                self.worker_fork = "script" if why_not is None else "fresh"
+                if why_not:
+                    log.info("the workers' fork server is a fresh interpreter (forking this process: %s)", why_not)
             # The fork server imports torch (seconds of CPU): started first, it does so beside this
             # process's own start-up instead of after it, and the node manager's launcher finds it up.
-            preload = [m.strip() for m in nm_settings.worker_preload.split(",")]
             self._tasks.append(asyncio.create_task(asyncio.to_thread(ensure_fork_server, preload)))
+        self._home_lock = HomeLock.acquire(s.home)  # one master per home (stagetree.homelock)
         engine = make_engine(s.database_url)
         try:
             upgrade(engine)  # the embedded database is ours: bring it to the current schema

@@ -69,6 +69,7 @@ from stagetree.core.slots import SlotInfo
 from stagetree.nodemanager.reuse import ReusePolicy, TrainerKey, WorkerView, retire_after_batch, retire_before_batch
 from stagetree.nodemanager.runtime import forked_worker_main
 from stagetree.nodemanager.runtime.events import WORKER_EVENTS, decode_event
+from stagetree.nodemanager.runtime.userpath import note_users_modules
 from stagetree.nodemanager.slots import worker_env
 
 log = logging.getLogger(__name__)
@@ -682,8 +683,99 @@ def _report_holdings(conn: Connection) -> None:
     conn.close()
 
 
+def _report_cuda(conn: Connection) -> None:
+    conn.send([h for h in fork_server_holds() if h != "grpc"])
+    conn.close()
+
+
 _FORK_SERVER = threading.Lock()
 _fork_server_preload: tuple[str, ...] | None = None
+_zygote_pid: int | None = None  # the fork server is a fork of this process (``fork_this_process``)
+
+# the names native threads of gRPC and CUDA go by (a thread of a BLAS or OpenMP pool keeps the process's)
+_UNSAFE_THREAD_NAMES = ("grpc", "event_engine", "lifeguard", "default-executo", "resolver", "cuda")
+
+
+def fork_unsafe_reason() -> str | None:
+    """Why forking this process now would give a copy that cannot run workers, or ``None`` where it can:
+    another Python thread (it may hold a lock the copy would wait on forever), a live gRPC (its threads
+    and fork handlers), a CUDA context, a platform with no ``fork`` or a ``multiprocessing`` whose fork
+    server this module does not know."""
+    from multiprocessing import forkserver
+
+    if not hasattr(os, "fork") or not sys.platform.startswith("linux"):
+        return "this platform has no fork"
+    if not hasattr(forkserver, "_forkserver") or hasattr(forkserver._forkserver, "_forkserver_authkey"):
+        return "this Python's fork server takes more than a listener and a pipe"
+    if threading.active_count() > 1:
+        return f"{threading.active_count() - 1} other Python thread(s) run"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "it holds a CUDA context"
+    try:
+        names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return "its threads cannot be listed"
+    unsafe = sorted({n for n in names if n.startswith(_UNSAFE_THREAD_NAMES)})
+    return f"native threads of gRPC or CUDA run ({', '.join(unsafe)})" if unsafe else None
+
+
+def fork_this_process(preload: Sequence[str] = ()) -> str | None:
+    """Make a fork of this process the workers' fork server, where that is safe (``fork_unsafe_reason``):
+    the server then holds every module this process imported (a user's script: torch, the trainer's
+    module and what it imports), so neither it nor its workers import them again. Call it first thing,
+    on the main thread, before this process starts threads, gRPC or CUDA. The server imports the worker
+    runtime and ``preload`` itself, beside this process. Returns why not where it did not fork (the
+    caller then gets a fresh server from ``ensure_fork_server``)."""
+    import socket
+    from multiprocessing import connection, forkserver, resource_tracker, util
+
+    global _zygote_pid
+    with _FORK_SERVER:
+        if _zygote_pid is not None or _fork_server_preload is not None:
+            return "a fork server runs already"
+        why = fork_unsafe_reason()
+        if why:
+            return why
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+        wanted = [WORKER_MODULE, *(m for m in preload if m)]
+        resource_tracker.ensure_running()  # a process of its own (spawned): the server's children share it
+        server: Any = forkserver._forkserver  # its fields are multiprocessing's, set as ensure_running sets them
+        address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+        listener = socket.socket(socket.AF_UNIX)
+        try:
+            listener.bind(address)
+            if not util.is_abstract_socket_namespace(address):
+                os.chmod(address, 0o600)
+            listener.listen()
+            alive_r, alive_w = os.pipe()
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()  # or the copy writes this process's buffered output again
+            pid = os.fork()
+            if pid == 0:  # the copy: serve forks until every holder of the pipe's write end has exited
+                code = 0
+                try:
+                    os.close(alive_w)
+                    os.setpgid(0, 0)  # a Ctrl-C at the terminal is for the script, not for the server
+                    note_users_modules()  # a worker imports again those edited after this
+                    forkserver.main(listener.fileno(), alive_r, wanted)
+                except SystemExit as e:
+                    code = e.code if isinstance(e.code, int) else 0
+                except BaseException:
+                    code = 1
+                finally:
+                    os._exit(code)
+            os.close(alive_r)
+        finally:
+            listener.close()
+        server._forkserver_address = address
+        server._forkserver_alive_fd = alive_w
+        server._forkserver_pid = pid
+        server._preload_modules = wanted  # should it die: the fresh one ensure_running starts imports these
+        _zygote_pid = pid
+        log.debug("the workers' fork server is a fork of this process", extra={"pid": pid})
+        return None
 
 
 def ensure_fork_server(preload: Sequence[str] = ()) -> None:
@@ -708,14 +800,18 @@ def ensure_fork_server(preload: Sequence[str] = ()) -> None:
         # anything it imports ask PyTorch whether CUDA is available, the answer comes from NVML.
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
         ctx = multiprocessing.get_context("forkserver")
-        # Only our modules: the default would import the node manager's __main__ in the server.
-        ctx.set_forkserver_preload(list(wanted))
-        forkserver.ensure_running()
+        forked = _zygote_pid is not None
+        if not forked:
+            # Only our modules: the default would import the node manager's __main__ in the server.
+            ctx.set_forkserver_preload(list(wanted))
+            forkserver.ensure_running()
         # The server imports its preload (torch: seconds) after it starts: fork one child and wait
         # for it, so that time is spent here and not by the first batch. The child holds what the
         # server held when it forked: it says whether that is safe to fork.
         answer, ask = ctx.Pipe(duplex=False)
-        warm = _WorkerForkProcess(target=_report_holdings, args=(ask,), name="forkserver-warmup", daemon=True)
+        # A fork of this process imported gRPC but never ran it (``fork_unsafe_reason``): only CUDA counts.
+        check = _report_cuda if forked else _report_holdings
+        warm = _WorkerForkProcess(target=check, args=(ask,), name="forkserver-warmup", daemon=True)
         try:
             warm.start()
             ask.close()

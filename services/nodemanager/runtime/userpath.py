@@ -8,6 +8,7 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+import sysconfig
 from collections.abc import Mapping, Sequence
 
 from stagetree.entrypoint_source import missing_class, module_file
@@ -45,3 +46,62 @@ def trainer_import_problem(entry_point: str, path: Sequence[str]) -> str | None:
         "module's directory on PYTHONPATH (or next to the script that runs stagetree in embedded mode), or "
         "install its package"
     )
+
+
+# The user's modules a fork server held when it forked from a script (``workers.fork_this_process``), with
+# the (mtime, size) of each one's file then: what its workers inherit imported.
+_held_at_fork: dict[str, tuple[str, int, int]] = {}
+
+
+def _library_roots() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    kinds = ("stdlib", "platstdlib", "purelib", "platlib")
+    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, *(paths[k] for k in kinds)}
+    return tuple(os.path.join(os.path.realpath(r), "") for r in roots if r)
+
+
+def users_modules() -> dict[str, tuple[str, int, int]]:
+    """The imported modules that are the user's (a file outside the interpreter's and its packages'
+    directories, and not this package's): name -> (file, mtime_ns, size)."""
+    roots = _library_roots()
+    out = {}
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if not path or name in ("__main__", "__mp_main__") or name.split(".")[0] == "stagetree":
+            continue
+        real = os.path.realpath(path)
+        if real.startswith(roots):
+            continue
+        try:
+            st = os.stat(real)
+        except OSError:
+            continue
+        out[name] = (real, st.st_mtime_ns, st.st_size)
+    return out
+
+
+def note_users_modules() -> None:
+    """Called in a fork server forked from a script: what its workers inherit of the user's code."""
+    _held_at_fork.clear()
+    _held_at_fork.update(users_modules())
+
+
+def forget_edited_users_modules() -> list[str]:
+    """In a worker forked from such a server: when any of the user's modules it inherited changed on disk
+    since, drop them all from ``sys.modules`` (one imports another's names), so the trainer is imported as
+    it is now, as a fresh interpreter would. Returns the names dropped."""
+    changed = False
+    for real, mtime, size in _held_at_fork.values():
+        try:
+            st = os.stat(real)
+        except OSError:
+            changed = True
+            break
+        if (st.st_mtime_ns, st.st_size) != (mtime, size):
+            changed = True
+            break
+    if not changed:
+        return []
+    dropped = [name for name in _held_at_fork if sys.modules.pop(name, None) is not None]
+    importlib.invalidate_caches()
+    return dropped

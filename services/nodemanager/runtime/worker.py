@@ -47,6 +47,7 @@ import argparse
 import contextlib
 import gc
 import importlib
+import io
 import json
 import logging
 import os
@@ -78,6 +79,7 @@ from stagetree.nodemanager.runtime.trainer import (
     TrainerModuleNotFound,
     load_trainer_class,
 )
+from stagetree.nodemanager.runtime.userpath import forget_edited_users_modules
 
 log = logging.getLogger(__name__)
 
@@ -493,6 +495,8 @@ def run_forked(
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    _own_std_streams()
+    dropped = forget_edited_users_modules()  # forked from a script that imported them before an edit
     for key in unset:
         os.environ.pop(key, None)
     os.environ.update(env)
@@ -502,7 +506,21 @@ def run_forked(
     if spec_input is not None:
         spec_stream = os.fdopen(os.dup(spec_input.fileno()), "r", encoding="utf-8")
         spec_input.close()
+    if dropped:
+        print(f"stagetree worker: imports again the modules edited since its server forked: {dropped}", file=sys.stderr)
     sys.exit(main([*argv, "--events-fd", str(events_fd)], spec_stream))
+
+
+def _own_std_streams() -> None:
+    """``sys.stdout`` and ``sys.stderr`` on descriptors 1 and 2 (the batch's log), and no handler on the
+    root logger, as in a fresh interpreter: a worker forked from a user's script (the embedded mode's fork
+    server) inherits the script's streams and handlers, which may write to a test runner's capture or a
+    notebook's."""
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, errors="backslashreplace")
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
 
 
 def exit_now(code: int) -> None:
