@@ -1,7 +1,7 @@
 """Plain Optuna side by side with its port to stagetree, every process of each counted from launch to exit.
 
     pip install ".[bench]"        # optuna, scikit-learn, scipy
-    python -m tests.bench.vs_optuna [--trials 40] [--workers 1] [--minibatches 40] [--runs 1]
+    python -m tests.bench.vs_optuna [--trials 40] [--workers 1] [--minibatches 40] [--runs 1] [--fork-compare]
 
 The workload is a user's module (``tests/bench/userstyle/``): ``tabular_mlp`` is an Optuna user's
 ``pytorch_simple``-style script (an MLP on generated tabular data, SGD with a tuned warmup-then-decay
@@ -24,10 +24,16 @@ Figures (Optuna's over stagetree's for the ratios; medians over ``--runs``, the 
 * ``e2e_ratio``: wall seconds from launch to the last process's exit;
 * ``merge_rate``: the study's trial-by-trial steps over its unique steps (``study.stats()``);
 * ``first_trial_s``: from stagetree's launch to its first result;
-* ``steps_trained_twice``: steps stagetree's batches trained beyond the unique steps (the sharing run).
+* ``steps_trained_twice``: steps stagetree's batches trained beyond the unique steps (the sharing run);
+* ``optuna_first_trial_s``: Optuna's first result from its launch (both sides pay the script's imports);
+* ``cpu_s_per_step_ratio``: the CPU-seconds of a trained step, everything counted (Optuna's over
+  stagetree's sharing run): over 1.0, a step costs stagetree less than Optuna, its overhead included;
+* with ``--fork-compare``, ``cpu_s_fork_from_script_vs_fresh``: the sharing run with the workers' fork
+  server a fresh interpreter over the default (a fork of the script: ``EmbeddedSettings``).
 
 Last line: ``optuna_best=<a> stagetree_best=<a> merge_rate=<m> cpu_s_ratio=<r> e2e_ratio=<r>
-cpu_s_ratio_no_sharing=<r> first_trial_s=<s> steps_trained_twice=<n>``, kept with every run's figures in
+cpu_s_ratio_no_sharing=<r> first_trial_s=<s> steps_trained_twice=<n> optuna_first_trial_s=<s>
+cpu_s_per_step_ratio=<r>``, kept with every run's figures in
 ``tests/bench/results/vs_optuna.json`` (``tests.bench.record``). Targets: stagetree_best >= optuna_best - 0.005,
 cpu_s_ratio >= 0.9 x merge_rate, cpu_s_ratio_no_sharing >= 0.9, e2e_ratio >= 1.0, first_trial_s <= 5,
 steps_trained_twice == 0.
@@ -51,14 +57,16 @@ from tests.bench.record import record
 USERSTYLE = Path(__file__).resolve().parent / "userstyle"
 TIMEOUT_S = 3600.0
 SIDES = ("optuna", "stagetree", "stagetree_no_sharing")
+FRESH = "stagetree_fresh_fork_server"  # --fork-compare: the sharing run with a fork server of its own
 
 
 def side_command(side: str, out: Path, ns: argparse.Namespace, home: Path) -> list[str]:
     common = [str(out), "--trials", str(ns.trials), "--seed", str(ns.seed), "--workers", str(ns.workers)]
     if side == "optuna":
         return [sys.executable, str(USERSTYLE / "optuna_study.py"), *common]
-    grid = str(ns.grid) if side == "stagetree" else "0"
-    return [sys.executable, str(USERSTYLE / "stagetree_study.py"), *common, "--grid", grid, "--home", str(home)]
+    grid = "0" if side == "stagetree_no_sharing" else str(ns.grid)
+    fresh = ["--fresh-fork-server"] if side == FRESH else []
+    return [sys.executable, str(USERSTYLE / "stagetree_study.py"), *common, "--grid", grid, "--home", str(home), *fresh]
 
 
 def run_side(side: str, ns: argparse.Namespace, work: Path) -> tuple[TreeUsage, dict[str, Any]]:
@@ -80,8 +88,13 @@ def figures(runs: dict[str, list[tuple[TreeUsage, dict[str, Any]]]]) -> dict[str
     def wall(side: str) -> float:
         return float(med(u.wall_s for u, _ in runs[side]))
 
+    def per_step(side: str, steps: str) -> float:
+        return float(med(u.cpu_s / o[steps] for u, o in runs[side]))
+
     st = runs["stagetree"]
     first = [o["first_result_at"] - u.t_launch for u, o in st if o.get("first_result_at")]
+    optuna_first = [o["first_result_at"] - u.t_launch for u, o in runs["optuna"] if o.get("first_result_at")]
+    extra = {"cpu_s_fork_from_script_vs_fresh": cpu(FRESH) / cpu("stagetree")} if runs.get(FRESH) else {}
     return {
         "optuna_best": float(med(o["best"] for _, o in runs["optuna"])),
         "stagetree_best": float(med(o["best"] for _, o in st)),
@@ -91,6 +104,11 @@ def figures(runs: dict[str, list[tuple[TreeUsage, dict[str, Any]]]]) -> dict[str
         "cpu_s_ratio_no_sharing": cpu("optuna") / cpu("stagetree_no_sharing"),
         "first_trial_s": float(med(first)) if first else float("nan"),
         "steps_trained_twice": float(med(o["steps_executed"] - o["unique_steps"] for _, o in st)),
+        # beside the targets: Optuna's first result from its launch (both pay the script's imports), and
+        # the CPU-seconds of a trained step, every process and the start-up included (Optuna's over ours)
+        "optuna_first_trial_s": float(med(optuna_first)) if optuna_first else float("nan"),
+        "cpu_s_per_step_ratio": per_step("optuna", "steps") / per_step("stagetree", "steps_executed"),
+        **extra,
     }
 
 
@@ -99,7 +117,13 @@ def last_line(f: dict[str, float]) -> str:
         f"optuna_best={f['optuna_best']:.4f} stagetree_best={f['stagetree_best']:.4f} "
         f"merge_rate={f['merge_rate']:.2f} cpu_s_ratio={f['cpu_s_ratio']:.2f} e2e_ratio={f['e2e_ratio']:.2f} "
         f"cpu_s_ratio_no_sharing={f['cpu_s_ratio_no_sharing']:.2f} first_trial_s={f['first_trial_s']:.1f} "
-        f"steps_trained_twice={f['steps_trained_twice']:.0f}"
+        f"steps_trained_twice={f['steps_trained_twice']:.0f} optuna_first_trial_s={f['optuna_first_trial_s']:.1f} "
+        f"cpu_s_per_step_ratio={f['cpu_s_per_step_ratio']:.2f}"
+        + (
+            f" cpu_s_fork_from_script_vs_fresh={f['cpu_s_fork_from_script_vs_fresh']:.2f}"
+            if "cpu_s_fork_from_script_vs_fresh" in f
+            else ""
+        )
     )
 
 
@@ -111,17 +135,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grid", type=int, default=4, help="points per float in the sharing run")
     p.add_argument("--minibatches", type=int, default=40, help="batches per step (the cost of a step)")
     p.add_argument("--runs", type=int, default=1, help="runs of each side, the order rotating; medians")
+    p.add_argument(
+        "--fork-compare", action="store_true", help=f"also {FRESH}: the workers' fork server a fresh interpreter"
+    )
     ns = p.parse_args(argv)
+    sides = (*SIDES, FRESH) if ns.fork_compare else SIDES
     print(
         f"vs_optuna: {ns.trials} TPE trials + median pruner, tabular MLP ({ns.minibatches} minibatches/step, "
         f"rungs 3/9/27), {ns.workers} process(es)/slot(s) each, one torch thread, {ns.runs} run(s)",
         flush=True,
     )
-    runs: dict[str, list[tuple[TreeUsage, dict[str, Any]]]] = {s: [] for s in SIDES}
+    runs: dict[str, list[tuple[TreeUsage, dict[str, Any]]]] = {s: [] for s in sides}
     for i in range(ns.runs):
         work = Path(tempfile.mkdtemp(prefix="vs-optuna-"))
         try:
-            for side in SIDES[i % 3 :] + SIDES[: i % 3]:
+            for side in sides[i % len(sides) :] + sides[: i % len(sides)]:
                 usage, out = run_side(side, ns, work)
                 runs[side].append((usage, out))
                 extra = ""

@@ -1,6 +1,7 @@
 """``tabular_mlp``'s search ported to stagetree (``tabular_port``), in embedded mode, as a user runs it.
 
     python stagetree_study.py OUT.json [--trials 40] [--seed 0] [--workers 1] [--grid 4] [--home DIR]
+                                       [--fresh-fork-server]
 
 The same TPE sampler and median pruner through ``OptunaTuner(promotions="pruner")``, rungs 3/9/27,
 ``--workers`` CPU slots with one torch thread each; ``--grid 0``: continuous floats (nothing shared).
@@ -36,7 +37,9 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
         if not first and isinstance(event, Result):
             first.append(time.time())
 
-    settings = EmbeddedSettings(home=ns.home, workers=ns.workers, threads_per_worker=1)
+    settings = EmbeddedSettings(
+        home=ns.home, workers=ns.workers, threads_per_worker=1, fork_workers_from_script=not ns.fresh_fork_server
+    )
     async with Embedded(settings) as cluster, stagetree.connect(cluster.target, token=cluster.token) as client:
         study = await stagetree.Study.create(
             client, "tabular", trainer="tabular_port:Net", tuned=["lr", "bs", "momentum"], seed=ns.seed
@@ -68,6 +71,7 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--grid", type=int, default=4, help="points per float (0: continuous, nothing shared)")
     p.add_argument("--home", type=Path, default=Path(".stagetree-tabular"))
+    p.add_argument("--fresh-fork-server", action="store_true", help="never fork the workers' server from here")
     ns = p.parse_args()
     torch.set_num_threads(1)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
