@@ -192,12 +192,11 @@ class DecisionApplier:
         for k in kills:
             ids = self.store.requests.live_requests_at(k.study, k.node, k.step)
             for rid in ids:
-                _, abort = self.store.requests.cancel_request(k.study, rid)
+                _, abort = self.store.requests.cancel_request(k.study, rid, k.reason)
                 if abort is not None:
                     nm = self.store.ledger.abort_batch(abort)
                     if nm is not None:
                         notify(ch_node_manager(nm))
-            self.store.requests.set_request_error(ids, k.reason)
             self.policies.killed(str(k.job))
         if kills:
             notify(CH_RESULTS)

@@ -133,9 +133,10 @@ class RequestStore:
         metrics = self.metrics_in(s, {(r.node, r.step) for r in recs if r.state is RequestState.DONE})
         return [r.with_metrics(metrics.get((r.node, r.step))) for r in recs]
 
-    def cancel_request(self, study_id: str, request_id: int) -> tuple[RequestRecord, int | None]:
-        """Cancel a live request. Returns it and the batch to abort (SCHED, and no other live request
-        needs that batch), else None. A finished request is returned unchanged."""
+    def cancel_request(self, study_id: str, request_id: int, reason: str = "") -> tuple[RequestRecord, int | None]:
+        """Cancel a live request, with ``reason`` as its error (why, e.g. a policy killed it: in the same
+        transaction, so no reader sees it cancelled without it). Returns it and the batch to abort (SCHED,
+        and no other live request needs that batch), else None. A finished request is returned unchanged."""
         with self.db.tx("cancel request") as s:
             row = s.scalar(
                 select(m.Request).where(m.Request.id == request_id, m.Request.study_id == study_id).with_for_update()
@@ -146,6 +147,8 @@ class RequestStore:
             if RequestState(row.state).is_live():
                 batch = row.batch_id if row.state == RequestState.SCHED else None
                 row.state, row.done_at = RequestState.CANCELLED, time.time()
+                if reason:
+                    row.error = reason[-MAX_ERROR_CHARS:]
                 s.flush()
                 if batch is not None:
                     others = s.scalar(
@@ -189,15 +192,6 @@ class RequestStore:
                 )
             ]
         return sorted(failed)
-
-    def set_request_error(self, request_ids: Sequence[int], error: str) -> None:
-        """Say why requests ended (e.g. a policy cancelled them); their state is left as it is."""
-        if not request_ids:
-            return
-        with self.db.tx("set request error") as s:
-            s.execute(
-                update(m.Request).where(m.Request.id.in_(list(request_ids))).values(error=error[-MAX_ERROR_CHARS:])
-            )
 
     def request_studies(self, request_ids: Sequence[int]) -> dict[int, tuple[str, float]]:
         """Study id and arrival time of each request."""

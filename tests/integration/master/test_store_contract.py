@@ -100,8 +100,10 @@ def test_cancel_not_sched_and_sched(store: Store) -> None:
     store.nodes.register_node_manager(nm, "x:1", [("gpu0", "a100")])
     batch = store.ledger.dispatch(pid, lambda bid, att: f"spec-{bid}-{att}", [b.id], nm, "gpu0")
     assert batch is not None
-    rec, abort = store.requests.cancel_request(study.id, b.id)
-    assert rec.state == RequestState.CANCELLED and abort == batch.id
+    rec, abort = store.requests.cancel_request(study.id, b.id, "killed by a policy")
+    assert rec.state == RequestState.CANCELLED and abort == batch.id and rec.error == "killed by a policy"
+    again, _ = store.requests.cancel_request(study.id, b.id, "another reason")  # finished: unchanged
+    assert again.error == "killed by a policy"
     with pytest.raises(NotFound):
         store.requests.cancel_request(study.id, 10**9)
 
