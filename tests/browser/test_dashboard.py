@@ -10,6 +10,8 @@ import asyncio
 import time
 from typing import Any
 
+import httpx
+
 import stagetree
 from stagetree.core.sequences import MultiStep
 from stagetree.master.auth import Authenticator
@@ -319,7 +321,14 @@ def test_the_cluster_page_says_which_study_and_trial_a_slot_works_for(live: Live
     errors = _errors(page)
     sign_in(page, live, where="#/cluster")
     running = asyncio.run_coroutine_threadsafe(run_study(live, "slow", values=values), live.bg.loop)
-    slot = page.wait_for_selector("[data-slot] a:has-text('slow')", timeout=120_000)
+    try:
+        slot = page.wait_for_selector("[data-slot] a:has-text('slow')", timeout=120_000)
+    except Exception as e:  # what the page and the master saw, for a failure on a loaded machine
+        seen = httpx.get(f"{live.url}/api/v1/dashboard/cluster", headers={"authorization": f"Bearer {live.token}"})
+        raise AssertionError(
+            f"{e}\nlive mode: {page.inner_text('#live-mode')}; study done: {running.done()}\n"
+            f"page: {page.inner_text('#hosts')[:2000]}\nmaster: {seen.text[:4000]}"
+        ) from None
     assert slot is not None
     page.wait_for_selector("[data-slot] button[data-log]")
     assert "slots busy" in page.inner_text("#busy-kpi")

@@ -4,6 +4,8 @@
 // recent policy decisions.
 import { alive, api, esc, fmt, throttle, trialLink, when } from "./common.js";
 
+const REFRESH_MS = 5000;
+
 function workHtml(w, kind) {
   if (!w) return `<span class="muted">idle</span>`;
   if (!w.batch_id) return `busy <span class="muted">(another owner's work${w.sent_ahead ? ", sent ahead" : ""})</span>`;
@@ -85,5 +87,12 @@ export async function renderCluster(main, gen) {
     if (tr && !e.target.closest("a")) { const a = tr.querySelector("td:nth-child(3) a"); if (a) location.hash = a.getAttribute("href"); }
   });
   await draw();
-  return { onCounts: throttle(draw, 500), onCurves: throttle(draw, 2000), stop: () => { window.removeEventListener("resize", onResize); chart.dispose(); } };
+  const redraw = throttle(draw, 500);
+  // Slots start, progress and free without a study's events (a trainer may report no curve): a look
+  // every few seconds besides them.
+  const tick = setInterval(() => { if (!document.hidden) redraw(); }, REFRESH_MS);
+  return {
+    onCounts: redraw, onCurves: throttle(draw, 2000),
+    stop: () => { clearInterval(tick); window.removeEventListener("resize", onResize); chart.dispose(); },
+  };
 }
