@@ -45,9 +45,8 @@ def occupancy(batches: Sequence[RunningBatch]) -> dict[tuple[str, str], tuple[Ru
     the batch whose worker started (else the first dispatched); a batch on several slots occupies each."""
     on: dict[tuple[str, str], list[RunningBatch]] = defaultdict(list)
     for b in batches:
-        for slot in b.slot_id.split(","):
-            if slot:
-                on[(b.node_manager_id, slot)].append(b)
+        for slot in b.slot_ids:
+            on[(b.node_manager_id, slot)].append(b)
     out = {}
     for key, bs in on.items():
         bs = sorted(bs, key=lambda b: (b.worker_started_at is None, b.worker_started_at or 0.0, b.batch_id))

@@ -77,7 +77,7 @@ class DecisionApplier:
                 self.spec_of(d.batch, uris.get(d.batch.plan, {}), settings, c, [s.id for s in d.slots]),
                 d.batch.requests,
                 d.slot.node_manager,
-                ",".join(s.id for s in d.slots),  # a batch on several slots holds them all
+                tuple(s.id for s in d.slots),  # a batch on several slots holds them all
             )
             for d, c in zip(dispatches, curves, strict=True)
         ]

@@ -289,7 +289,7 @@ class InputReader:
             self._bad_spec(b.id)
             return None
         nm = b.node_manager_id or ""
-        held = tuple(slots.get((nm, sid)) or Slot(sid, nm) for sid in (b.slot_id or "").split(",") if sid and nm)
+        held = tuple(slots.get((nm, sid)) or Slot(sid, nm) for sid in b.slot_ids if nm)
         study, dispatched = reads.served.get((b.id, b.attempt), (None, 0.0))
         return RunningAttempt(
             BatchId(b.id),
@@ -309,13 +309,13 @@ class InputReader:
         docstring). Without ``cost`` (nothing pending) only who is alone on a slot is kept up to date."""
         per_slot: dict[tuple[str, str], list[BatchRecord]] = {}
         for b in reads.running:
-            for slot in (b.slot_id or "").split(","):  # a batch on several slots holds each of them
-                if b.node_manager_id and slot:
+            for slot in b.slot_ids:  # a batch on several slots holds each of them
+                if b.node_manager_id:
                     per_slot.setdefault((b.node_manager_id, slot), []).append(b)
         seen: dict[tuple[int, int], tuple[tuple[InflightStage, ...], float | None]] = {}
         ends: dict[tuple[str, str], float] = {}
         for key, recs in per_slot.items():
-            alone = len(recs) == 1 and "," not in (recs[0].slot_id or "")
+            alone = len(recs) == 1 and len(recs[0].slot_ids) == 1
             for b in recs:
                 k = (b.id, b.attempt)
                 stages, since = self._alone.get(k) or ((), None)

@@ -20,6 +20,7 @@ from sqlalchemy import and_, func, or_, select
 
 from stagetree.core.lifecycle import BatchState, RequestState
 from stagetree.master.store import models as m
+from stagetree.master.store.batches import running_slots_in
 from stagetree.master.store.database import Database
 from stagetree.master.store.records import RequestRecord
 
@@ -33,7 +34,7 @@ class RunningBatch:
     plan_id: int
     scope: str  # whose plan: "owner:<name>" or "team:<name>"
     node_manager_id: str
-    slot_id: str
+    slot_ids: tuple[str, ...]  # the slots it holds there, in rank order
     started_at: float  # when the batch was last updated (dispatched, or its attempt changed)
     stages: list[tuple[int, int, int]] = field(default_factory=list)  # (node, start, end)
     step: int = 0  # the furthest curve point on its stages (its progress, when the trainer reports one)
@@ -73,7 +74,6 @@ class ActivityReader:
                     m.Batch.plan_id,
                     m.Plan.scope,
                     m.Batch.node_manager_id,
-                    m.Batch.slot_id,
                     m.Batch.updated_at,
                     m.Batch.spec_json,
                     m.BatchAttempt.started_at,
@@ -86,8 +86,9 @@ class ActivityReader:
                 .where(m.Batch.state == BatchState.RUNNING)
                 .order_by(m.Batch.id)
             ).all()
+            slots = running_slots_in(self.db, s)
             out = []
-            for bid, attempt, pid, scope, nm, slot, at, spec_json, worker_at in rows:
+            for bid, attempt, pid, scope, nm, at, spec_json, worker_at in rows:
                 try:
                     stages = [(int(x["node"]), int(x["start"]), int(x["end"])) for x in json.loads(spec_json)["stages"]]
                 except (ValueError, KeyError, TypeError):
@@ -108,7 +109,7 @@ class ActivityReader:
                         int(pid),
                         str(scope),
                         nm or "",
-                        slot or "",
+                        slots.get(int(bid), ()),
                         float(at),
                         stages,
                         step,

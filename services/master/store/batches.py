@@ -7,7 +7,7 @@ Reads only; every write to batches and attempts goes through ``store.ledger.Batc
 from __future__ import annotations
 
 import json
-from collections.abc import Container, Sequence
+from collections.abc import Collection, Container, Iterable, Sequence
 from typing import Any
 
 from sqlalchemy import bindparam, func, select, tuple_
@@ -27,10 +27,42 @@ _LOG_LINES = (
     .where(_LL.c.batch_id.in_(bindparam("ids", expanding=True)))
     .order_by(_LL.c.batch_id, _LL.c.attempt, _LL.c.seq)
 )
+_BS = table(m.BatchSlot)
 _HOST_PROBLEMS = select(_HP.c.plan_id, _HP.c.node_manager_id, _HP.c.error)
-_RUNNING = select(
-    _B.c.id, _B.c.plan_id, _B.c.state, _B.c.attempt, _B.c.spec_json, _B.c.node_manager_id, _B.c.slot_id
-).where(_B.c.state == BatchState.RUNNING)
+_RUNNING = select(_B.c.id, _B.c.plan_id, _B.c.state, _B.c.attempt, _B.c.spec_json, _B.c.node_manager_id).where(
+    _B.c.state == BatchState.RUNNING
+)
+_SLOTS_OF = select(_BS.c.batch_id, _BS.c.rank, _BS.c.slot_id).where(
+    _BS.c.batch_id.in_(bindparam("ids", expanding=True))
+)
+# the slots of every running batch, with its node manager
+RUNNING_SLOTS = (
+    select(_BS.c.batch_id, _BS.c.rank, _BS.c.slot_id, _B.c.node_manager_id)
+    .join(_B, _B.c.id == _BS.c.batch_id)
+    .where(_B.c.state == BatchState.RUNNING)
+)
+_IDS_PER_READ = 1000
+
+
+def slots_in(db: Database, s: Session, batch_ids: Collection[int]) -> dict[int, tuple[str, ...]]:
+    """The slots each of these batches holds, in rank order (a batch with none is left out)."""
+    ids = sorted(set(batch_ids))
+    rows: list[Sequence[Any]] = []
+    for i in range(0, len(ids), _IDS_PER_READ):
+        rows += db.rows(s, _SLOTS_OF, {"ids": ids[i : i + _IDS_PER_READ]})
+    return _by_rank((bid, rank, slot) for bid, rank, slot in rows)
+
+
+def running_slots_in(db: Database, s: Session) -> dict[int, tuple[str, ...]]:
+    """The slots of every running batch, in rank order."""
+    return _by_rank((bid, rank, slot) for bid, rank, slot, _nm in db.rows(s, RUNNING_SLOTS))
+
+
+def _by_rank(rows: Iterable[tuple[Any, Any, Any]]) -> dict[int, tuple[str, ...]]:
+    ranked: dict[int, list[tuple[int, str]]] = {}
+    for bid, rank, slot in rows:
+        ranked.setdefault(int(bid), []).append((int(rank), str(slot)))
+    return {bid: tuple(slot for _, slot in sorted(rs)) for bid, rs in ranked.items()}
 
 
 class BatchReader:
@@ -51,7 +83,7 @@ class BatchReader:
             b = s.get(m.Batch, batch_id)
             if b is None:
                 raise NotFound(f"batch {batch_id} does not exist")
-            return _batch_record(b)
+            return _batch_record(b, slots_in(self.db, s, [batch_id]))
 
     def plan_of_batch(self, batch_id: int) -> int:
         """The plan a batch belongs to (it never changes)."""
@@ -72,9 +104,10 @@ class BatchReader:
             return self.running_in(s)
 
     def running_in(self, s: Session) -> list[BatchRecord]:
+        slots = running_slots_in(self.db, s)
         return [
-            BatchRecord(int(i), int(p), BatchState(st), a, spec, nm, slot)
-            for i, p, st, a, spec, nm, slot in self.db.rows(s, _RUNNING)
+            BatchRecord(int(i), int(p), BatchState(st), a, spec, nm, slots.get(int(i), ()))
+            for i, p, st, a, spec, nm in self.db.rows(s, _RUNNING)
         ]
 
     def running_batch_info(self) -> list[tuple[BatchRecord, float, list[str]]]:
@@ -96,7 +129,8 @@ class BatchReader:
                     select(_R.c.batch_id, _R.c.study_id).where(_R.c.batch_id.in_(ids[i : i + 1000])).order_by(_R.c.id)
                 ):
                     studies.setdefault(int(bid or 0), []).append(str(sid))
-            return [(_batch_record(b), float(t), studies.get(int(b.id), [])) for b, t in rows]
+            slots = slots_in(self.db, s, ids)
+            return [(_batch_record(b, slots), float(t), studies.get(int(b.id), [])) for b, t in rows]
 
     def request_log_lines(self, request_id: int) -> list[LoggedLine]:
         """The text lines logged by the trainers of every batch that carried the request (those that sent
@@ -175,7 +209,8 @@ class BatchReader:
         ]
 
 
-def _batch_record(b: m.Batch) -> BatchRecord:
+def _batch_record(b: m.Batch, slots: dict[int, tuple[str, ...]]) -> BatchRecord:
+    bid = int(b.id)
     return BatchRecord(
-        int(b.id), int(b.plan_id), BatchState(b.state), b.attempt, b.spec_json, b.node_manager_id, b.slot_id
+        bid, int(b.plan_id), BatchState(b.state), b.attempt, b.spec_json, b.node_manager_id, slots.get(bid, ())
     )

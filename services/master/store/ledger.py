@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from sqlalchemy import bindparam, case, insert, or_, select, text, tuple_, update
 from sqlalchemy.orm import Session
 
+from stagetree.core.errors import InvalidArgument
 from stagetree.core.lifecycle import (
     AssignmentKind,
     AttemptDecision,
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_RETRY = RetryPolicy()
 
-_B, _A, _R = table(m.Batch), table(m.BatchAttempt), table(m.Request)
+_B, _A, _R, _BS = table(m.Batch), table(m.BatchAttempt), table(m.Request), table(m.BatchSlot)
 _RQ, _HP, _LL = table(m.RequeuedRequest), table(m.HostProblem), table(m.LogLineRow)
 # the node manager and plan of attempts that found their host cannot run the plan's trainer
 _WHERE_RAN = (
@@ -98,6 +99,7 @@ _NEXT_BATCH_IDS = text("SELECT nextval(pg_get_serial_sequence('batches', 'id')) 
 _DROP_BATCH = _B.delete().where(_B.c.id == bindparam("b"))
 _SET_SPEC = update(_B).where(_B.c.id == bindparam("b")).values(spec_json=bindparam("spec"))
 _NEW_ATTEMPT = insert(_A)
+_NEW_SLOTS = insert(_BS)
 _STARTED = (
     update(_A)
     .where(_A.c.batch_id == bindparam("b"), _A.c.attempt == bindparam("a"), _A.c.started_at.is_(None))
@@ -402,10 +404,10 @@ class BatchLedger:
     # -- dispatch -------------------------------------------------------------------------------------
 
     def dispatch(
-        self, plan_id: int, spec_for: Callable[[int, int], str], request_ids: Sequence[int], nm_id: str, slot_id: str
+        self, plan_id: int, spec_for: Callable[[int, int], str], request_ids: Sequence[int], nm_id: str, *slot_ids: str
     ) -> BatchRecord | None:
-        """``dispatch_many`` of one batch."""
-        return self.dispatch_many([DispatchItem(plan_id, spec_for, request_ids, nm_id, slot_id)])[0]
+        """``dispatch_many`` of one batch on ``slot_ids`` of ``nm_id`` (rank order)."""
+        return self.dispatch_many([DispatchItem(plan_id, spec_for, request_ids, nm_id, tuple(slot_ids))])[0]
 
     def dispatch_many(self, items: Sequence[DispatchItem]) -> list[BatchRecord | None]:
         """Create each batch and its first attempt on a slot and mark its requests SCHED, all in one
@@ -414,6 +416,8 @@ class BatchLedger:
         there first) gets None and writes nothing."""
         if not items:
             return []
+        if any(not it.slot_ids for it in items):
+            raise InvalidArgument("dispatch_many: every batch needs at least one slot")
         now = time.time()
         out: list[BatchRecord | None] = []
         # A handful of statements for the whole round, not four per batch: a round places up to a few
@@ -422,9 +426,9 @@ class BatchLedger:
             c = s.connection()
             rows = [
                 {"plan_id": it.plan_id, "state": BatchState.RUNNING, "attempt": 1, "spec_json": ""}
-                | {"node_manager_id": it.node_manager_id, "slot_id": it.slot_id, "created_at": now, "updated_at": now}
+                | {"node_manager_id": it.node_manager_id, "created_at": now, "updated_at": now}
                 for it in items
-            ]  # a batch on several slots has slot_id "a,b" (rank order)
+            ]
             written: dict[int, str] = {}  # batch id -> the spec its row was inserted with
             if self.db.is_postgres:
                 # the ids first, so each row goes in with its spec (which names its batch id): an UPDATE per
@@ -441,7 +445,7 @@ class BatchLedger:
             if owner:
                 claim = _CLAIM_MANY.values(state=RequestState.SCHED, batch_id=case(owner, value=_R.c.id))
                 claimed = {int(b) for (b,) in c.execute(claim, {"ids": sorted(owner)})}
-            specs, attempts, dropped = [], [], []
+            specs, attempts, slots, dropped = [], [], [], []
             for it, bid in zip(items, bids, strict=True):
                 if it.request_ids and bid not in claimed:  # all taken meanwhile: not needed
                     dropped.append({"b": bid})
@@ -454,13 +458,16 @@ class BatchLedger:
                 # the attempt names rank 0's slot: its GPU type is the batch's (finished_attempts joins it)
                 attempts.append(
                     {"batch_id": bid, "attempt": 1, "node_manager_id": it.node_manager_id}
-                    | {"slot_id": it.slot_id.split(",")[0], "state": BatchState.RUNNING, "dispatched_at": now}
+                    | {"slot_id": it.slot_ids[0], "state": BatchState.RUNNING, "dispatched_at": now}
                 )
-                out.append(BatchRecord(bid, it.plan_id, BatchState.RUNNING, 1, spec, it.node_manager_id, it.slot_id))
+                slots += [{"batch_id": bid, "rank": r, "slot_id": slot} for r, slot in enumerate(it.slot_ids)]
+                out.append(BatchRecord(bid, it.plan_id, BatchState.RUNNING, 1, spec, it.node_manager_id, it.slot_ids))
             if dropped:
                 c.execute(_DROP_BATCH, dropped)
             if specs:
                 c.execute(_SET_SPEC, specs)
             if attempts:
                 c.execute(_NEW_ATTEMPT, attempts)
+            if slots:
+                c.execute(_NEW_SLOTS, slots)
         return out

@@ -94,10 +94,19 @@ class Batch(Base):
     state: Mapped[str] = mapped_column(String(16), index=True)  # RUNNING, DONE, FAILED, LOST, ABORTED
     attempt: Mapped[int] = mapped_column(Integer)
     spec_json: Mapped[str] = mapped_column(Text)
-    node_manager_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
-    slot_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    node_manager_id: Mapped[str | None] = mapped_column(String(128), nullable=True)  # its slots' (``BatchSlot``)
     created_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
+
+
+class BatchSlot(Base):
+    """The slots a batch holds on its node manager, one row per data-parallel rank (rank 0 first)."""
+
+    __tablename__ = "batch_slots"
+
+    batch_id: Mapped[int] = mapped_column(ForeignKey("batches.id"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    slot_id: Mapped[str] = mapped_column(String(128))
 
 
 class BatchAttempt(Base):

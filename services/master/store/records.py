@@ -144,7 +144,7 @@ class DispatchItem:
     spec_for: Callable[[int, int], str]
     request_ids: Sequence[int]
     node_manager_id: str
-    slot_id: str
+    slot_ids: tuple[str, ...]  # of that node manager, in rank order (a batch on n slots holds n)
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ class BatchRecord:
     attempt: int
     spec_json: str
     node_manager_id: str | None
-    slot_id: str | None
+    slot_ids: tuple[str, ...] = ()  # the slots it holds on that node manager, in rank order
 
 
 @dataclass(frozen=True)

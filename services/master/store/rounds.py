@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
@@ -11,7 +9,7 @@ from stagetree.core.batch import Point
 from stagetree.core.ids import RequestId, StudyId
 from stagetree.core.lifecycle import LIVE_REQUEST_STATES, BatchState, RequestState
 from stagetree.master.store import models as m
-from stagetree.master.store.batches import BatchReader
+from stagetree.master.store.batches import RUNNING_SLOTS, BatchReader, slots_in
 from stagetree.master.store.checkpoints import CheckpointCatalog
 from stagetree.master.store.database import Database, table
 from stagetree.master.store.nodes import NodeRegistry
@@ -21,11 +19,8 @@ _R, _B, _S, _A = table(m.Request), table(m.Batch), table(m.Study), table(m.Batch
 _PENDING = select(_R.c.id, _R.c.plan_id, _R.c.node_id, _R.c.step, _R.c.study_id, _R.c.created_at).where(
     _R.c.state == RequestState.NOT_SCHED
 )
-_BUSY = select(_B.c.node_manager_id, _B.c.slot_id).where(
-    _B.c.state == BatchState.RUNNING, _B.c.node_manager_id.is_not(None)
-)
 _RUNNING_KEYS = (
-    select(_B.c.id, _B.c.plan_id, _B.c.attempt, _B.c.node_manager_id, _B.c.slot_id, _A.c.started_at, _A.c.dispatched_at)
+    select(_B.c.id, _B.c.plan_id, _B.c.attempt, _B.c.node_manager_id, _A.c.started_at, _A.c.dispatched_at)
     .select_from(_B.outerjoin(_A, (_A.c.batch_id == _B.c.id) & (_A.c.attempt == _B.c.attempt)))
     .where(_B.c.state == BatchState.RUNNING)
 )
@@ -72,7 +67,7 @@ class RoundReader:
             served = self._served_in(s, running)
             owners = self._owners_in(s, {*studies.values(), *(sid for sid, _ in served.values() if sid is not None)})
             unable = self.batches.host_problems_in(s) if pending else {}
-        busy = held_slots((b.node_manager_id, b.slot_id) for b in running if b.node_manager_id)
+        busy = {(b.node_manager_id, slot) for b in running if b.node_manager_id for slot in b.slot_ids}
         return RoundReads(nms, busy, policies, pending, running, started, studies, arrivals, served, owners, unable)
 
     def path_checkpoints(self, nodes: list[int], plans: list[int]) -> dict[int, dict[Point, str]]:
@@ -94,27 +89,28 @@ class RoundReader:
         gets the start time of those whose worker said it started."""
         kept = self._records
         now: dict[tuple[int, int], BatchRecord] = {}
-        new: list[tuple[int, int, int, str | None, str | None]] = []
+        new: list[tuple[int, int, int, str | None]] = []
         self._dispatched = {}
-        for i, p, a, nm, slot, began, sent in self.db.rows(s, _RUNNING_KEYS):
+        for i, p, a, nm, began, sent in self.db.rows(s, _RUNNING_KEYS):
             if began is not None and started is not None:
                 started[(int(i), int(a))] = float(began)
             if (i, a) not in self._studies and sent is not None:
                 self._dispatched[(int(i), int(a))] = float(sent)
             rec = kept.get((i, a))
             if rec is None:
-                new.append((int(i), int(p), int(a), nm, slot))
+                new.append((int(i), int(p), int(a), nm))
             else:
                 now[(i, a)] = rec
-        missing = sorted({i for i, _, a, _, _ in new})
+        missing = sorted({i for i, _, _, _ in new})
         specs: dict[tuple[int, int], str] = {}
         for k in range(0, len(missing), _SPECS_PER_READ):
             for i, a, spec in self.db.rows(s, _SPECS, {"ids": missing[k : k + _SPECS_PER_READ]}):
                 specs[(int(i), int(a))] = str(spec)  # a batch retried since the first read has a new spec
-        for i, p, a, nm, slot in new:
+        slots = slots_in(self.db, s, missing) if missing else {}
+        for i, p, a, nm in new:
             spec = specs.get((i, a))
             if spec is not None:
-                now[(i, a)] = BatchRecord(i, p, BatchState.RUNNING, a, spec, nm, slot)
+                now[(i, a)] = BatchRecord(i, p, BatchState.RUNNING, a, spec, nm, slots.get(i, ()))
         self._records = now
         return list(now.values())
 
@@ -171,14 +167,8 @@ class RoundReader:
         return {sid: self._owners[sid] for sid in studies if sid in self._owners}
 
     def _busy_in(self, s: Session) -> set[tuple[str, str]]:
-        return held_slots((str(a), str(b)) for a, b in self.db.rows(s, _BUSY))
+        return {(str(nm), str(slot)) for _b, _r, slot, nm in self.db.rows(s, RUNNING_SLOTS) if nm is not None}
 
     @staticmethod
     def _policy_studies_in(s: Session) -> list[tuple[str, str]]:
         return [(str(i), str(f)) for i, f in s.connection().execute(_POLICY_STUDIES)]
-
-
-def held_slots(batches: Iterable[tuple[str, str | None]]) -> set[tuple[str, str]]:
-    """(node manager, slot) of every slot these running batches hold: a batch on several slots holds
-    them all (its slot_id is "a,b")."""
-    return {(nm, slot) for nm, slot_ids in batches for slot in (slot_ids or "").split(",")}

@@ -14,6 +14,7 @@ from sqlalchemy import func, select, union
 from stagetree.core.lifecycle import AttemptTiming, BatchState, NodeManagerState, RequestState
 from stagetree.core.sharing import EndedAttempt, SharingStats, trial_by_trial_steps, unique_steps, work_of
 from stagetree.master.store import models as m
+from stagetree.master.store.batches import RUNNING_SLOTS
 from stagetree.master.store.database import Database, table
 
 _R, _N, _B, _A = table(m.Request), table(m.Node), table(m.Batch), table(m.BatchAttempt)
@@ -50,12 +51,7 @@ class StatsReader:
                 )
                 or 0
             )
-            running = s.execute(
-                select(_B.c.node_manager_id, _B.c.slot_id).where(
-                    _B.c.state == BatchState.RUNNING, _B.c.slot_id.is_not(None)
-                )
-            ).all()
-            taken = [(nm, slot) for nm, slots_of in running for slot in str(slots_of).split(",")]  # "a,b": several
+            taken = [(nm, slot) for _b, _r, slot, nm in s.execute(RUNNING_SLOTS)]  # a batch on n slots: n
             busy = len(set(taken))
         return Overview(studies, states, slots, busy, len(taken) - busy)
 

@@ -29,11 +29,15 @@ pytestmark = pytest.mark.timeout(240)
 CFG = {"lr": Constant(0.1), "bs": Constant(32)}
 
 
-def _batches(cluster: Embedded) -> list[tuple[str, int, str]]:
-    """(state, slots, slot ids) of every batch, in order."""
+def _batches(cluster: Embedded) -> list[tuple[str, int, tuple[str, ...]]]:
+    """(state, slots, slot ids in rank order) of every batch, in order."""
     with cluster.app.store.db.tx("test: batches") as s:
-        rows = s.execute(select(m.Batch.state, m.Batch.spec_json, m.Batch.slot_id).order_by(m.Batch.id)).all()
-    return [(str(st), int(json.loads(spec).get("slots", 1)), str(slot)) for st, spec, slot in rows]
+        rows = s.execute(select(m.Batch.id, m.Batch.state, m.Batch.spec_json).order_by(m.Batch.id)).all()
+        held = s.execute(select(m.BatchSlot.batch_id, m.BatchSlot.slot_id).order_by(m.BatchSlot.rank)).all()
+    slots: dict[int, tuple[str, ...]] = {}
+    for bid, slot in held:
+        slots[bid] = (*slots.get(bid, ()), str(slot))
+    return [(str(st), int(json.loads(spec).get("slots", 1)), slots.get(bid, ())) for bid, st, spec in rows]
 
 
 def _settings(tmp: Path, workers: int) -> EmbeddedSettings:
@@ -51,7 +55,7 @@ async def test_a_study_trains_each_batch_on_the_slots_it_asks_for(tmp_path: Path
         two = await _study(c, "two", {"slots": 2})
         got = await asyncio.wait_for(two.eval(CFG, 6), 120)
         assert set(got) == {"accuracy", "loss"}
-        assert _batches(cluster) == [("DONE", 2, "cpu0,cpu1")]
+        assert _batches(cluster) == [("DONE", 2, ("cpu0", "cpu1"))]
 
 
 async def test_an_out_of_memory_doubles_the_slots_of_the_retry(tmp_path: Path) -> None:
@@ -61,7 +65,7 @@ async def test_an_out_of_memory_doubles_the_slots_of_the_retry(tmp_path: Path) -
         got = await asyncio.wait_for(study.eval(CFG, 6), 120)
         assert set(got) == {"accuracy", "loss"} and once.exists()
         (oom, done) = _batches(cluster)
-        assert oom[:2] == ("OUT_OF_MEMORY", 1) and done == ("DONE", 2, "cpu0,cpu1")
+        assert oom[:2] == ("OUT_OF_MEMORY", 1) and done == ("DONE", 2, ("cpu0", "cpu1"))
 
 
 async def test_a_retry_on_two_slots_resumes_a_one_rank_checkpoint_and_the_plan_records_the_path_change(

@@ -39,19 +39,20 @@ async def cluster_and_client(home: Path, workers: int, http: bool = False) -> As
         yield cluster, client
 
 
-def batches_of(cluster: Embedded, study_id: str) -> list[tuple[int, str, float, float, int, str | None]]:
-    """(batch id, state, created, updated, end step, slot) of the batches of the study's plans."""
+def batches_of(cluster: Embedded, study_id: str) -> list[tuple[int, str, float, float, int, str]]:
+    """(batch id, state, created, updated, end step, its rank 0 slot) of the batches of the study's plans."""
     store = cluster.app.store
     plans = store.plans.study_plan_ids(study_id)
     with Session(store.db.engine) as s:
         rows = s.scalars(select(m.Batch).where(m.Batch.plan_id.in_(plans))).all()
+        first = dict(s.execute(select(m.BatchSlot.batch_id, m.BatchSlot.slot_id).where(m.BatchSlot.rank == 0)).all())
         return sorted(
-            (b.id, b.state, b.created_at, b.updated_at, int(json.loads(b.spec_json)["stages"][-1]["end"]), b.slot_id)
+            (b.id, b.state, b.created_at, b.updated_at, int(json.loads(b.spec_json)["stages"][-1]["end"]), first[b.id])
             for b in rows
         )
 
 
-async def settled(cluster: Embedded, study_id: str) -> list[tuple[int, str, float, float, int, str | None]]:
+async def settled(cluster: Embedded, study_id: str) -> list[tuple[int, str, float, float, int, str]]:
     """``batches_of`` once none is RUNNING: a result comes with its evaluation, before its batch's end is
     recorded."""
     deadline = time.monotonic() + 30

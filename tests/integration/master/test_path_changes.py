@@ -40,7 +40,7 @@ def _dispatch_on_two_slots(http: httpx.Client, app: MasterApp, step: int) -> tup
     app.store.nodes.register_node_manager(nm, "127.0.0.1:1", [("g0", "cpu"), ("g1", "cpu")])
     plan_id = app.store.plans.study_plan_ids(sid)[0]
     spec = json.dumps({"stages": [{"node": req["node"], "start": 10, "end": step}], "slots": 2})
-    batch = app.store.ledger.dispatch(plan_id, lambda b, a: spec, [req["request_id"]], nm, "g0,g1")
+    batch = app.store.ledger.dispatch(plan_id, lambda b, a: spec, [req["request_id"]], nm, "g0", "g1")
     assert batch is not None
     return sid, int(req["node"]), batch.id, nm
 

@@ -9,7 +9,7 @@ from sqlalchemy import create_engine
 
 from stagetree.core.batch import Point
 from stagetree.core.config import Config
-from stagetree.core.errors import AlreadyExists, FailedPrecondition, NotFound
+from stagetree.core.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from stagetree.core.lifecycle import BatchState, RequestState
 from stagetree.master.plans import config_text
 from stagetree.master.store.ingest import Ingestor
@@ -136,10 +136,10 @@ def test_grouped_heartbeats_takes_and_requeue_checks_match_one_at_a_time(store: 
     assert store.nodes.heartbeat_many([*nms, "never-registered"]) == set(nms)
     batches = store.ledger.dispatch_many(
         [
-            DispatchItem(pid, lambda bid, att: f"s{bid}", [reqs[0].id], nms[0], "gpu0"),
-            DispatchItem(pid, lambda bid, att: f"s{bid}", [reqs[1].id], nms[0], "gpu1"),
-            DispatchItem(pid, lambda bid, att: f"s{bid}", [reqs[2].id], nms[1], "gpu0"),
-            DispatchItem(pid, lambda bid, att: f"s{bid}", [reqs[3].id], nms[1], "gpu1"),
+            DispatchItem(pid, lambda bid, att: f"s{bid}", [reqs[0].id], nms[0], ("gpu0",)),
+            DispatchItem(pid, lambda bid, att: f"s{bid}", [reqs[1].id], nms[0], ("gpu1",)),
+            DispatchItem(pid, lambda bid, att: f"s{bid}", [reqs[2].id], nms[1], ("gpu0",)),
+            DispatchItem(pid, lambda bid, att: f"s{bid}", [reqs[3].id], nms[1], ("gpu1",)),
         ]
     )
     b = [x.id for x in batches if x is not None]
@@ -170,8 +170,8 @@ def test_dispatch_many_commits_a_rounds_batches_together_and_skips_taken_ones(st
     assert store.ledger.dispatch(pid, lambda bid, att: "first", [b.id], nm, "gpu1") is not None  # b is taken
     got = store.ledger.dispatch_many(
         [
-            DispatchItem(pid, lambda bid, att: f"spec-{bid}-{att}", [a.id], nm, "gpu0"),
-            DispatchItem(pid, lambda bid, att: "never", [b.id], nm, "gpu1"),
+            DispatchItem(pid, lambda bid, att: f"spec-{bid}-{att}", [a.id], nm, ("gpu0",)),
+            DispatchItem(pid, lambda bid, att: "never", [b.id], nm, ("gpu1",)),
         ]
     )
     assert got[1] is None and got[0] is not None and got[0].spec_json == f"spec-{got[0].id}-1"
@@ -225,6 +225,62 @@ def test_checkpoints_and_plan_state(store: Store) -> None:
     assert ckpts == {node: [10]} and mets == {node: [10]}
 
 
+def test_a_batch_holds_its_slots_in_rank_order(store: Store) -> None:
+    pid, node = _plan_with_node(store)
+    study = store.studies.create_study(unique("o"), "s", None)
+    a, b = store.requests.add_requests(study.id, pid, [NewRequest("a", node, 3), NewRequest("b", node, 6)])
+    nm = unique("nm")
+    store.nodes.register_node_manager(nm, "x:1", [(f"gpu{i}", "a100") for i in range(4)])
+    wide = store.ledger.dispatch(pid, lambda bid, att: "wide", [a.id], nm, "gpu3", "gpu1", "gpu2")
+    one = store.ledger.dispatch(pid, lambda bid, att: "one", [b.id], nm, "gpu0")
+    assert wide is not None and one is not None and wide.slot_ids == ("gpu3", "gpu1", "gpu2")
+    assert store.batches.get_batch(wide.id).slot_ids == ("gpu3", "gpu1", "gpu2")  # rank order, as placed
+    assert store.batches.get_batch(one.id).slot_ids == ("gpu0",)
+    running = {x.id: x.slot_ids for x in store.batches.running_batches()}
+    assert running[wide.id] == ("gpu3", "gpu1", "gpu2") and running[one.id] == ("gpu0",)
+    assert {(nm, f"gpu{i}") for i in range(4)} <= store.rounds.busy_slots()
+    reads = store.rounds.round_reads()
+    assert {x.id: x.slot_ids for x in reads.running}[wide.id] == ("gpu3", "gpu1", "gpu2")
+    assert {(nm, f"gpu{i}") for i in range(4)} <= reads.busy
+    # the attempt names rank 0's slot
+    assert [x.slot_id for x in store.nodes.take_assignments(nm) if x.batch_id == wide.id] == ["gpu3"]
+    with pytest.raises(InvalidArgument):
+        store.ledger.dispatch(pid, lambda bid, att: "none", [b.id], nm)
+
+
+def test_migration_0017_moves_joined_slot_text_into_rows_and_back(tmp_path: object) -> None:
+    from sqlalchemy import text
+
+    from stagetree.master.store.schema import alembic_config
+
+    engine = make_engine(f"sqlite:///{tmp_path}/slots.db")
+    upgrade(engine, "0016")
+    with engine.begin() as c:
+        c.execute(text("INSERT INTO plans (id, key, fixed_json, created_at, scope) VALUES (1, 'k', '{}', 0, '')"))
+        for bid, slots in ((1, "g0,g1,g2"), (2, "g3"), (3, None)):
+            c.execute(
+                text(
+                    "INSERT INTO batches (id, plan_id, state, attempt, spec_json, node_manager_id, slot_id, created_at,"
+                    " updated_at) VALUES (:b, 1, 'DONE', 1, '{}', 'nm', :s, 0, 0)"
+                ),
+                {"b": bid, "s": slots},
+            )
+    upgrade(engine)
+    with engine.connect() as c:
+        rows = c.execute(text("SELECT batch_id, rank, slot_id FROM batch_slots ORDER BY batch_id, rank")).all()
+    assert [tuple(r) for r in rows] == [(1, 0, "g0"), (1, 1, "g1"), (1, 2, "g2"), (2, 0, "g3")]
+    from alembic import command
+
+    cfg = alembic_config()
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, "0016")
+    with engine.connect() as c:
+        back = c.execute(text("SELECT id, slot_id FROM batches ORDER BY id")).all()
+    assert [tuple(r) for r in back] == [(1, "g0,g1,g2"), (2, "g3"), (3, None)]
+    engine.dispose()
+
+
 def test_old_schema_refuses_with_the_upgrade_command(tmp_path: object) -> None:
     url = f"sqlite:///{tmp_path}/old.db"
     engine = make_engine(url)
@@ -236,7 +292,7 @@ def test_old_schema_refuses_with_the_upgrade_command(tmp_path: object) -> None:
     upgrade(engine)
     check_schema(engine)
     Store.open(engine)
-    assert head_revision() == "0016"
+    assert head_revision() == "0017"
     engine.dispose()
 
 

@@ -57,7 +57,7 @@ def test_a_node_a_batch_trains_is_running_with_its_progress() -> None:
     plan, n = _plan()
     reqs = [_req(1, n["b"], RequestState.SCHED)]
     batch = RunningBatch(
-        7, 1, 1, "owner:x", "nm", "s0", 0.0, [(plan.nodes[n["b"]].parent or 0, 0, 5), (n["b"], 5, 10)], 7
+        7, 1, 1, "owner:x", "nm", ("s0",), 0.0, [(plan.nodes[n["b"]].parent or 0, 0, 5), (n["b"], 5, 10)], 7
     )
     facts = node_facts(plan, reqs, {}, {}, [batch])
     assert facts[n["b"]].state == "running" and facts[n["b"]].progress == 0.4
