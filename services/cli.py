@@ -26,7 +26,8 @@ GROUPS: dict[str, tuple[str, bool, str]] = {
     "aggregator": ("stagetree.aggregator.cli", False, "aggregator: run"),
     "study": ("stagetree.client.cli", True, "studies: list | show | best | stats | delete"),
     "plan": ("stagetree.client.cli", True, "plans: show (the stage tree as text) | forget"),
-    "nodes": ("stagetree.client.cli", True, "node managers and their slots"),
+    "hosts": ("stagetree.client.cli", True, "the hosts: node managers and their slots"),
+    "nodes": ("stagetree.client.cli", True, "deprecated: `hosts` (removed in the next release)"),
     "cluster": ("stagetree.cluster", False, "cluster up: master, aggregators, node managers as local processes"),
 }
 

@@ -355,7 +355,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--slots-per-gpu", type=int, default=1, help="slots each GPU is shared by (packing)")
     p.add_argument("--mps", action="store_true", help="packed slots run under an MPS daemon (concurrent kernels)")
     p.add_argument("--token", default="", help="the owner token clients use (default: a random one)")
-    p.add_argument("--admin-token", default="", help="the admin token, for `stagetree nodes` (default: a random one)")
+    p.add_argument("--admin-token", default="", help="the admin token, for `stagetree hosts` (default: a random one)")
     p.add_argument("--status-every", type=float, default=5.0, help="seconds between status lines (0: none)")
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  dashboard  {cluster.http_url}/dashboard/#token={cluster.token}   (signs you in)", flush=True)
             print(f"  token  {cluster.token}   (export STAGETREE_TOKEN={cluster.token})", flush=True)
             print(
-                f"  admin  {cluster.admin_token}   (stagetree nodes --token ...; set it with --admin-token)", flush=True
+                f"  admin  {cluster.admin_token}   (stagetree hosts --token ...; set it with --admin-token)", flush=True
             )
             print(f"  data under {cluster.settings.home}; Ctrl-C stops", flush=True)
             status = asyncio.create_task(_status_lines(cluster, ns.status_every, sys.stdout))

@@ -1,4 +1,4 @@
-"""The client commands of the ``stagetree`` CLI: ``study list|show|best``, ``plan show``, ``nodes``.
+"""The client commands of the ``stagetree`` CLI: ``study list|show|best``, ``plan show``, ``hosts``.
 
 They talk to the master's REST API (``--url``, default ``$STAGETREE_URL`` or ``http://127.0.0.1:8080``)
 with a bearer token (``--token`` or ``--token-file``, default ``$STAGETREE_TOKEN`` or the file
@@ -6,7 +6,8 @@ with a bearer token (``--token`` or ``--token-file``, default ``$STAGETREE_TOKEN
 verifies the master's certificate), using only the standard library, and
 print text for people or, with ``--json``, one JSON document for scripts. ``main(argv)`` is dispatched
 from ``stagetree.cli`` with the command word first (``["study", "list"]``, ``["plan", "show", ID]``,
-``["nodes"]``); it prints and returns an exit status (0 ok, 1 an error, 2 bad usage) instead of raising.
+``["hosts"]``; ``nodes`` is a deprecated alias of ``hosts``); it prints and returns an exit status (0 ok,
+1 an error, 2 bad usage) instead of raising.
 
 The formatting functions are pure (plain JSON in, text out) so they are unit-tested without a server.
 """
@@ -377,12 +378,12 @@ def format_plan(plan: Mapping[str, Any]) -> str:
     return "\n".join(head + lines)
 
 
-def format_nodes(nodes: Sequence[Mapping[str, Any]], now: float | None = None) -> str:
-    if not nodes:
+def format_hosts(hosts: Sequence[Mapping[str, Any]], now: float | None = None) -> str:
+    if not hosts:
         return "no node managers registered"
     now = time.time() if now is None else now
     rows = []
-    for n in nodes:
+    for n in hosts:
         gpus = Counter(s.get("gpu_type", "cpu") for s in n.get("slots", []))
         slots = ", ".join(f"{v}x {k}" for k, v in sorted(gpus.items())) or "-"
         age = now - float(n.get("last_heartbeat") or 0)
@@ -433,7 +434,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     forget.add_argument("study_id", metavar="STUDY", help="the study's id or name")
     forget.add_argument("--plan-key", default="", help="which plan, when the study uses several")
-    sub.add_parser("nodes", parents=[common], help="node managers and their slots (admin token)")
+    sub.add_parser("hosts", parents=[common], help="the hosts: node managers and their slots (admin token)")
+    sub.add_parser("nodes", parents=[common], help="deprecated: `hosts` (removed in the next release)")
     return p
 
 
@@ -453,9 +455,11 @@ def run(ns: argparse.Namespace, rest: RestClient) -> tuple[Any, str, int]:
     """Carry out a parsed command: (JSON document, text, exit status)."""
     if getattr(ns, "study_id", None) is not None:
         ns.study_id = study_id_of(rest, ns.study_id)
-    if ns.group == "nodes":
-        nodes = rest.get("/nodes")
-        return nodes, format_nodes(nodes), 0
+    if ns.group in ("hosts", "nodes"):
+        if ns.group == "nodes":
+            print("stagetree: `nodes` is deprecated, use `stagetree hosts`", file=sys.stderr)
+        hosts = rest.get("/hosts")
+        return hosts, format_hosts(hosts), 0
     if ns.group == "plan" and ns.command == "forget":
         out = rest.call("POST", f"/studies/{_quote(ns.study_id)}/plan/forget", plan_key=ns.plan_key)
         text = (

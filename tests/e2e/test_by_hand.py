@@ -132,7 +132,7 @@ def test_the_services_start_by_hand_as_the_deployment_guide_says(tmp_path: Path)
             _wait("the master answers", lambda: rest.get("/health").status_code == 200, 120, log)
             _wait(
                 "the node manager registers",
-                lambda: [n["node_manager_id"] for n in rest.get("/nodes", headers=admin).json()] == [nm_id],
+                lambda: [n["node_manager_id"] for n in rest.get("/hosts", headers=admin).json()] == [nm_id],
                 120,
                 log,
             )

@@ -193,7 +193,7 @@ class NodeManagerIn(BaseModel):
     slots: list[SlotIn] = Field(min_length=1)
 
 
-_scheme = HTTPBearer(auto_error=False, description="a user's token, or the admin token for /nodes")
+_scheme = HTTPBearer(auto_error=False, description="a user's token, or the admin token for /hosts")
 
 
 def _principal(
@@ -464,8 +464,9 @@ def create_rest_app(master: MasterApp) -> FastAPI:
             ],
         }
 
-    @api.post(f"{PREFIX}/nodes", status_code=201, responses=responses(403, 409, 413))
-    def register_node(body: NodeManagerIn, who: Who) -> dict[str, str]:
+    # The hosts: the node managers and their slots ("node" names a node of a search plan only). ``/nodes``
+    # is a deprecated alias, kept for one release.
+    def register_host(body: NodeManagerIn, who: Who) -> dict[str, str]:
         who.require_admin()
         master.coordination.heartbeat(body.node_manager_id, master.settings.scheduling.heartbeat_ttl_s)
         svc.register_node_manager(
@@ -473,8 +474,7 @@ def create_rest_app(master: MasterApp) -> FastAPI:
         )
         return {"node_manager_id": body.node_manager_id}
 
-    @api.get(f"{PREFIX}/nodes", responses=responses(403))
-    def list_nodes(who: Who) -> list[dict[str, Any]]:
+    def list_hosts(who: Who) -> list[dict[str, Any]]:
         return [
             {
                 "node_manager_id": n.id,
@@ -485,6 +485,23 @@ def create_rest_app(master: MasterApp) -> FastAPI:
             }
             for n in svc.list_node_managers(who)
         ]
+
+    for path, old in ((f"{PREFIX}/hosts", False), (f"{PREFIX}/nodes", True)):
+        note = "Deprecated: an alias of `/hosts`, removed in the next release. " if old else ""
+        api.post(
+            path,
+            status_code=201,
+            responses=responses(403, 409, 413),
+            deprecated=old,
+            description=note
+            + "Register a host: a node manager and its slots (admin token; node managers do this over gRPC).",
+        )(register_host)
+        api.get(
+            path,
+            responses=responses(403),
+            deprecated=old,
+            description=note + "The hosts: each node manager, its state, last heartbeat and slots (admin token).",
+        )(list_hosts)
 
     # modules whose routes import this one's types: the learning curves, and the dashboard
     from stagetree.dashboard.routes import add_dashboard_routes

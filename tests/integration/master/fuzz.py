@@ -88,7 +88,7 @@ def fuzz(
         for op in operations:
             if time.monotonic() > deadline:
                 return report
-            token = admin_token if op.path.startswith("/api/v1/nodes") else user_token
+            token = admin_token if op.path.startswith(("/api/v1/hosts", "/api/v1/nodes")) else user_token
             _fuzz_operation(op, mode, base_url, token, study_id, examples_per_operation, seed, report)
     return report
 

@@ -120,7 +120,13 @@ def test_unknown_study_and_node_manager_admin_only(http: httpx.Client) -> None:
     r = http.post("/studies/nope/requests", json={"items": [_item("a", fixed())]}, headers=ALICE)
     assert r.status_code == 404 and r.json()["error"] == "NOT_FOUND"
     body = {"node_manager_id": unique("nm"), "slots": [{"id": "g0"}]}
-    assert http.post("/nodes", json=body, headers=ALICE).status_code == 403
-    assert http.post("/nodes", json=body, headers=ADMIN).status_code == 201
-    nodes = http.get("/nodes", headers=ADMIN).json()
-    assert [n["node_manager_id"] for n in nodes] == [body["node_manager_id"]]
+    assert http.post("/hosts", json=body, headers=ALICE).status_code == 403
+    assert http.post("/hosts", json=body, headers=ADMIN).status_code == 201
+    hosts = http.get("/hosts", headers=ADMIN).json()
+    assert [n["node_manager_id"] for n in hosts] == [body["node_manager_id"]]
+    # /nodes: the deprecated alias, the same resource (and admin only too)
+    assert http.get("/nodes", headers=ADMIN).json() == hosts
+    assert http.get("/nodes", headers=ALICE).status_code == 403
+    paths = http.get("/openapi.json").json()["paths"]
+    assert all(op.get("deprecated") for op in paths["/api/v1/nodes"].values())
+    assert not any(op.get("deprecated") for op in paths["/api/v1/hosts"].values())

@@ -43,7 +43,7 @@ def test_non_finite_numbers_are_refused_before_any_route(http: httpx.Client, stu
         r.status_code == 422 and r.json()["error"] == "INVALID_ARGUMENT" and number.lstrip("-") in r.json()["message"]
     )
     slot = '{"node_manager_id": "nm-x", "address": "a", "slots": [{"id": "g0", "share": @}]}'.replace("@", number)
-    assert _raw(http, "POST", "/nodes", slot, ADMIN).status_code == 422
+    assert _raw(http, "POST", "/hosts", slot, ADMIN).status_code == 422
     _nothing_written(http, study)
 
 
@@ -67,9 +67,9 @@ def test_integers_past_64_bits_are_a_4xx(http: httpx.Client, study: str) -> None
     step = '{"items": [{"client_request_id": "a", "config": {"tuned": {"lr": 0.1}}, "step": @}]}'.replace("@", BIG)
     assert _raw(http, "POST", f"/studies/{study}/requests", step, ALICE).status_code == 422
     node = '{"node_manager_id": "nm-y", "address": "a", "slots": [{"id": "g0", "memory_bytes": @}]}'.replace("@", BIG)
-    assert _raw(http, "POST", "/nodes", node, ADMIN).status_code == 422
+    assert _raw(http, "POST", "/hosts", node, ADMIN).status_code == 422
     node = '{"node_manager_id": "nm-y", "address": "a", "slots": [{"id": "g0", "gpu_index": @}]}'.replace("@", BIG)
-    assert _raw(http, "POST", "/nodes", node, ADMIN).status_code == 422
+    assert _raw(http, "POST", "/hosts", node, ADMIN).status_code == 422
     _nothing_written(http, study)
 
 
@@ -141,7 +141,7 @@ def test_the_spec_declares_auth_typed_configs_and_each_routes_statuses(http: htt
     assert spec["components"]["securitySchemes"]["HTTPBearer"] == {
         "type": "http",
         "scheme": "bearer",
-        "description": "a user's token, or the admin token for /nodes",
+        "description": "a user's token, or the admin token for /hosts",
     }
     schemas = spec["components"]["schemas"]
     item = schemas["ItemIn"]["properties"]["config"]
@@ -210,7 +210,7 @@ def test_an_id_repeated_in_one_call_is_one_request_or_a_409_and_unknown_fields_a
     )
     assert r.status_code == 409 and r.json()["error"] == "ALREADY_EXISTS"
     slot = {"id": "g0"}
-    r = http.post("/nodes", json={"node_manager_id": "nm-dup", "slots": [slot, slot]}, headers=ADMIN)
+    r = http.post("/hosts", json={"node_manager_id": "nm-dup", "slots": [slot, slot]}, headers=ADMIN)
     assert r.status_code == 409 and "slots[1].id" in r.json()["message"]
     typo = {"kind": "cosine", "init": 0.1, "min_value": 0.0, "period": 5, "gama": 2.0}
     bad = {"client_request_id": "typo", "config": {"tuned": {"lr": typo}}, "step": 3}

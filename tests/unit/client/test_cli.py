@@ -100,7 +100,7 @@ class FakeRest:
         self.paths.append(path)
         if path == "/studies":
             return [STUDY]
-        if path == "/nodes":
+        if path == "/hosts":
             return NODES
         if path.endswith("/plan"):
             return PLAN
@@ -158,10 +158,10 @@ def test_plan_show_draws_the_tree() -> None:
 
 
 def test_nodes_table() -> None:
-    header, row = cli.format_nodes(NODES, now=1000.0).splitlines()
+    header, row = cli.format_hosts(NODES, now=1000.0).splitlines()
     assert header.split("  ")[0] == "NODE MANAGER"
     assert row.split() == ["nm-1", "ALIVE", "5s", "ago", "3", "2x", "NVIDIA", "H100,", "1x", "cpu"]
-    assert cli.format_nodes([]) == "no node managers registered"
+    assert cli.format_hosts([]) == "no node managers registered"
 
 
 def test_http_errors_map_to_the_error_tree() -> None:
@@ -201,9 +201,12 @@ def test_dispatch_from_the_main_cli(monkeypatch: pytest.MonkeyPatch, capsys: pyt
     monkeypatch.setattr(cli, "RestClient", lambda url, token, **_: FakeRest())
     assert main_cli.main(["plan", "show", "abc123"]) == 0
     assert capsys.readouterr().out.startswith("plan k1")
-    assert main_cli.main(["nodes", "--json"]) == 0
+    assert main_cli.main(["hosts", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == NODES
-    assert isinstance(cli._parser().parse_args(["nodes"]), argparse.Namespace)
+    assert isinstance(cli._parser().parse_args(["hosts"]), argparse.Namespace)
+    assert main_cli.main(["nodes", "--json"]) == 0  # the deprecated name: the same answer, and a warning
+    out = capsys.readouterr()
+    assert json.loads(out.out) == NODES and "deprecated" in out.err and "stagetree hosts" in out.err
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
