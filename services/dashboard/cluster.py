@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from stagetree.core.errors import NotFound
-from stagetree.core.failures import parse_failure
+from stagetree.core.failures import parse_failure, worker_log_name
 from stagetree.core.lifecycle import NodeManagerState, RequestState
 from stagetree.core.utilisation import busy_history
 from stagetree.dashboard.views import trial_key
@@ -217,11 +217,24 @@ class ClusterViews:
 
     # -- worker logs ----------------------------------------------------------------------------------
 
+    def _log_path(self, who: Principal, study_id: str, batch_id: int, attempt: int) -> str:
+        """Where the attempt's worker log is on its node manager's host: the whole path a failure of the
+        batch's requests noted, else its name under the work directory's ``logs/``."""
+        name = worker_log_name(batch_id, attempt)
+        carried = [rid for rid, sid, _ in self.activity.batch_requests([batch_id]).get(batch_id, []) if sid == study_id]
+        for r in self.svc.get_requests(who, study_id, carried) if carried else []:
+            noted = parse_failure(r.error).log_path if r.error else ""
+            if noted.endswith("/" + name):
+                return noted
+        return f"logs/{name}"
+
     def worker_log(
         self, who: Principal, study_id: str, batch_id: int, attempt: int, tail_bytes: int = LOG_TAIL_BYTES
     ) -> dict[str, Any]:
-        """The end of a batch attempt's worker log, for a batch that ran on a plan of the caller's study:
-        its text where this master can read it (embedded mode), else where it is."""
+        """A batch attempt's worker log, for a batch that ran on a plan of the caller's study: the end of
+        its text where this master can read the file (embedded mode), else where the file is (the node
+        manager's host and the file's path there); in every mode the lines its trainer logged, which the
+        master keeps (``core.loglines``)."""
         study = self.svc.get_study(who, study_id)
         plans = set(self.store.plans.study_plan_ids(study.id))
         row = next((a for a in self.activity.attempts([batch_id]) if a.attempt == attempt), None)
@@ -229,13 +242,27 @@ class ClusterViews:
             raise NotFound(f"batch {batch_id} attempt {attempt} did not run for study {study_id!r}")
         source = self.worker_logs()
         files: Sequence[Path] = source(row.node_manager_id, batch_id, attempt) if source is not None else []
+        nm = row.node_manager_id
+        host = next((x.address for x in self.store.nodes.node_managers() if x.id == nm), "")
+        log_path = self._log_path(who, study.id, batch_id, attempt)
+        where = (
+            f"on node manager {nm}'s host{f' ({host})' if host else ''}: {log_path}"
+            + ("" if log_path.startswith("/") else " in the node manager's work directory (STAGETREE_NM_WORK_DIR)")
+            + "; this master runs apart from that node manager and does not read its files"
+        )
         out: dict[str, Any] = {
             "batch_id": batch_id,
             "attempt": attempt,
-            "node_manager": row.node_manager_id,
+            "node_manager": nm,
             "files": [],
             "readable": bool(files),
-            "where": "" if files else f"on node manager {row.node_manager_id}'s host, in its work directory's logs/",
+            "where": "" if files else where,
+            "host": host,
+            "path": log_path,
+            "lines": [
+                {"seq": x.seq, "node": x.node, "step": x.step, "at": x.at, "line": x.line}
+                for x in self.store.batches.attempt_log_lines(batch_id, attempt)
+            ],
         }
         for path in files:
             try:

@@ -337,6 +337,14 @@ class LogFile(_Out):
     error: str
 
 
+class TrainerLine(_Out):
+    seq: int = Field(description="the line's place among its batch attempt's lines")
+    node: int
+    step: int
+    at: float = Field(description="when the trainer logged it (epoch seconds, its host's clock)")
+    line: str
+
+
 class WorkerLog(_Out):
     batch_id: int
     attempt: int
@@ -344,3 +352,14 @@ class WorkerLog(_Out):
     files: list[LogFile]
     readable: bool
     where: str = Field(description="where the log is when this master cannot read it")
+    host: str = Field("", description="the address of the node manager's host, as it registered")
+    path: str = Field(
+        "",
+        description="the log file on that host: its whole path when the node manager said it (a failed "
+        "attempt's error), else relative to the node manager's work directory (STAGETREE_NM_WORK_DIR)",
+    )
+    lines: list[TrainerLine] = Field(
+        default_factory=list,
+        description="the text lines the attempt's trainer logged (self.log_text): kept by the master, so "
+        "shown in every mode (at most core.loglines.MAX_LINES per attempt)",
+    )

@@ -138,9 +138,13 @@ export async function renderTrial(main, studyId, by, name, gen) {
     box.innerHTML = `<p class="muted">reading the log…</p>`;
     const got = await api(`/dashboard/studies/${id}/batches/${b}/log?attempt=${a}`);
     if (!alive(gen)) return;
-    box.innerHTML = got.readable
+    // the trainer's own lines (self.log_text) are kept by the master: shown in every mode, the worker's
+    // whole log where this master can read the node manager's files (embedded), else where it is
+    const lines = (got.lines || []).length ? `<h3>what its trainer logged <span class="muted">(${got.lines.length} line${got.lines.length === 1 ? "" : "s"}, at their steps)</span></h3>
+      <pre id="trainer-lines">${esc(got.lines.map((l) => `[step ${l.step}] ${l.line}`).join("\n"))}</pre>` : "";
+    box.innerHTML = (got.readable
       ? got.files.map((f) => `<h3>${esc(f.path)}${f.truncated ? ` <span class="muted">(its last ${f.text.length} characters of ${f.bytes} bytes)</span>` : ""}</h3><pre id="worker-log">${esc(f.text || f.error)}</pre>`).join("")
-      : `<p id="worker-log-where">batch ${got.batch_id} attempt ${got.attempt}: the log is ${esc(got.where)}</p>`;
+      : `<p id="worker-log-where">batch ${got.batch_id} attempt ${got.attempt}: the worker's log is ${esc(got.where)}</p>`) + lines;
     box.scrollIntoView({ block: "nearest" });
   }
   main.addEventListener("click", (e) => {

@@ -147,6 +147,15 @@ class BatchReader:
                 for b, a, q, n, st, at, line in s.execute(_LOG_LINES, {"ids": ids})
             ]
 
+    def attempt_log_lines(self, batch_id: int, attempt: int) -> list[LoggedLine]:
+        """The text lines one batch attempt's trainer logged, in their order (``seq``)."""
+        with self.db.tx("attempt log lines") as s:
+            return [
+                LoggedLine(int(b), int(a), int(q), int(n), int(st), float(at), str(line))
+                for b, a, q, n, st, at, line in s.execute(_LOG_LINES, {"ids": [batch_id]})
+                if int(a) == attempt
+            ]
+
     def executed_steps(self, plan_id: int | None = None) -> int:
         """Training steps of every ended batch attempt (of one plan, or all): all of a batch's when it ran
         to its end, else up to the furthest step its worker reported (``core.sharing.EndedAttempt``): what
