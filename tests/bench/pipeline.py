@@ -22,18 +22,34 @@ study's wall time over its ideal makespan with plain-loop step costs). Last line
 (targets: >= 20000, 0, 0, 1.00, <= 1.15), then ``ingest_vs_bare_kafka=<q>``: the steady ingest rate
 over kafka-python producing and consuming bare messages on the same broker in the same run
 (``tests.bench.refs``), a figure that moves less with the machine than the absolute rate.
+
+Against another commit: ``python -m tests.bench.pipeline --baseline REF [--pairs 2] [--no-embedded]``.
+``REF`` is checked out into a temporary git worktree whose ``services`` goes first on the children's
+``PYTHONPATH`` as ``stagetree``, and the steady case runs ``--pairs`` times for each tree, this one first,
+alternately (ABAB), on the same broker and Postgres server and with the same points. Each run is a child
+process importing its own tree: a fresh database made by that tree's migrations, seeded by its store,
+its aggregator (the run fails unless the aggregator's ``Ingestor`` is the file of its own tree, byte for
+byte; its git revision and whether it has the one-ingest ``IngestResult.completed_by`` are printed).
+``ingest_points_per_s`` is then this tree's median, and the last line adds
+``ingest_points_per_s_baseline=<n> baseline=<REF> ingest_vs_baseline=<this tree / REF>`` (target >= 0.9
+against the commit before the one-ingest change); every run's rate is kept in the results file.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import math
 import multiprocessing
 import os
 import resource
+import shutil
 import signal
+import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -80,6 +96,18 @@ class Job:
     batch_id: int
     node: int
     steps: int
+
+
+@dataclass(frozen=True)
+class Broker:
+    """The broker a case produces to: its address, and its process (whose CPU time is counted)."""
+
+    bootstrap: str
+    pid: int
+
+    @staticmethod
+    def of(broker: TansuBroker) -> Broker:
+        return Broker(broker.bootstrap, broker.process.pid)
 
 
 @dataclass
@@ -210,8 +238,8 @@ class AggregatorProcess:
     joined: threading.Event
 
 
-def start_aggregator(url: str, bootstrap: str) -> AggregatorProcess:
-    """``stagetree aggregator run`` as its own process; ``joined`` is set once it owns partitions."""
+def aggregator_env(url: str, bootstrap: str) -> dict[str, str]:
+    """The aggregator's environment: this process's (its ``PYTHONPATH`` picks the code) and its settings."""
     env = dict(os.environ)
     env.update(
         {
@@ -228,6 +256,12 @@ def start_aggregator(url: str, bootstrap: str) -> AggregatorProcess:
             "STAGETREE_AGG_KAFKA__FETCH_MAX_WAIT_MS": "100",
         }
     )
+    return env
+
+
+def start_aggregator(url: str, bootstrap: str) -> AggregatorProcess:
+    """``stagetree aggregator run`` as its own process; ``joined`` is set once it owns partitions."""
+    env = aggregator_env(url, bootstrap)
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -286,7 +320,7 @@ def wait_applied(
     return n, time.time()
 
 
-def run_case(name: str, url: str, broker: TansuBroker, args: argparse.Namespace, crash: bool) -> CaseResult:
+def run_case(name: str, url: str, broker: Broker, args: argparse.Namespace, crash: bool) -> CaseResult:
     store = Store.open(make_engine(url, pool_size=2))
     engine = store.db.engine
     try:
@@ -367,12 +401,12 @@ def run_case(name: str, url: str, broker: TansuBroker, args: argparse.Namespace,
         store.dispose()
 
 
-def cpu_seconds(broker: TansuBroker) -> dict[str, float]:
+def cpu_seconds(broker: Broker) -> dict[str, float]:
     """CPU seconds used so far by: this bench's finished child processes (node managers, aggregators),
     the broker, and the live Postgres processes; the machine is shared, so this says what a point costs
     beside how fast it went (process start-ups included; a killed aggregator's backend is not counted)."""
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    out = {"python": children.ru_utime + children.ru_stime, "broker": _proc_cpu(broker.process.pid), "postgres": 0.0}
+    out = {"python": children.ru_utime + children.ru_stime, "broker": _proc_cpu(broker.pid), "postgres": 0.0}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             text = stat.read_text()
@@ -395,25 +429,151 @@ def _stat_cpu(text: str) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+# -- side by side with another commit -----------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+INGEST = "services/master/store/ingest.py"  # the aggregator's write side: the code the comparison is about
+CODE_PROBE = """
+import hashlib, json, os, stagetree.master.store.ingest as ingest
+path = os.path.realpath(ingest.__file__)
+print(json.dumps({"ingest": path, "sha1": hashlib.sha1(open(path, "rb").read()).hexdigest(),
+                  "one_ingest": "completed_by" in ingest.IngestResult.__dataclass_fields__}))
+"""
+
+
+def aggregator_code(env: dict[str, str]) -> dict[str, object]:
+    """Which ``Ingestor`` an aggregator started with ``env`` imports: its file, the file's SHA-1, and
+    ``one_ingest`` (its ``IngestResult`` has ``completed_by``, which the one-ingest change added)."""
+    out = subprocess.run([sys.executable, "-c", CODE_PROBE], env=env, capture_output=True, text=True, check=True)
+    return dict(json.loads(out.stdout))
+
+
+def steady_child(args: argparse.Namespace) -> None:
+    """One steady case with whatever ``stagetree`` this process imports (``PYTHONPATH`` picks it): the
+    database is created by that code's migrations and seeded by its store, and the aggregator runs it.
+    The last line is the result as JSON."""
+    broker = Broker(args.steady_child, args.broker_pid)
+    with fresh_database() as url:
+        code = aggregator_code(aggregator_env(url, broker.bootstrap))
+        result = run_case("steady", url, broker, args, crash=False)
+    print(json.dumps({**code, "per_s": result.per_s, "lost": result.lost, "points": result.points}), flush=True)
+
+
+def _git(*argv: str, cwd: Path = ROOT) -> str:
+    return subprocess.run(["git", *argv], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def _steady_in_child(side: str, python_path: str, broker: Broker, args: argparse.Namespace) -> dict[str, object]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (python_path, env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, "-m", "tests.bench.pipeline", "--steady-child", broker.bootstrap]
+    cmd += ["--broker-pid", str(broker.pid), "--points", str(args.points), "--workers", str(args.workers)]
+    cmd += ["--processes", str(args.processes)]
+    child = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=600)
+    lines = child.stdout.rstrip().splitlines()
+    if child.returncode != 0 or not lines or not lines[-1].startswith("{"):
+        print(child.stdout + child.stderr[-4000:], file=sys.stderr)
+        raise SystemExit(f"the {side} steady case failed (exit status {child.returncode})")
+    run: dict[str, object] = json.loads(lines[-1])
+    print(f"{side:8s} " + "\n".join(lines[:-1]), flush=True)
+    return run
+
+
+def side_by_side(broker: Broker, args: argparse.Namespace) -> tuple[list[float], list[float], int]:
+    """The steady case ``--pairs`` times for this tree and for ``--baseline`` (checked out into a temporary
+    git worktree whose ``services`` is put first on the children's ``PYTHONPATH`` as ``stagetree``),
+    alternately, on the same broker and Postgres server (a fresh database each run). Each run checks
+    that its aggregator imports the ``Ingestor`` of its own tree (path and content). Returns the rates
+    of this tree, of the baseline, and the points lost over all runs."""
+    commit = _git("rev-parse", "--verify", f"{args.baseline}^{{commit}}")
+    where = Path(tempfile.mkdtemp(prefix="pipeline-baseline-"))
+    tree = where / "tree"
+    _git("worktree", "add", "--detach", str(tree), commit)
+    shim = where / "path"
+    shim.mkdir()
+    (shim / "stagetree").symlink_to(tree / "services")
+    expected = {
+        "current": (ROOT / INGEST, (ROOT / INGEST).read_bytes()),
+        "baseline": (tree / INGEST, subprocess.run(["git", "show", f"{commit}:{INGEST}"], cwd=ROOT,
+                                                   capture_output=True, check=True).stdout),
+    }  # fmt: skip
+    print(
+        f"side by side: current {_git('rev-parse', '--short', 'HEAD')} ({ROOT}) against baseline "
+        f"{_git('rev-parse', '--short', 'HEAD', cwd=tree)} ({tree}), {args.pairs} runs each, alternately",
+        flush=True,
+    )
+    rates: dict[str, list[float]] = {"current": [], "baseline": []}
+    lost = 0
+    try:
+        for _ in range(args.pairs):
+            for side, python_path in (("current", ""), ("baseline", str(shim))):
+                run = _steady_in_child(side, python_path, broker, args)
+                path, source = expected[side]
+                if run["ingest"] != str(path.resolve()) or run["sha1"] != hashlib.sha1(source).hexdigest():
+                    raise SystemExit(f"the {side} aggregator imported {run['ingest']}, not {path} as committed")
+                print(f"{side:8s} aggregator code: {run['ingest']} one_ingest={str(run['one_ingest']).lower()}")
+                rates[side].append(float(run["per_s"]))  # type: ignore[arg-type]
+                lost += int(run["lost"])  # type: ignore[call-overload]
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
+        shutil.rmtree(where, ignore_errors=True)
+    return rates["current"], rates["baseline"], lost
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--points", type=int, default=300_000, help="metric points per case")
     parser.add_argument("--workers", type=int, default=16, help="simulated workers (one stage batch each)")
     parser.add_argument("--processes", type=int, default=2, help="node-manager processes the workers live in")
+    parser.add_argument(
+        "--baseline", metavar="REF", default="", help="also run the steady case on this commit, alternately"
+    )
+    parser.add_argument("--pairs", type=int, default=2, help="with --baseline: steady runs of each tree")
+    parser.add_argument("--no-embedded", action="store_true", help="leave out the embedded study")
+    parser.add_argument("--steady-child", metavar="BOOTSTRAP", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--broker-pid", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.steady_child:
+        steady_child(args)
+        return
     try:
         import crc32c  # noqa: F401  (kafka-python checks record CRCs in pure Python without it)
     except ImportError:
         print("warning: the crc32c package is missing; kafka-python falls back to pure-Python CRCs", flush=True)
-    with start_tansu() as broker, fresh_database() as url:
+    figures = ""
+    with start_tansu() as tansu, fresh_database() as url:
+        broker = Broker.of(tansu)
         config = KafkaBusConfig.fast_rebalance(broker.bootstrap)
         ensure_topics(config, ALL_TOPICS, partitions=PARTITIONS)
-        steady = run_case("steady", url, broker, args, crash=False)
+        if args.baseline:
+            current, baseline, steady_lost = side_by_side(broker, args)
+            ingest, ingest_baseline = statistics.median(current), statistics.median(baseline)
+            steady = CaseResult("steady", args.points, ingest, 0, steady_lost)
+            figures = (
+                f" ingest_points_per_s_baseline={ingest_baseline:.0f} baseline={args.baseline}"
+                f" ingest_vs_baseline={ingest / ingest_baseline:.3f}"
+            )
+        else:
+            steady = run_case("steady", url, broker, args, crash=False)
         with create_engine(url).begin() as c:
             c.execute(text(AUDIT_SQL))
         crash = run_case("crash", url, broker, args, crash=True)
         kafka_ref = refs.kafka_rate(broker.bootstrap)
         print(f"reference (same run): bare_kafka_produce_consume_per_s={kafka_ref:.0f}", flush=True)
+    embedded = "" if args.no_embedded else " " + embedded_figures()
+    extra = {"side_by_side": {"current": current, "baseline": baseline}} if args.baseline else None
+    print(
+        record(
+            "pipeline",
+            f"ingest_points_per_s={steady.per_s:.0f} dup_applied={steady.dup_applied + crash.dup_applied} "
+            f"lost={steady.lost + crash.lost}{embedded} ingest_vs_bare_kafka={steady.per_s / kafka_ref:.3f}" + figures,
+            extra=extra,
+        )
+    )
+
+
+def embedded_figures() -> str:
+    """``tests.bench.embedded`` in a child process; returns its last line."""
     print("embedded: the demo's study (wider MLP) in embedded mode, then its ideal makespan", flush=True)
     child = subprocess.run(
         [sys.executable, "-m", "tests.bench.embedded"], capture_output=True, text=True, check=False, timeout=900
@@ -423,13 +583,7 @@ def main() -> None:
         print(child.stdout + child.stderr[-4000:], file=sys.stderr)
         raise SystemExit(f"the embedded run failed (exit status {child.returncode})")
     print("\n".join(lines[:-1]), flush=True)
-    print(
-        record(
-            "pipeline",
-            f"ingest_points_per_s={steady.per_s:.0f} dup_applied={steady.dup_applied + crash.dup_applied} "
-            f"lost={steady.lost + crash.lost} {lines[-1]} ingest_vs_bare_kafka={steady.per_s / kafka_ref:.3f}",
-        )
-    )
+    return lines[-1]
 
 
 if __name__ == "__main__":

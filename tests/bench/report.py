@@ -75,8 +75,14 @@ BENCHES = (
           ("submit_per_s >= 2000", "round_ms_10k <= 250", "cached_eval_p99_ms <= 20")),
     Bench("worker", "the runtime against a plain PyTorch loop, checkpoint save and load, exact resume",
           ("runtime_overhead <= 1.05", "resume_exact")),
-    Bench("pipeline", "metric points through Kafka (Tansu) and an aggregator into Postgres; the demo's study",
-          ("ingest_points_per_s >= 20000", "dup_applied == 0", "lost == 0", "embedded_overhead <= 1.15")),
+    Bench("pipeline", "metric points through Kafka (Tansu) and an aggregator into Postgres; the demo's study. "
+          "With `--baseline <commit>` (and `--pairs N`, default 2), the steady case of this tree and of that "
+          "commit's tree (a temporary git worktree first on the children's PYTHONPATH) alternately on the "
+          "same broker and Postgres: `ingest_vs_baseline` = this tree's median rate / the commit's, against "
+          "635df8a (the code before the one-ingest change)",
+          ("ingest_points_per_s >= 20000", "dup_applied == 0", "lost == 0", "embedded_overhead <= 1.15",
+           "ingest_vs_baseline >= 0.9"),
+          command="python -m tests.bench.pipeline [--baseline 635df8a --pairs 2]"),
     Bench("embedded", "the demo's study in embedded mode against an ideal platform's makespan",
           ("embedded_steps_vs_unique == 1.0", "embedded_overhead <= 1.15")),
     Bench("sqlite_rows", "the embedded store's SQLite reads as one JSON array against SQLAlchemy's row by row",
