@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stagetree.core.batch import BatchSpec, CurveSampling, Point, Source, StageSpec
 from stagetree.core.config import FixedPart
@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 class Applied:
     dispatched: list[BatchId]
     ahead: int  # of them, sent to a busy slot about to free
+    sent: list[Dispatch] = field(default_factory=list)  # the dispatches recorded (those of ``dispatched``)
 
 
 class DecisionApplier:
@@ -83,11 +84,13 @@ class DecisionApplier:
         ]
         woken: set[str] = set()
         dispatched: list[BatchId] = []
+        sent: list[Dispatch] = []
         ahead = 0
         for d, rec in zip(dispatches, self.store.ledger.dispatch_many(items), strict=True):
             if rec is None:
                 continue
             dispatched.append(BatchId(rec.id))
+            sent.append(d)
             ahead += d.ahead
             log.info(
                 "batch dispatched",
@@ -95,7 +98,7 @@ class DecisionApplier:
             )
             woken.add(d.slot.node_manager)
         self.coord.notify_many(ch_node_manager(nm) for nm in sorted(woken))
-        return Applied(dispatched, ahead)
+        return Applied(dispatched, ahead, sent)
 
     def curve_samplings(self, batches: Sequence[PlannedBatch], settings: SchedulingSettings) -> list[CurveSampling]:
         """Each batch's learning-curve sampling: the finest its requests' studies ask for

@@ -32,6 +32,7 @@ from stagetree.core.policies.study import StudyPolicies
 from stagetree.core.round import (
     BusySlot,
     CheckpointBudget,
+    Dispatch,
     PlanWork,
     Report,
     RoundInput,
@@ -104,6 +105,10 @@ class InputReader:
         self._good_plans: set[int] = set()  # plans whose fixed part was checked (a plan's rows never change)
         self._inflight: dict[tuple[int, int], InflightBatch] = {}  # (batch, attempt) -> its parsed spec
         self._running: dict[tuple[int, int], RunningAttempt] = {}
+        # (node manager, slot) -> (plan, point) where the last batch sent to it ends: once the slot is free,
+        # its worker may hold that trainer in memory (a hint: a failed batch's worker is gone, and the
+        # node manager decides)
+        self._warm: dict[tuple[str, str], tuple[PlanId, Point]] = {}
         # (batch, attempt) -> (its stages, when a round first saw it alone on its slot or None)
         self._alone: dict[tuple[int, int], tuple[tuple[InflightStage, ...], float | None]] = {}
 
@@ -169,6 +174,7 @@ class InputReader:
             reports=reports,
             settings=base.settings,
             checkpoints=budget,
+            warm=self._warm_free(free),
         )
         return RoundRead(inp, reads, uris, count, (time.perf_counter() - t0) * 1000)
 
@@ -275,8 +281,26 @@ class InputReader:
                 if ra is None:
                     continue
             kept[key] = ra
+        for key, ra in kept.items():
+            if key not in self._running and len(ra.slots) == 1:  # a master that took over learns it here
+                self._warm.setdefault((ra.slots[0].node_manager, ra.slots[0].id), (ra.plan, ra.end))
         self._running = kept
         return list(kept.values())
+
+    def sent(self, dispatches: Sequence[Dispatch]) -> None:
+        """What the slots will hold once the batches just sent end there (``_warm``)."""
+        for d in dispatches:
+            if len(d.slots) == 1:
+                self._warm[(d.slot.node_manager, d.slot.id)] = (d.batch.plan, d.batch.end)
+
+    def _warm_free(self, free: Sequence[Slot]) -> dict[tuple[PlanId, Point], Slot]:
+        """``RoundInput.warm``: the free slots whose worker may hold a trainer, by where it ended."""
+        out: dict[tuple[PlanId, Point], Slot] = {}
+        for s in free:
+            at = self._warm.get((s.node_manager, s.id))
+            if at is not None:
+                out.setdefault(at, s)
+        return out
 
     def _attempt(
         self, b: BatchRecord, reads: RoundReads, slots: Mapping[tuple[str, str], Slot]

@@ -137,6 +137,7 @@ class SchedulingLoop:
         t_write = time.monotonic()
         dec = decided.decision
         applied = self.applier.apply(dec, decided.read, self.settings, self.files)
+        self.reader.sent(applied.sent)
         took = time.monotonic() - t0
         metrics.observe_round(took, applied.dispatched, applied.ahead)
         if took >= SLOW_ROUND_S:

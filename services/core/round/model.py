@@ -113,6 +113,9 @@ class RoundInput:
     reports: Mapping[tuple[PlanId, int], Sequence[Report]] = field(default_factory=dict)
     settings: RoundSettings = field(default_factory=RoundSettings)
     checkpoints: CheckpointBudget | None = None
+    # (plan, point) -> the free slot whose worker last ended a batch there and may hold its trainer in memory:
+    # a batch loading that point runs there without reading a checkpoint (``place.FirstFit``)
+    warm: Mapping[tuple[PlanId, Point], Slot] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,10 @@
 the busy ones whose batch should end within ``lookahead_s``, soonest first. Each study's work goes
 through the place step its policies give it (``PlaceStep``):
 
-* ``FirstFit`` (the default): the first free slot; when none is left and the work allows it, the busy
-  slot that frees soonest (its node manager starts the batch there the moment it frees);
+* ``FirstFit`` (the default): the free slot whose worker holds the trainer where the batch starts
+  (``Work.warm``: it continues from memory), else the first free slot; when none is left and the work
+  allows it, the busy slot that frees soonest (its node manager starts the batch there the moment it
+  frees);
 * ``TimeSharePlace`` (Hermes): a free slot of the device (a GPU: its slots of one ``gpu_index``; the CPU
   slots of a node manager: one device) the job is bound to (``round.learn.assign_devices``); a job in
   the global queue waits;
@@ -48,6 +50,7 @@ class SlotPool:
         bound: Mapping[str, str] | None = None,
     ) -> None:
         self.free = list(free)
+        self._free_set = frozenset(self.free)
         self.bound = bound if bound is not None else {}  # time-sharing job -> its device
         self.soon = list(soon)
         self.all_slots = all_slots
@@ -72,6 +75,10 @@ class SlotPool:
         if avoid:
             return next((s for s in slots[i:] if s not in self.taken and s.node_manager not in avoid), None)
         return slots[i] if i < len(slots) else None
+
+    def free_now(self, slot: Slot) -> bool:
+        """Whether ``slot`` is free and not taken this round."""
+        return slot not in self.taken and slot in self._free_set
 
     def first_free(self, avoid: frozenset[str] = frozenset()) -> Slot | None:
         """The first free slot not taken, of a node manager not in ``avoid``."""
@@ -120,6 +127,8 @@ class FirstFit:
     lookahead: bool = True
 
     def place(self, w: Work, pool: SlotPool) -> tuple[tuple[Slot, ...], bool] | None:
+        if w.warm is not None and w.warm.node_manager not in w.avoid and pool.free_now(w.warm):
+            return (w.warm,), False  # its worker holds the trainer where the batch starts: no checkpoint read
         s = pool.first_free(w.avoid)
         if s is not None:
             return (s,), False

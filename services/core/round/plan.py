@@ -244,7 +244,10 @@ class _Round:
             if widths_wanted:
                 one = b.cost / max(p.step_scale.get(p.slots, 1.0 / p.slots), 1e-12)
                 widths = tuple((k, one * p.step_scale.get(k, 1.0 / k)) for k in genie.widths(p.slots))
-            yield Work(b, study, job, b.cost, p.slots, arrival, widths, key=key, first=min(b.requests), avoid=avoid)
+            warm = inp.warm.get((p.plan, b.source)) if inp.warm and p.slots == 1 else None
+            yield Work(
+                b, study, job, b.cost, p.slots, arrival, widths, key=key, first=min(b.requests), avoid=avoid, warm=warm
+            )
 
     def _soon(self) -> tuple[list[Slot], float | None]:
         """The busy slots whose one batch should end within the lookahead, soonest first, and when the

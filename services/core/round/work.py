@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from stagetree.core.ids import JobKey, StudyId
 from stagetree.core.round.model import PlanWork
 from stagetree.core.scheduler import Boundaries, PlannedBatch, iter_batches, order_policy
+from stagetree.core.slots import Slot
 from stagetree.core.stagetree import Stage
 
 
@@ -39,6 +40,8 @@ class Work:
     # other (slots, seconds) it may start on when its ``slots`` are not free on one node manager, in
     # preference order (``genie.WidthChoice.others``)
     others: tuple[tuple[int, float], ...] = ()
+    # the free slot whose worker holds the trainer where this batch starts (``RoundInput.warm``), if any
+    warm: Slot | None = None
 
 
 def _boundaries(steps: Sequence[int]) -> Boundaries | None:

@@ -25,7 +25,7 @@ from stagetree.core.round.learn import eval_points, losses_of, on_reports
 from stagetree.core.searchplan import Checkpoint, SearchPlan
 from stagetree.core.sequences import Constant, MultiStep
 from stagetree.core.slots import Slot
-from tests.sim.inputs import plan_work, round_input
+from tests.sim.inputs import PLAN, plan_work, round_input
 
 CPU0 = Slot("cpu0", "nm", cpu_cores=1)
 CPU1 = Slot("cpu1", "nm", cpu_cores=1)
@@ -338,9 +338,11 @@ def rounds(draw: st.DrawFn) -> RoundInput:
         {"order": "bfs"},
     ]
     policies = {s: parse_policies(draw(st.sampled_from(choices))) for s in studies}
-    return round_input(
-        plans, free, busy=busy, policies=policies, now=1.0, lookahead_s=draw(st.sampled_from((0.0, 3.0)))
-    )
+    inp = round_input(plans, free, busy=busy, policies=policies, now=1.0, lookahead_s=draw(st.sampled_from((0.0, 3.0))))
+    # free slots whose worker ended where some batch of a plan starts
+    sources = [(w.plan, st.source) for w, _ in plans for st in w.forest.stages if st.source is not None]
+    warm = {src: draw(st.sampled_from(free)) for src in sources if free and draw(st.booleans())}
+    return replace(inp, warm=warm)
 
 
 def _checkpoint(plan: SearchPlan, node: int, step: int) -> None:
@@ -457,3 +459,24 @@ def test_least_loaded_binds_as_hermes_find_available_gpu_does(loads: list[int], 
             naive[want] += 1
         assert least.take(g_thres) == want
     assert counts == naive
+
+
+def test_a_batch_goes_to_the_free_slot_whose_worker_ended_where_it_starts() -> None:
+    """``RoundInput.warm``: a trial's next batch runs on the slot that trained it last (its worker holds the
+    trainer there: no checkpoint read), unless that slot is taken or its node manager cannot run it."""
+    plan = trials("s", 10)
+    (node,) = plan.nodes
+    plan.record_metrics(Point(node, 10), {"loss": 1.0})
+    _checkpoint(plan, node, 10)
+    plan.add_request(Config.of({"trial": 0}), 20, study="s")
+    work = plan_work(plan)
+    warm = {(PLAN, Point(node, 10)): CPU1}
+    assert dispatched(plan_round(round_input([work], [CPU0, CPU1]))) == [("s", 20, ["cpu0"])]
+    dec = plan_round(replace(round_input([work], [CPU0, CPU1]), warm=warm))
+    assert dispatched(dec) == [("s", 20, ["cpu1"])] and dec.dispatches[0].batch.source == Point(node, 10)
+    assert dispatched(plan_round(replace(round_input([work], [CPU0]), warm=warm))) == [("s", 20, ["cpu0"])]
+    (pw, reqs) = work  # a warm slot on a node manager that cannot run the plan is not used
+    other = Slot("cpu0", "nm2", cpu_cores=1)
+    away = (replace(pw, unable={"nm2": "no trainer"}), reqs)
+    dec = plan_round(replace(round_input([away], [other, CPU1]), warm={(PLAN, Point(node, 10)): other}))
+    assert dispatched(dec) == [("s", 20, ["cpu1"])]
