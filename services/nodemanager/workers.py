@@ -41,6 +41,14 @@ server itself start by ``vfork`` and ``exec`` (asyncio's subprocess, ``multiproc
 holding the worker runtime, torch and ``preload`` imported, and nothing else: never gRPC (its threads and
 fork handlers do not survive a fork) and never a CUDA context. ``ForkserverLauncher.start`` checks that
 in the first process it forks (``fork_server_holds``) and refuses a server that holds either.
+
+The embedded mode may make its fork server a fork of the user's script instead (``fork_this_process``,
+taken first thing at its start): then the server holds what the script imported, gRPC's module among
+them, but it forks only where ``fork_unsafe_reason`` finds nothing that a copy could not run: one Python
+thread, no native thread of gRPC or CUDA (gRPC imported but never started has none: no channel, no
+server, no fork handler to run), no CUDA context. The first process it forks checks the CUDA context
+again (``_report_cuda``). Its workers rebind the script's standard streams and logging to their own
+log, and import the user's modules again when any was edited after the fork.
 """
 
 from __future__ import annotations
