@@ -32,8 +32,8 @@ def log_note(path: str, node_manager: str) -> str:
 
 def worker_log_name(batch_id: int, attempt: int, suffix: str = "") -> str:
     """The name of a batch attempt's worker log in its node manager's ``<work dir>/logs/`` (``suffix``:
-    ``-r<rank>`` for a rank of a batch on several slots): what the node manager names it
-    (``nodemanager.workers.batch_log_name``), so the master can say where a log it cannot read is."""
+    ``-r<rank>`` for a rank of a batch on several slots), as the node manager writes it and the master
+    names it where it cannot read it."""
     return f"batch-{batch_id}-a{attempt}{suffix}.log"
 
 

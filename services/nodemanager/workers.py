@@ -73,6 +73,7 @@ from typing import Any, Literal
 
 from stagetree.core.batch import BatchSpec
 from stagetree.core.errors import FailedPrecondition, InvalidArgument, StagetreeError
+from stagetree.core.failures import worker_log_name
 from stagetree.core.slots import SlotInfo
 from stagetree.nodemanager.reuse import ReusePolicy, TrainerKey, WorkerView, retire_after_batch, retire_before_batch
 from stagetree.nodemanager.runtime import forked_worker_main
@@ -86,12 +87,6 @@ WORKER_MODULE = "stagetree.nodemanager.runtime.worker"
 EXIT_FAILED = 1  # runtime.worker: the batch failed after reporting batch_failed
 EXIT_USAGE = 2  # runtime.worker: bad arguments or an unreadable spec
 MAX_LINE = 16 * 1024 * 1024  # one event line (a traceback can be long)
-
-
-def batch_log_name(batch_id: int, attempt: int, suffix: str = "") -> str:
-    """The name of a batch attempt's worker log (``suffix``: ``-r<rank>`` for a rank of a batch on several
-    slots)."""
-    return f"batch-{batch_id}-a{attempt}{suffix}.log"
 
 
 StartMethod = Literal["auto", "exec", "forkserver"]
@@ -325,7 +320,7 @@ class WorkerLauncher(ABC):
     def batch_logs(self, batch_id: int, attempt: int) -> list[Path]:
         """The logs of a batch attempt's workers that are still here (one per rank of a batch on several
         slots), by the names ``spawn`` gives them."""
-        names = [batch_log_name(batch_id, attempt), batch_log_name(batch_id, attempt, "-r*")]
+        names = [worker_log_name(batch_id, attempt), worker_log_name(batch_id, attempt, "-r*")]
         return [p for name in names for p in sorted(self.log_dir.glob(name))]
 
     @abstractmethod
@@ -421,7 +416,7 @@ class WorkerLauncher(ABC):
         # may not have yet: the first name goes when the worker has exited).
         rank = spec.extra.get("rank")  # a rank of a batch on several slots: a log per rank
         suffix = f"-r{int(rank['rank'])}" if isinstance(rank, dict) and "rank" in rank else ""
-        final = self.log_path(batch_log_name(spec.batch_id, spec.attempt, suffix))
+        final = self.log_path(worker_log_name(spec.batch_id, spec.attempt, suffix))
         with contextlib.suppress(FileNotFoundError):
             final.unlink()  # an earlier process's log of the same attempt
         try:

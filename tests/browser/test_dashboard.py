@@ -220,7 +220,7 @@ def test_the_contour_interpolates_the_metric_over_the_two_numeric_choices(live: 
 
 
 def test_a_failed_trial_opens_to_its_traceback_and_worker_log(live: LiveCluster, page: Any) -> None:
-    values = {**VALUES, "fault": "raise", "fault_step": BRANCH + 2}
+    values = {**VALUES, "fault": "raise", "fault_step": BRANCH + 2, "log_every": 2}
     study_id, _, _ = live.run(run_study(live, "trial-page", trainer=FAULTY, values=values))
     errors = _errors(page)
     sign_in(page, live, where=f"#/study/{study_id}")
@@ -233,6 +233,8 @@ def test_a_failed_trial_opens_to_its_traceback_and_worker_log(live: LiveCluster,
     page.click("#failure button[data-log]")
     page.wait_for_selector("#worker-log")
     assert "injected fault in user code" in page.inner_text("#worker-log")
+    # what the trainer logged (self.log_text) before the fault, beside the log
+    assert "train_loss" in page.inner_text("#trainer-lines")
     page.wait_for_selector("#trial-curve[data-ready='1']")
     assert int(page.get_attribute("#trial-curve", "data-points") or 0) > 0
     assert page.locator("#rungs tbody tr[data-state=FAILED]").count() == 1

@@ -2,7 +2,7 @@
 // it frees, is shown apart and not counted busy), each host's slots with the study and trials each batch
 // serves and its worker's log, GPU telemetry, recent failures (what was raised, where the log is) and
 // recent policy decisions.
-import { alive, api, esc, fmt, throttle, trialLink, when } from "./common.js";
+import { alive, api, esc, fmt, throttle, trialLink, when, workerLogHtml } from "./common.js";
 
 const REFRESH_MS = 5000;
 
@@ -13,7 +13,9 @@ function workHtml(w, kind) {
   const studies = (w.studies || []).map((s) => `<a href="#/study/${encodeURIComponent(s.id)}">${esc(s.name)}</a>: `
     + s.trials.map((k) => trialLink(s.id, k)).join(", ") + (s.trial_count > s.trials.length ? ` +${s.trial_count - s.trials.length}` : "")).join("; ");
   const first = (w.studies || [])[0];
-  const log = w.log && first ? ` <button type="button" data-log="${esc(first.id)}:${w.batch_id}:${w.attempt}">log</button>` : "";
+  // the log's end where this master reads the node manager's files (w.log), else where it is; and in
+  // every mode what the trainer logged
+  const log = first ? ` <button type="button" data-log="${esc(first.id)}:${w.batch_id}:${w.attempt}">log</button>` : "";
   const status = kind === "next" ? `<span class="badge s-waiting">sent ahead</span>` : w.started ? "" : `<span class="badge s-waiting">starting</span>`;
   return `${status}${studies || `<span class="muted">no live request</span>`}<div class="muted">batch ${w.batch_id} (attempt ${w.attempt}), nodes ${w.nodes.join(" → ")},
     steps ${w.start}–${w.end}${kind === "next" ? "" : ` <span class="progress" title="step ${w.step}"><i style="width:${pct}%"></i></span> ${w.step}`}${log}</div>`;
@@ -77,8 +79,7 @@ export async function renderCluster(main, gen) {
       box.innerHTML = `<p class="muted">reading the log…</p>`;
       try {
         const got = await api(`/dashboard/studies/${encodeURIComponent(sid)}/batches/${b}/log?attempt=${a}`);
-        box.innerHTML = got.readable ? got.files.map((f) => `<h3>${esc(f.path)}</h3><pre id="worker-log">${esc(f.text || f.error)}</pre>`).join("")
-          : `<p>batch ${b} attempt ${a}: the log is ${esc(got.where)}</p>`;
+        box.innerHTML = workerLogHtml(got);
       } catch (err) { box.textContent = err.message; }
       box.scrollIntoView({ block: "nearest" });
       return;

@@ -129,6 +129,19 @@ export function csv(header, rows) {
   return [header, ...rows].map((r) => r.map(cell).join(",")).join("\n") + "\n";
 }
 
+// A batch attempt's worker log as GET .../batches/{b}/log answers it: the end of its file where this master
+// reads the node manager's files (the embedded mode), else where the file is; and in every mode the
+// lines its trainer logged (self.log_text), which the master keeps.
+export function workerLogHtml(got) {
+  const files = got.readable
+    ? got.files.map((f) => `<h3>${esc(f.path)}${f.truncated ? ` <span class="muted">(its last ${f.text.length} characters of ${f.bytes} bytes)</span>` : ""}</h3><pre id="worker-log">${esc(f.text || f.error)}</pre>`).join("")
+    : `<p id="worker-log-where">batch ${got.batch_id} attempt ${got.attempt}: the worker's log is ${esc(got.where)}</p>`;
+  const n = (got.lines || []).length;
+  const lines = n ? `<h3>what its trainer logged <span class="muted">(${n} line${n === 1 ? "" : "s"}, at their steps)</span></h3>
+    <pre id="trainer-lines">${esc(got.lines.map((l) => `[step ${l.step}] ${l.line}`).join("\n"))}</pre>` : "";
+  return files + lines;
+}
+
 // A metric's name with where it comes from, so a training loss and an evaluation loss never look alike.
 export function metricLabel(name, kind) { return kind === "eval" ? `${name} (eval)` : `${name} (train)`; }
 

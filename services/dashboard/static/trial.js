@@ -2,7 +2,7 @@
 // the worker's log), its schedule over every step it was asked for, its rungs, its learning curve with
 // its evaluations at their steps, the steps it shares with which other trials, and the batch attempts
 // that ran it (host, slot, times, logs).
-import { PALETTE, alive, api, badge, duration, esc, fmt, metricLabel, robustRange, throttle, tick, trialLink, when, word } from "./common.js";
+import { PALETTE, alive, api, badge, duration, esc, fmt, metricLabel, robustRange, throttle, tick, trialLink, when, word, workerLogHtml } from "./common.js";
 
 export async function renderTrial(main, studyId, by, name, gen) {
   const id = encodeURIComponent(studyId);
@@ -138,13 +138,7 @@ export async function renderTrial(main, studyId, by, name, gen) {
     box.innerHTML = `<p class="muted">reading the log…</p>`;
     const got = await api(`/dashboard/studies/${id}/batches/${b}/log?attempt=${a}`);
     if (!alive(gen)) return;
-    // the trainer's own lines (self.log_text) are kept by the master: shown in every mode, the worker's
-    // whole log where this master can read the node manager's files (embedded), else where it is
-    const lines = (got.lines || []).length ? `<h3>what its trainer logged <span class="muted">(${got.lines.length} line${got.lines.length === 1 ? "" : "s"}, at their steps)</span></h3>
-      <pre id="trainer-lines">${esc(got.lines.map((l) => `[step ${l.step}] ${l.line}`).join("\n"))}</pre>` : "";
-    box.innerHTML = (got.readable
-      ? got.files.map((f) => `<h3>${esc(f.path)}${f.truncated ? ` <span class="muted">(its last ${f.text.length} characters of ${f.bytes} bytes)</span>` : ""}</h3><pre id="worker-log">${esc(f.text || f.error)}</pre>`).join("")
-      : `<p id="worker-log-where">batch ${got.batch_id} attempt ${got.attempt}: the worker's log is ${esc(got.where)}</p>`) + lines;
+    box.innerHTML = workerLogHtml(got);
     box.scrollIntoView({ block: "nearest" });
   }
   main.addEventListener("click", (e) => {
