@@ -27,9 +27,12 @@ const PROGRESSIVE = { progressive: 400, progressiveThreshold: 800 };
 
 export async function renderStudy(main, studyId, gen) {
   const id = encodeURIComponent(studyId);
-  // the trials and a first curve at once (without a metric, the server picks a loss-like step metric);
-  // the evaluation curves are the trials' rungs, so they come with the trials (no request of their own)
-  let [data, first] = await Promise.all([api(`/dashboard/studies/${id}`), api(`/dashboard/studies/${id}/curves`)]);
+  // the trials and a first curve asked for at once (without a metric, the server picks a loss-like step
+  // metric); the evaluation curves are the trials' rungs, so they come with the trials (no request of
+  // their own). The curves take longest: the rest of the page is drawn while they come.
+  const firstP = api(`/dashboard/studies/${id}/curves`);
+  firstP.catch(() => {}); // awaited below, once the trials are drawn (a failure shows there)
+  let data = await api(`/dashboard/studies/${id}`);
   const state = {
     metric: null, evalMetric: null, pcMetric: null, x: "step", log: false, robust: true, smooth: 0,
     sort: "started_at", asc: true, filter: "", stateFilter: "", page: 0, hover: null,
@@ -608,13 +611,15 @@ export async function renderStudy(main, studyId, gen) {
   document.getElementById("smooth").addEventListener("input", (e) => { state.smooth = Number(e.target.value); drawCurves(); });
 
   drawHeader();
-  if (first.kind === "step") { state.metric = first.metric; applyCurves(first, false); }
-  else { applyCurves(first, false); if (first.kind === "eval") state.evalMetric = first.metric; }
   fillMetrics();
   loadEval();
-  if (first.kind !== "step") drawCurves();
   drawTrials();
   drawChoices();
+  const first = await firstP;
+  if (!alive(gen)) { window.removeEventListener("resize", onResize); Object.values(charts).forEach((c) => c.dispose()); return null; }
+  if (first.kind === "step") state.metric = first.metric;
+  applyCurves(first, false);
+  if (first.kind !== "step") drawCurves();
 
   const refresh = throttle(async () => {
     const got = await api(`/dashboard/studies/${id}`);
