@@ -4,7 +4,10 @@
                                        [--fresh-fork-server]
 
 The same TPE sampler and median pruner through ``OptunaTuner(promotions="pruner")``, rungs 3/9/27,
-``--workers`` CPU slots with one torch thread each; ``--grid 0``: continuous floats (nothing shared).
+``--workers`` CPU slots with one torch thread each and as many trials in flight (docs/integrations.md:
+``max_concurrent`` is the number of slots; Optuna's process runs one trial at a time, and with two in
+flight on one slot the pruner, which waits for five complete trials, lets more trials run on: 540 steps
+against 396 in one measurement); ``--grid 0``: continuous floats (nothing shared).
 Writes the best accuracy, the study's sharing stats and when the first result came (``time.time()``)
 to OUT.json.
 """
@@ -47,7 +50,7 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
         tuner = OptunaTuner(
             space(ns.grid or None), optuna.samplers.TPESampler(seed=ns.seed), metric="accuracy", mode="max",
             n_trials=ns.trials, min_step=RUNGS[0], max_step=RUNGS[-1], eta=3, promotions="pruner",
-            pruner=optuna.pruners.MedianPruner(n_startup_trials=5), max_concurrent=2 * ns.workers,
+            pruner=optuna.pruners.MedianPruner(n_startup_trials=5), max_concurrent=ns.workers,
         )  # fmt: skip
         await stagetree.drive(study, tuner, on_event=on_event)
         stats = await study.stats()
