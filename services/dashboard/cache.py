@@ -36,9 +36,11 @@ class VersionedCache(Generic[V]):
         self.builds = 0  # how many times a value was built (tests read it)
 
     def get(self, key: Hashable, version: Hashable, build: Callable[[], V], cacheable: bool = True) -> V:
+        """The value kept for ``key`` at ``version``, else ``build()`` kept at it; with ``cacheable``
+        False (what the value shows moves without its version) built each time and not kept."""
         with self._lock:
             got = self._d.get(key)
-        if got is not None and got[0] == version:
+        if cacheable and got is not None and got[0] == version:
             return got[1]
         value = build()
         with self._lock:
