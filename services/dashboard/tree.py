@@ -151,9 +151,9 @@ class TreeViews:
         key, pid = self.svc.study_plan(who, study_id, plan_key)  # the caller's study, or NotFound
         plan = self.svc.plans.refresh(pid)
         reqs = [r for r in self.activity.request_heads(study_id) if r.plan_id == pid]
-        _counts, ckpts, mets = self.store.plans.plan_state(pid)
+        ckpts, mets, changed = self.store.plans.plan_marks(pid)
         facts = node_facts(plan, reqs, mets, ckpts, self._running(pid) if running is None else running)
-        return key, pid, plan, reqs, facts, (ckpts, mets)
+        return key, pid, plan, reqs, facts, (ckpts, mets, changed)
 
     def tree_json(self, who: Principal, study_id: str, plan_key: str = "") -> bytes:
         """``tree`` as JSON, built again only when the study's requests, the plan's nodes, checkpoints,
@@ -176,8 +176,7 @@ class TreeViews:
     def tree(
         self, who: Principal, study_id: str, plan_key: str = "", running: list[RunningBatch] | None = None
     ) -> dict[str, Any]:
-        key, _pid, plan, reqs, facts, (ckpts, mets) = self._read(who, study_id, plan_key, running)
-        changes = self.store.paths.of_nodes(list(plan.nodes))
+        key, _pid, plan, reqs, facts, (ckpts, mets, changed) = self._read(who, study_id, plan_key, running)
         through: dict[int, set[str]] = defaultdict(set)
         trials = []
         for t in group_trials(reqs):
@@ -203,7 +202,7 @@ class TreeViews:
                     "checkpoints": sorted(ckpts.get(nid, [])),
                     "evals": len(mets.get(nid, [])),
                     "trials": len(through[nid]),
-                    "rescaled": bool(changes.get(nid)),
+                    "rescaled": nid in changed,
                 }
             )
         return {"key": key, "nodes": nodes, "trials": trials}
@@ -212,7 +211,7 @@ class TreeViews:
         """One node in full: its schedule on its span, checkpoints, evaluations, curve points, path
         changes, and the study's trials that pass through it (how far each trains on it, its state, its
         metrics and, for a failed one, what was raised)."""
-        key, _pid, plan, heads, facts, (ckpts, mets) = self._read(who, study_id, plan_key)
+        key, _pid, plan, heads, facts, (ckpts, mets, _changed) = self._read(who, study_id, plan_key)
         n = plan.nodes.get(node_id)
         if n is None:
             raise NotFound(f"node {node_id} is not in the study's plan {key!r}")

@@ -176,21 +176,42 @@ class PlanStore:
                 .group_by(m.Request.node_id, m.Request.state)
             ):
                 counts.setdefault(int(node), {})[str(RequestState(state))] = int(n)
-            ckpts: dict[int, list[int]] = {}
-            for node, step in s.execute(
-                select(m.Checkpoint.node_id, m.Checkpoint.step)
-                .join(m.Node, m.Node.id == m.Checkpoint.node_id)
-                .where(m.Node.plan_id == plan_id)
-            ):
-                ckpts.setdefault(int(node), []).append(int(step))
-            mets: dict[int, list[int]] = {}
-            for node, step in s.execute(
-                select(m.Metric.node_id, m.Metric.step)
-                .join(m.Node, m.Node.id == m.Metric.node_id)
-                .where(m.Node.plan_id == plan_id)
-            ):
-                mets.setdefault(int(node), []).append(int(step))
+            ckpts, mets = self._marks_in(s, plan_id)
             return counts, ckpts, mets
+
+    def plan_marks(self, plan_id: int) -> tuple[dict[int, list[int]], dict[int, list[int]], set[int]]:
+        """Per node: checkpoint steps and metric steps; and the nodes with a path change (what a stage
+        tree marks on its nodes: ``plan_state`` without the request counts, which it reads apart)."""
+        with self.db.tx("plan marks") as s:
+            ckpts, mets = self._marks_in(s, plan_id)
+            changed = {
+                int(n)
+                for n in s.scalars(
+                    select(m.PathChange.node_id)
+                    .join(m.Node, m.Node.id == m.PathChange.node_id)
+                    .where(m.Node.plan_id == plan_id)
+                    .distinct()
+                )
+            }
+            return ckpts, mets, changed
+
+    @staticmethod
+    def _marks_in(s: Session, plan_id: int) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+        ckpts: dict[int, list[int]] = {}
+        for node, step in s.execute(
+            select(m.Checkpoint.node_id, m.Checkpoint.step)
+            .join(m.Node, m.Node.id == m.Checkpoint.node_id)
+            .where(m.Node.plan_id == plan_id)
+        ):
+            ckpts.setdefault(int(node), []).append(int(step))
+        mets: dict[int, list[int]] = {}
+        for node, step in s.execute(
+            select(m.Metric.node_id, m.Metric.step)
+            .join(m.Node, m.Node.id == m.Metric.node_id)
+            .where(m.Node.plan_id == plan_id)
+        ):
+            mets.setdefault(int(node), []).append(int(step))
+        return ckpts, mets
 
 
 def _node_row(plan_id: int, parent: int | None, start: int, digest: str, config_json: str) -> dict[str, Any]:
