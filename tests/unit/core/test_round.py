@@ -335,6 +335,7 @@ def rounds(draw: st.DrawFn) -> RoundInput:
         {"time_share": "hermes", "time_share_params": {"quantum_s": 1}},
         {"placement": "wfd", "placement_params": {"compute": 50}},
         {"qos": "prior"},
+        {"qos": "normal", "slots": 2},  # a width of 1 or 2, the other when its own is not free
         {"order": "bfs"},
     ]
     policies = {s: parse_policies(draw(st.sampled_from(choices))) for s in studies}
@@ -365,6 +366,7 @@ def test_a_round_serves_each_request_once_runs_no_stage_twice_and_overcommits_no
     free, soon = set(inp.free), {b.slot for b in inp.busy if b.ends_at is not None}
     for d in dec.dispatches:
         assert len(d.slots) == d.batch.slots and len({s.node_manager for s in d.slots}) == 1
+        assert len({s.rank_place for s in d.slots}) == len(d.slots)  # no two ranks on one GPU
         assert all(s in free for s in d.slots) or (d.ahead and len(d.slots) == 1 and d.slot in soon)
         assert d.batch.ready
     again = plan_round(inp)  # deterministic, and the input is untouched
