@@ -22,8 +22,10 @@ papers' (``tests/sim/papers``); several seeds are averaged. The figures go to
   fit (r = 2 and 3, Table III's situation), mean over instances; the few-trials r = 1 case is printed.
 * GENIE (§IV-B, Fig. 4): Poisson task queues of 24 h at 5, 10, 20 tasks/h on 4 nodes x 4 GPUs, models
   fitted from a noisy lightweight profile, Eq. 5's theta = 0.02; a batch's slots are on one node (the
-  round places them on one node manager, so widths are 1, 2 or 4); per density GENIE's QoS-guarantee %
-  over the best baseline's, geometric mean over densities.
+  round places them on one node manager, so widths are 1 to 4); per density GENIE's QoS-guarantee %
+  over the best baseline's, geometric mean over densities. An Urgent task's ECT is its arrival, which
+  nothing meets, so no policy passes the share of the other tasks (about 95%): the line also gives the
+  geometric mean a policy meeting every other deadline would reach against the same baselines.
 * Mixed: on 8 GPUs (2 nodes), a Hermes-bin study (16 jobs) and an ASHA study (shared prefixes) at once,
   the lookahead on, run three ways: both with the default steps, both time-shared by Hermes, and each
   with the steps that suit it (Hermes for the first, the default for ASHA). Each run's score is the
@@ -242,12 +244,15 @@ def genie(seeds: int = 4) -> tuple[float, str]:
     shape = ClusterShape(4, 4)
     baselines = ("maxocc", "minocc", "perfpre", "cerpre")
     ratios = []
+    bounds = []
     parts = []
     for density in (5, 10, 20):
         qos: dict[str, list[float]] = {p: [] for p in (*baselines, "genie")}
         span: dict[str, list[float]] = {p: [] for p in qos}
+        meetable = []
         for seed in range(seeds):
             tasks = genie_w.genie_tasks(density, seed=seed)
+            meetable.append(100.0 * sum(t.qos != "urgent" for t in tasks) / len(tasks))
             believed = genie_w.profiled_models(shape, seed=seed)
             for p in qos:
                 run = genie_w.run_qos(tasks, p, shape, believed)
@@ -256,6 +261,7 @@ def genie(seeds: int = 4) -> tuple[float, str]:
         mean = {p: statistics.mean(v) for p, v in qos.items()}
         best = max(baselines, key=lambda p: mean[p])
         ratios.append(mean["genie"] / mean[best])
+        bounds.append(statistics.mean(meetable) / mean[best])
         best_span = min(statistics.mean(span[p]) for p in baselines)
         parts.append(
             f"{density}/h genie {mean['genie']:.1f}% vs {best} {mean[best]:.1f}% ({ratios[-1]:.2f}x), "
@@ -263,7 +269,11 @@ def genie(seeds: int = 4) -> tuple[float, str]:
         )
         detail(f"genie {density}/h " + " ".join(f"{p}={mean[p]:.1f}%/{statistics.mean(span[p]):.1f}h" for p in qos))
     g = geomean(ratios)
-    line = f"genie: QoS-guarantee %, 16 GPUs, {seeds} seeds: " + "; ".join(parts) + f"; geomean {g:.2f}x"
+    line = (
+        f"genie: QoS-guarantee %, 16 GPUs, {seeds} seeds: "
+        + "; ".join(parts)
+        + f"; geomean {g:.2f}x (every non-urgent deadline met: {geomean(bounds):.2f}x)"
+    )
     return g, line
 
 
