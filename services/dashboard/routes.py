@@ -149,7 +149,7 @@ def add_dashboard_routes(api: FastAPI, master: MasterApp) -> None:
                 activity.request_version(st.id),
             )
             got = curve_answers.get(
-                (st.id, plan_key, metric, kind, max_points, times),
+                (st.id, pid, metric, kind, max_points, times),
                 version,
                 lambda: read_curves(who, study_id, metric, kind, max_points, None, times, plan_key),
             )
