@@ -60,7 +60,7 @@ def add_dashboard_routes(api: FastAPI, master: MasterApp) -> None:
     clusters = ClusterViews(master.service, lambda: master.worker_logs)
     curves = CurveService(master.service)
     activity = ActivityReader(master.store.db)
-    curve_answers: VersionedCache[dict[str, Any]] = VersionedCache()  # see ``cache``
+    curve_answers: VersionedCache[dict[str, Any]] = VersionedCache(size=16)  # see ``cache``
 
     api.mount("/dashboard/static", StaticFiles(directory=STATIC), name="dashboard-static")
 

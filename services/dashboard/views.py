@@ -173,7 +173,7 @@ class DashboardViews:
         self.curves = CurveService(service)
         # per study, built from its requests alone and kept while they are unchanged (``cache``): the
         # study page but its stats, and the studies list's row but its stats and times
-        self.pages: VersionedCache[dict[str, Any]] = VersionedCache()
+        self.pages: VersionedCache[dict[str, Any]] = VersionedCache(size=16)
         self.rows: VersionedCache[dict[str, Any]] = VersionedCache(size=1024)
 
     # -- studies --------------------------------------------------------------------------------------
