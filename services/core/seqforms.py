@@ -108,11 +108,11 @@ def _multistep(segs: list[Segment]) -> Sequence | None:
     if any(s.kind != "const" or s.params[0] != d for s in segs) or d not in ("float", "int"):
         return None
     v0, v1 = segs[0].params[1], segs[1].params[1]
-    if v0 == 0 or v1 / v0 <= 0:
-        return None
     try:
+        if v0 == 0 or v1 / v0 <= 0:
+            return None
         cand = MultiStep(_num(d, v0), [s.start for s in segs[1:]], canon_float(v1 / v0))
-    except SequenceError:
+    except (SequenceError, OverflowError):  # an int ratio past a float's range is no MultiStep's gamma
         return None
     return cand if _same(cand, segs) else None
 

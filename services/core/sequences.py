@@ -10,6 +10,11 @@ function of the local step ``u = step - start`` (parameters are re-based at ever
 * two sequences agree on steps [0, k) exactly when their segments covering [0, k) agree in
   ``(start, kind, params)``: ``MultiStep(0.1, [100], 0.5)`` and ``Constant(0.1)`` share [0, 100).
 
+Every value and parameter is a finite number (or a string or bool): a schedule whose canonical form or a
+value the master computes while placing it (a one-step piece, ``MultiStep``'s ``init * gamma**i``, a
+warm-up's slope) would be past a float's range is refused with a ``SequenceError`` whose message holds
+``OVERFLOW``; a value read at a step past that range is refused the same way.
+
 ``params[0]`` is the value type: ``"float"``, ``"int"`` (values rounded to the nearest int),
 ``"str"`` or ``"bool"`` (categorical, constants only).
 
@@ -48,6 +53,9 @@ SIGNIFICANT_DIGITS = 12
 _PERIODIC_KINDS = frozenset({"cosine", "cyclic", "step"})
 KINDS = frozenset({"const", "linear", "exp", "step", "cosine", "cyclic"})
 DTYPES = frozenset({"float", "int", "str", "bool"})
+# in the message of every refusal of a value past a float's range (the REST fuzz counts these apart)
+OVERFLOW = "is past a float's range"
+_FLOAT_MAX_EXP = 1024  # 2**1024 is past the largest float
 
 
 class Segment(NamedTuple):
@@ -75,15 +83,23 @@ def canon_float(x: float) -> float:
 # Evaluation of one segment
 
 
+def _pow(g: float | int, n: int) -> float | int:
+    """``g ** n``; an int ``g`` (exact) whose power is past a float's range is an ``OverflowError``, as a
+    float's is, rather than a number of ``n`` bits (``10 ** 2**62`` would never finish)."""
+    if isinstance(g, int) and abs(g) > 1 and n * (abs(g).bit_length() - 1) > _FLOAT_MAX_EXP:
+        raise OverflowError(f"{g} ** {n}")
+    return g**n
+
+
 def _raw(kind: str, p: Params, u: int) -> Any:
     if kind == "const":
         return p[1]
     if kind == "linear":
         return p[1] + p[2] * u
     if kind == "exp":
-        return p[1] * p[2] ** u
+        return p[1] * _pow(p[2], u)
     if kind == "step":
-        return p[1] * p[3] ** (u // p[2])
+        return p[1] * _pow(p[3], u // p[2])
     if kind == "cosine":
         hi, lo, period, mult = p[1], p[2], p[3], p[4]
         length = period
@@ -102,14 +118,23 @@ def _raw(kind: str, p: Params, u: int) -> Any:
 
 
 def segment_value(seg: Segment, step: int) -> Value:
-    v = _raw(seg.kind, seg.params, step - seg.start)
+    """The segment's value at ``step``; ``SequenceError`` (``OVERFLOW``) where it is past a float's range."""
     dtype = seg.params[0]
-    if dtype == "int":
-        return int(round(v))  # noqa: RUF046 - v may be a float
-    if dtype == "float":
-        return float(v)
-    out: Value = v
-    return out
+    try:
+        v = _raw(seg.kind, seg.params, step - seg.start)
+        if dtype == "int":
+            return int(round(v))  # noqa: RUF046 - v may be a float
+        if dtype == "float":
+            out = float(v)
+            if not math.isfinite(out):  # float arithmetic overflows to inf (or nan: inf - inf) silently
+                raise OverflowError(out)
+            return out
+    except (OverflowError, ValueError):  # int(round(nan)) is a ValueError
+        raise SequenceError(
+            seg.kind, f"value at step {step}", f"{OVERFLOW}: keep the schedule's values finite"
+        ) from None
+    raw: Value = v
+    return raw
 
 
 def value_at(segments: Segments, step: int) -> Value:
@@ -200,6 +225,14 @@ def _continues(a: Segment, b: Segment) -> bool:
     """True when ``b`` is the same elementary function as ``a``, carried on past ``a.end``."""
     if a.kind != b.kind or a.params[0] != b.params[0] or a.end is None:
         return False
+    try:
+        return _carries_on(a, b)
+    except OverflowError:  # a's value at its end is past a float's range: no finite b starts there
+        return False
+
+
+def _carries_on(a: Segment, b: Segment) -> bool:
+    assert a.end is not None
     n = a.end - a.start
     pa, pb = a.params, b.params
     if a.kind == "const":
@@ -207,9 +240,11 @@ def _continues(a: Segment, b: Segment) -> bool:
     if a.kind == "linear":
         return pa[2] == pb[2] and canon_float(pa[1] + pa[2] * n) == canon_float(pb[1])
     if a.kind == "exp":
-        return pa[2] == pb[2] and canon_float(pa[1] * pa[2] ** n) == canon_float(pb[1])
+        return pa[2] == pb[2] and canon_float(pa[1] * _pow(pa[2], n)) == canon_float(pb[1])
     if a.kind == "step":
-        return pa[2:] == pb[2:] and n % pa[2] == 0 and canon_float(pa[1] * pa[3] ** (n // pa[2])) == canon_float(pb[1])
+        return (
+            pa[2:] == pb[2:] and n % pa[2] == 0 and canon_float(pa[1] * _pow(pa[3], n // pa[2])) == canon_float(pb[1])
+        )
     return False
 
 
@@ -229,6 +264,12 @@ def normalize(segments: Iterable[Segment]) -> Segments:
     for a, b in itertools.pairwise(out):
         if a.end != b.start:
             raise SequenceError("sequence", "segments", f"gap or overlap at step {a.end}")
+    for seg in out:
+        for x in seg.params[1:]:
+            if isinstance(x, float) and not math.isfinite(x):  # an inf or nan computed from finite input
+                raise SequenceError(
+                    "sequence", f"segment at step {seg.start}", f"a {seg.kind} parameter {OVERFLOW}: keep it finite"
+                )
     return tuple(out)
 
 
@@ -264,7 +305,11 @@ class Sequence(ABC):
     def segments(self) -> Segments:
         cached = self.__dict__.get("_segments")
         if cached is None:
-            cached = normalize(self._raw_segments())
+            try:
+                raw = self._raw_segments()
+            except OverflowError:  # MultiStep's init * gamma**i, a warm-up's slope from an int past a float
+                raise SequenceError(self.family, "value", f"{OVERFLOW}: keep the schedule's values finite") from None
+            cached = normalize(raw)
             object.__setattr__(self, "_segments", cached)
         return cached  # type: ignore[no-any-return]
 
@@ -751,7 +796,10 @@ def first_divergence(a: Segments, b: Segments, start: int, limit: int) -> int:
         else:
             stop = min(end, limit, pos + budget)
             for s in range(pos, stop):
-                va, vb = segment_value(sa, s), segment_value(sb, s)
+                try:
+                    va, vb = segment_value(sa, s), segment_value(sb, s)
+                except SequenceError:  # a value past a float's range compares with nothing: they part here
+                    return s
                 if va != vb or type(va) is not type(vb):
                     return s
             budget -= stop - pos

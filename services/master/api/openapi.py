@@ -9,8 +9,12 @@ them, so a new family or field cannot be left out of the spec.
 Where the server judges a text field (``core.text.check_text``: its length, no control character), the
 spec says so with ``minLength``/``maxLength`` and a ``pattern`` (:func:`text`); where a limit is a setting
 (a study name's length, the items of one submission), ``add_components`` writes this master's value.
-Rules that JSON Schema cannot state (a list strictly increasing, one boundary fewer than pieces) are in
-the schema's ``description``.
+Rules that JSON Schema cannot state are in the schema's ``description``, each worded as the server's
+refusal words it (``CROSS_ITEM_RULES``): steps strictly increasing, one boundary fewer than pieces,
+segments that cover [0, forever), and every value the master computes from a schedule within a float's
+range (``MultiStep``'s ``init * gamma**i``, a warm-up's slope). Where a rule is stated by a stricter
+schema than the core's check (a warm-up's ``then``: its first value numeric), every case the spec
+allows is still one the server accepts.
 
 Non-finite metric values (a diverged loss) are the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"``
 in every REST answer, as the store keeps them (JSON has no such numbers); gRPC carries the same values as
@@ -24,11 +28,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, WithJsonSchema
 
 from stagetree.core.policies.study import POLICY_NAMES, POLICY_PARAMS
+from stagetree.core.sequences import OVERFLOW
 from stagetree.core.text import INT64_MAX
 from stagetree.master.service import MAX_ID_LEN
 from stagetree.master.settings import LimitSettings
 
-__all__ = ["MAX_ID_LEN", "add_components", "responses", "text"]
+__all__ = ["CROSS_ITEM_RULES", "MAX_ID_LEN", "add_components", "responses", "text"]
 
 NON_FINITE = ("NaN", "Infinity", "-Infinity")
 
@@ -46,6 +51,18 @@ def text(max_len: int, *, empty: bool = False, blank: bool = True) -> dict[str, 
 _NUMBER = {"type": "number"}
 _STEPS = {"type": "integer", "minimum": 1, "maximum": 2**63 - 1}
 _SEQ = {"$ref": "#/components/schemas/Sequence"}
+# a schedule inside another (a piece, a warm-up's then): a value or a family object; the canonical segment
+# list is a top-level form only (core.config.Config.of reads it, core.sequences.from_json does not)
+_PIECE = {"$ref": "#/components/schemas/Piece"}
+_NUMERIC_PIECE = {"$ref": "#/components/schemas/NumericPiece"}
+
+# what the server's refusal says (its 422 message holds the phrase) for each rule JSON Schema cannot state
+CROSS_ITEM_RULES: dict[str, tuple[str, ...]] = {
+    "segments cover [0, forever)": ("must cover [0, forever) without gaps", "gap or overlap at step"),
+    "steps strictly increasing": ("must be strictly increasing",),
+    "one boundary fewer than pieces": ("need one boundary fewer than pieces",),
+    "values within a float's range": (OVERFLOW,),
+}
 
 
 _NAME = {"minLength": 1, "maxLength": 128}  # a hyper-parameter's name (core.config._check_name)
@@ -56,32 +73,59 @@ def _family(kind: str, required: dict[str, Any], optional: dict[str, Any] | None
     return {"type": "object", "required": ["kind", *required], "properties": props, "additionalProperties": False}
 
 
+_INCREASING = (
+    "strictly increasing: a rule between items that JSON Schema cannot state (a 422 names the first step out of order)"
+)
+_IN_RANGE = (
+    f"every value the master computes from it (init * gamma**i at the i-th milestone) must stay within a float's "
+    f"range: a rule between fields that JSON Schema cannot state (a 422 says it {OVERFLOW})"
+)
+
 # one schema per sequence family, keyed by its "kind" (stagetree.core.sequences._FAMILIES)
 FAMILIES: dict[str, dict[str, Any]] = {
     "constant": _family("constant", {"value": {"type": ["number", "string", "boolean"]}}),
     "linear": _family("linear", {"init": _NUMBER, "slope": _NUMBER}),
     "exponential": _family("exponential", {"init": _NUMBER, "gamma": {"type": "number", "exclusiveMinimum": 0}}),
     "step": _family("step", {"init": _NUMBER, "step_size": _STEPS, "gamma": {"type": "number", "exclusiveMinimum": 0}}),
-    "multistep": _family(
-        "multistep",
-        {
-            "init": _NUMBER,
-            "milestones": {"type": "array", "items": _STEPS, "description": "strictly increasing"},
-            "gamma": {"type": "number", "exclusiveMinimum": 0},
-        },
-    ),
+    "multistep": {
+        **_family(
+            "multistep",
+            {
+                "init": _NUMBER,
+                "milestones": {"type": "array", "items": _STEPS, "description": _INCREASING},
+                "gamma": {"type": "number", "exclusiveMinimum": 0},
+            },
+        ),
+        "description": _IN_RANGE,
+    },
     "cosine": _family(
         "cosine",
         {"init": _NUMBER, "min_value": _NUMBER, "period": _STEPS},
         {"gamma": {"type": "number", "exclusiveMinimum": 0, "default": 1.0}},
     ),
     "cyclic": _family("cyclic", {"init": _NUMBER, "max_value": _NUMBER, "period_up": _STEPS, "period_down": _STEPS}),
-    "warmup": _family("warmup", {"init": _NUMBER, "period": _STEPS, "then": _SEQ}),
+    "warmup": {
+        **_family(
+            "warmup",
+            {
+                "init": _NUMBER,
+                "period": {**_STEPS, "minimum": 0, "description": "0: no warm-up, the schedule is then's"},
+                "then": {**_NUMERIC_PIECE, "description": "what follows the ramp: its first value is a number"},
+            },
+        ),
+        "description": f"a linear ramp from init to then's first value; its slope must stay within a float's range "
+        f"(a 422 says it {OVERFLOW})",
+    },
     "piecewise": _family(
         "piecewise",
         {
-            "pieces": {"type": "array", "items": _SEQ, "minItems": 1},
-            "boundaries": {"type": "array", "items": _STEPS, "description": "one fewer than pieces, increasing"},
+            "pieces": {"type": "array", "items": _PIECE, "minItems": 1},
+            "boundaries": {
+                "type": "array",
+                "items": _STEPS,
+                "description": "one boundary fewer than pieces, strictly increasing: rules between items that JSON "
+                "Schema cannot state (a 422 names the count or the first step out of order)",
+            },
         },
     ),
     "segments": _family(
@@ -143,6 +187,54 @@ SEQUENCE = {
         {"type": ["number", "string", "boolean"]},
         {"type": "array", "items": {"$ref": "#/components/schemas/Segment"}, "minItems": 1},
         {"oneOf": [{"$ref": f"#/components/schemas/Sequence_{k}"} for k in FAMILIES]},
+    ],
+}
+
+PIECE = {
+    "description": "a schedule inside another (a piece of a piecewise): a plain value or a family object",
+    "anyOf": [
+        {"type": ["number", "string", "boolean"]},
+        {"oneOf": [{"$ref": f"#/components/schemas/Sequence_{k}"} for k in FAMILIES]},
+    ],
+}
+
+# the families whose first value may be a string or a bool, restated with a numeric one (a warm-up ramps
+# into a number: core.sequences.Warmup)
+_NUMERIC_SEGMENT = {
+    "allOf": [
+        {"$ref": "#/components/schemas/Segment"},
+        {"prefixItems": [{"const": 0}, True, True, {"prefixItems": [{"enum": ["float", "int"]}]}]},
+    ]
+}
+NUMERIC_FAMILIES: dict[str, dict[str, Any]] = {
+    "constant": _family("constant", {"value": _NUMBER}),
+    "piecewise": {
+        "allOf": [
+            {"$ref": "#/components/schemas/Sequence_piecewise"},
+            {"properties": {"pieces": {"prefixItems": [_NUMERIC_PIECE]}}},
+        ]
+    },
+    "segments": {
+        "allOf": [
+            {"$ref": "#/components/schemas/Sequence_segments"},
+            {"properties": {"segments": {"prefixItems": [_NUMERIC_SEGMENT]}}},
+        ]
+    },
+}
+
+NUMERIC_PIECE = {
+    "description": "a schedule whose first value is a number: a number or a family object (a constant of a "
+    "number; a piecewise whose first piece is one; segments whose first starts at 0 with type float or int)",
+    "anyOf": [
+        _NUMBER,
+        {
+            "oneOf": [
+                {"$ref": f"#/components/schemas/NumericSequence_{k}"}
+                if k in NUMERIC_FAMILIES
+                else {"$ref": f"#/components/schemas/Sequence_{k}"}
+                for k in FAMILIES
+            ]
+        },
     ],
 }
 
@@ -227,11 +319,21 @@ def _policies() -> dict[str, Any]:
             f"{step}_params": {"required": [step], "properties": {step: {"type": "string"}}}
             for step in ("time_share", "placement", "search")
         },
-        "if": {"properties": {"search": {"const": "earlyterm"}}, "required": ["search"]},
-        "then": {
-            "required": ["search_params"],
-            "properties": {"search_params": {"required": ["max_epochs"], "properties": {"max_epochs": {"minimum": 1}}}},
-        },
+        "allOf": [
+            {
+                "if": {"properties": {"search": {"const": "earlyterm"}}, "required": ["search"]},
+                "then": {
+                    "required": ["search_params"],
+                    "properties": {
+                        "search_params": {"required": ["max_epochs"], "properties": {"max_epochs": {"minimum": 1}}}
+                    },
+                },
+            },
+            {  # a width policy shapes the qos step's grants: it needs a qos class
+                "if": {"properties": {"width": {"type": "string"}}, "required": ["width"]},
+                "then": {"required": ["qos"], "properties": {"qos": {"type": "string"}}},
+            },
+        ],
     }
 
 
@@ -269,12 +371,15 @@ METRIC_VALUE = {
 
 COMPONENTS: dict[str, dict[str, Any]] = {
     "Sequence": SEQUENCE,
+    "Piece": PIECE,
+    "NumericPiece": NUMERIC_PIECE,
     "Segment": SEGMENT,
     "FixedPart": FIXED_PART,
     "StudyFixed": STUDY_FIXED,
     "TrialConfig": TRIAL_CONFIG,
     "MetricValue": METRIC_VALUE,
     **{f"Sequence_{k}": v for k, v in FAMILIES.items()},
+    **{f"NumericSequence_{k}": v for k, v in NUMERIC_FAMILIES.items()},
 }
 
 

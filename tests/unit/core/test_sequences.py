@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from stagetree.core.config import Config, divergence
 from stagetree.core.errors import SequenceError
 from stagetree.core.sequences import (
+    OVERFLOW,
     Constant,
     Cosine,
     CyclicLR,
@@ -25,6 +26,7 @@ from stagetree.core.sequences import (
     from_json,
     segments_from_json,
     segments_to_json,
+    value_at,
 )
 
 
@@ -203,3 +205,37 @@ def test_a_warmup_of_no_steps_is_its_then_and_shares_its_whole_path() -> None:
     assert [none.value(s) for s in (0, 7, 39)] == [then.value(s) for s in (0, 7, 39)]
     with pytest.raises(SequenceError, match="period: must be >= 0, got -1"):
         Warmup(0.0, -1, then=then)
+
+
+@pytest.mark.parametrize(
+    "tuned",
+    [
+        {"kind": "multistep", "init": 1.0, "milestones": [1, 2, 3], "gamma": 1e300},  # init * gamma**2
+        {"kind": "multistep", "init": 1e300, "milestones": [1], "gamma": 1e10},  # inf from a product
+        {"kind": "warmup", "init": -1e308, "period": 1, "then": 1e308},  # the slope, then a one-step ramp
+        {"kind": "warmup", "init": -(10**400), "period": 5, "then": 1.0},  # an int past a float
+        {"kind": "multistep", "init": 10**400, "milestones": [5], "gamma": 0.5},  # an int times a float
+        [[0, 1, "cosine", ["float", -1e308, 1e308, 1, 1.0]], [1, None, "const", ["float", 1.0]]],  # hi - lo
+    ],
+)
+def test_a_value_past_a_floats_range_is_a_sequence_error_saying_so(tuned: object) -> None:
+    with pytest.raises(SequenceError, match=OVERFLOW):
+        Config.of({"lr": tuned})
+
+
+def test_a_power_past_a_floats_range_is_neither_computed_nor_a_continuation() -> None:
+    # an int gamma is exact: 10 ** 2**62 would never finish, so it is refused as the float's overflow is
+    long = 2**62
+    segs = [[0, long, "exp", ["int", 1, 10]], [long, None, "exp", ["int", 1, 10]]]
+    assert len(Config.of({"lr": segs}).items[0][1]) == 2  # not merged: no finite value carries it on
+    floats = [[0, 1000, "step", ["float", 1.0, 1, 10.0]], [1000, None, "step", ["float", 1.0, 1, 10.0]]]
+    assert len(Config.of({"lr": floats}).items[0][1]) == 2
+    with pytest.raises(SequenceError, match=OVERFLOW):
+        value_at(Exponential(0.1, 1.01).segments(), 10**6)
+    with pytest.raises(SequenceError, match=OVERFLOW):
+        value_at(segments_from_json(segs), 400)
+    # a value past the range compares with nothing: two schedules part there, nothing raises
+    grows, other = Exponential(1.0, 10.0).segments(), Linear(1.0, 9.0).segments()
+    assert first_divergence(grows, other, 0, 10**6) == 2
+    same_start = Piecewise([Exponential(1.0, 10.0), 0.5], [400]).segments()
+    assert first_divergence(grows, same_start, 0, 10**6) == 400  # equal pieces to 400, then 10.0**400 vs 0.5

@@ -4,6 +4,8 @@ fall behind a new family or field."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from typing import Any
 
 import jsonschema_rs  # schemathesis's validator (the dev extra)
@@ -11,7 +13,9 @@ import pytest
 
 from stagetree.core import sequences as s
 from stagetree.core.config import FixedPart
-from stagetree.master.api.openapi import COMPONENTS, FAMILIES, NON_FINITE
+from stagetree.core.errors import InvalidArgument, SequenceError
+from stagetree.core.policies.study import POLICY_NAMES, parse_policies
+from stagetree.master.api.openapi import COMPONENTS, CROSS_ITEM_RULES, FAMILIES, NON_FINITE
 
 EXAMPLES = [
     s.Constant(0.1),
@@ -65,3 +69,64 @@ def test_a_studys_fixed_part_may_name_its_policies_a_trials_may_not() -> None:
     assert not _validator("StudyFixed").is_valid({**fixed, "policies": {"preempt": "hermes"}})
     assert not _validator("FixedPart").is_valid({**fixed, "policies": {}})
     assert not _validator("FixedPart").is_valid({**fixed, "typo": 1})
+
+
+def test_a_schedule_inside_another_is_a_value_or_a_family_and_a_warmup_ramps_into_a_number() -> None:
+    seq, piece, numeric = _validator("Sequence"), _validator("Piece"), _validator("NumericPiece")
+    segments = [[0, None, "const", ["float", 0.1]]]
+    assert seq.is_valid(segments) and not piece.is_valid(segments)  # the core reads a bare list at the top only
+    with pytest.raises(SequenceError):
+        s.from_json({"kind": "piecewise", "pieces": [segments], "boundaries": []})
+    warmup = {"kind": "warmup", "init": 0.0, "period": 5}
+    for then in (
+        "adam",
+        True,
+        {"kind": "constant", "value": "adam"},
+        {"kind": "piecewise", "pieces": ["a"], "boundaries": []},
+    ):
+        assert piece.is_valid(then) and not numeric.is_valid(then)
+        assert not seq.is_valid({**warmup, "then": then})
+        with pytest.raises(SequenceError, match="must be numeric"):
+            s.from_json({**warmup, "then": then})
+    str_first = {"kind": "segments", "segments": [[0, None, "const", ["str", "a"]]]}
+    assert piece.is_valid(str_first) and not numeric.is_valid(str_first)
+    numbers: tuple[Any, ...] = (
+        0.1,
+        s.Cosine(0.1, 0.0, 20).to_json(),
+        s.Piecewise([0.1, "a"], [3]).to_json(),
+        s.Warmup(0.0, 0, s.Constant(0.1)).to_json(),
+    )
+    for then in numbers:
+        assert numeric.is_valid(then) and seq.is_valid({**warmup, "then": then})
+        s.from_json({**warmup, "then": then})
+    numeric_first = s.as_sequence(
+        {"kind": "segments", "segments": [[0, 3, "linear", ["float", 0.0, 0.1]], [3, None, "const", ["str", "a"]]]}
+    )
+    assert numeric.is_valid(numeric_first.to_json())
+
+
+def test_rules_between_items_are_in_words_each_with_the_phrase_of_the_servers_refusal() -> None:
+    words = json.dumps(COMPONENTS)
+    for said in ("strictly increasing", "one boundary fewer than pieces", "cover [0, forever)", "float's range"):
+        assert said in words, said
+    refusals: dict[str, Callable[[], object]] = {
+        "steps strictly increasing": lambda: s.MultiStep(0.1, [5, 5], 0.5),
+        "one boundary fewer than pieces": lambda: s.Piecewise([0.1, 0.2], [3, 4]),
+        "segments cover [0, forever)": lambda: s.segments_from_json([[1, None, "const", ["float", 0.1]]]),
+        "values within a float's range": lambda: s.MultiStep(1.0, [1, 2], 1e300).segments(),
+    }
+    assert set(refusals) == set(CROSS_ITEM_RULES)
+    for rule, refuse in refusals.items():
+        with pytest.raises(SequenceError) as info:
+            refuse()
+        assert any(p in info.value.message for p in CROSS_ITEM_RULES[rule]), (rule, info.value.message)
+
+
+def test_a_width_policy_needs_a_qos_class_in_the_spec_as_in_the_core() -> None:
+    fixed = FixedPart("m:Net").to_json()
+    v = _validator("StudyFixed")
+    assert not v.is_valid({**fixed, "policies": {"width": POLICY_NAMES["width"][0]}})
+    with pytest.raises(InvalidArgument, match=r"without policies\.qos"):
+        parse_policies({"width": POLICY_NAMES["width"][0]})
+    both = {"width": POLICY_NAMES["width"][0], "qos": POLICY_NAMES["qos"][0]}
+    assert v.is_valid({**fixed, "policies": both}) and parse_policies(both)
