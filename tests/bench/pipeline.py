@@ -328,7 +328,8 @@ def run_case(name: str, url: str, broker: Broker, args: argparse.Namespace, cras
         jobs = seed(store, f"{name}-{uuid.uuid4().hex[:6]}", args.workers, per_worker)
         expected_ids = {i for j in jobs for i in msg_ids(j)}
         points = per_worker * len(jobs)
-        cpu0 = cpu_seconds(broker)
+        database = url.rsplit("/", 1)[1]
+        cpu0 = cpu_seconds(broker, database)
         aggregator = start_aggregator(url, broker.bootstrap)
         restart_s = 0.0
         try:
@@ -343,7 +344,7 @@ def run_case(name: str, url: str, broker: Broker, args: argparse.Namespace, cras
                 killed = time.monotonic()
                 aggregator = start_aggregator(url, broker.bootstrap)
             done, last = wait_applied(engine, jobs, len(expected_ids), 90)
-            pg_done = cpu_seconds(broker)["postgres"]  # while the aggregator's backend still exists
+            pg_done = cpu_seconds(broker, database)["postgres"]  # while the aggregator's backend still exists
             if crash:
                 restart_s = time.monotonic() - killed
             for p in producers:
@@ -385,7 +386,8 @@ def run_case(name: str, url: str, broker: Broker, args: argparse.Namespace, cras
             )
         lost = max(len(expected_ids - seen), points - stored)
         per_s = points / (last - first) if last > first else 0.0
-        cpu = {k: (v - cpu0[k]) / points * 1e6 for k, v in {**cpu_seconds(broker), "postgres": pg_done}.items()}
+        cpu1 = {**cpu_seconds(broker, database), "postgres": pg_done}
+        cpu = {k: (v - cpu0[k]) / points * 1e6 for k, v in cpu1.items()}
         print(
             f"{name:6s} points={points} workers={len(jobs)} node_managers={args.processes} applied={done} "
             f"seconds={last - first:.2f} points_per_s={per_s:.0f} dup_applied={dup} lost={lost} "
@@ -401,19 +403,25 @@ def run_case(name: str, url: str, broker: Broker, args: argparse.Namespace, cras
         store.dispose()
 
 
-def cpu_seconds(broker: Broker) -> dict[str, float]:
+def cpu_seconds(broker: Broker, database: str) -> dict[str, float]:
     """CPU seconds used so far by: this bench's finished child processes (node managers, aggregators),
-    the broker, and the live Postgres processes; the machine is shared, so this says what a point costs
-    beside how fast it went (process start-ups included; a killed aggregator's backend is not counted)."""
+    the broker, and the live Postgres processes that serve ``database`` or the whole server (writers,
+    checkpointer), not other databases' backends: the machine and its Postgres are shared, and another
+    session's backend that works or ends mid-case would count. This says what a point costs beside how
+    fast it went (process start-ups included; a killed aggregator's backend is not counted)."""
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = {"python": children.ru_utime + children.ru_stime, "broker": _proc_cpu(broker.pid), "postgres": 0.0}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            text = stat.read_text()
+            stat = (proc / "stat").read_text()
+            if not stat[stat.index("(") + 1 : stat.rindex(")")].startswith("postgres"):
+                continue
+            title = (proc / "cmdline").read_text().replace("\0", " ")
         except OSError:
             continue
-        if text[text.index("(") + 1 : text.rindex(")")].startswith("postgres"):
-            out["postgres"] += _stat_cpu(text)
+        client = "(" in title or "[local]" in title  # a backend's title names its peer; the server's own do not
+        if not client or f" {database} " in title:
+            out["postgres"] += _stat_cpu(stat)
     return out
 
 
