@@ -91,6 +91,33 @@ def _pow(g: float | int, n: int) -> float | int:
     return g**n
 
 
+MAX_RESTARTS = 1_000_000  # warm restarts walked one by one to place a step in a cosine's cycle
+
+
+def _cosine_place(u: int, period: float, mult: float) -> tuple[int, int]:
+    """``(u within its cycle, the cycle's length)``: each restart multiplies the period by ``mult``. Once
+    every later cycle has the same length (``mult`` 1, or length 1 with nothing to grow it) the rest is a
+    remainder, so a step far out costs nothing; otherwise past ``MAX_RESTARTS`` restarts it is a
+    ``SequenceError`` (a ``mult`` a hair from 1 over 10**12 steps would walk for hours)."""
+    length = int(period)  # a whole number of steps (a segment's JSON may write it 5.0)
+    restarts = 0
+    while u >= length:
+        u -= length
+        period = period * mult
+        length = max(1, round(period))
+        if mult == 1 or (length == 1 and abs(mult) <= 1 and abs(period) < 1.5):
+            return u % length, length
+        restarts += 1
+        if restarts > MAX_RESTARTS:
+            raise SequenceError(
+                "cosine",
+                "gamma",
+                f"{mult!r} needs more than {MAX_RESTARTS} warm restarts to place this step; "
+                "use 1, or a gamma further from 1",
+            )
+    return u, length
+
+
 def _raw(kind: str, p: Params, u: int) -> Any:
     if kind == "const":
         return p[1]
@@ -102,11 +129,7 @@ def _raw(kind: str, p: Params, u: int) -> Any:
         return p[1] * _pow(p[3], u // p[2])
     if kind == "cosine":
         hi, lo, period, mult = p[1], p[2], p[3], p[4]
-        length = period
-        while u >= length:
-            u -= length
-            period = period * mult
-            length = max(1, round(period))
+        u, length = _cosine_place(u, period, mult)
         return lo + (hi - lo) * (1.0 + math.cos(math.pi * u / length)) / 2.0
     if kind == "cyclic":
         lo, hi, up, down = p[1], p[2], p[3], p[4]

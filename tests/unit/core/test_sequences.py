@@ -22,6 +22,7 @@ from stagetree.core.sequences import (
     Piecewise,
     Step,
     Warmup,
+    _cosine_place,
     first_divergence,
     from_json,
     segments_from_json,
@@ -239,3 +240,32 @@ def test_a_power_past_a_floats_range_is_neither_computed_nor_a_continuation() ->
     assert first_divergence(grows, other, 0, 10**6) == 2
     same_start = Piecewise([Exponential(1.0, 10.0), 0.5], [400]).segments()
     assert first_divergence(grows, same_start, 0, 10**6) == 400  # equal pieces to 400, then 10.0**400 vs 0.5
+
+
+def _cosine_place_one_by_one(u: int, period: float, mult: float) -> tuple[int, int]:
+    length = period
+    while u >= length:
+        u -= length
+        period = period * mult
+        length = max(1, round(period))
+    return u, int(length)
+
+
+@given(
+    st.integers(0, 5_000),
+    st.integers(1, 50),
+    st.one_of(st.sampled_from([1, 1.0, 0.0, 0.5, -1.0, -0.5, 2.0, 1.5]), st.floats(-3, 3)),
+)
+def test_a_cosine_places_a_step_in_its_cycle_as_walking_its_restarts_does(u: int, period: int, mult: float) -> None:
+    assert _cosine_place(u, period, mult) == _cosine_place_one_by_one(u, period, mult)
+
+
+def test_a_cosine_far_out_is_a_remainder_and_a_gamma_a_hair_from_1_is_refused_there_not_walked() -> None:
+    far = 10**15
+    assert value_at(Cosine(0.1, 0.0, 7, 1.0).segments(), far) == value_at(Cosine(0.1, 0.0, 7, 1.0).segments(), far % 7)
+    assert value_at(Cosine(0.1, 0.0, 7, 0.5).segments(), far) == 0.1  # cycles of one step: each at its start
+    with pytest.raises(SequenceError, match="warm restarts"):
+        value_at(Cosine(0.1, 0.0, 1, 1 + 1e-9).segments(), far)
+    # two schedules that agree to 10**9 steps and part there: compared there, not walked to
+    a = Cosine(0.1, 0.0, 1, 1.0).segments()
+    assert first_divergence(a, Piecewise([Cosine(0.1, 0.0, 1, 1.0), 0.5], [10**9]).segments(), 0, far) == 10**9
