@@ -290,6 +290,14 @@ class Evaluation:
 # Client
 
 
+def never_sent(exc: grpc.RpcError) -> bool:
+    """Whether a call failed before any connection to the master carried it (UNAVAILABLE, "failed to
+    connect": e.g. the master's handshake timed out on a loaded host), so nothing of it was done."""
+    code = exc.code() if callable(getattr(exc, "code", None)) else None
+    details = exc.details() if callable(getattr(exc, "details", None)) else ""
+    return code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (details or "")
+
+
 class Client:
     """A connection to a master (``grpc.aio``). Use ``stagetree.connect``; close it (or use ``async with``).
 
@@ -300,7 +308,8 @@ class Client:
     long an idempotent call or a result stream keeps retrying past ``retries`` while it is unavailable
     (a master restart), with backoff capped at 2 s. A master that never answered fails after ``retries``.
     A call the master sheds as overloaded (RESOURCE_EXHAUSTED with a retry-after) is retried after the
-    time it asks for, idempotent or not (nothing of it was done), for up to ``reconnect_s``.
+    time it asks for, idempotent or not (nothing of it was done), for up to ``reconnect_s``; so is one that
+    no connection carried (``never_sent``), as an idempotent one is.
     """
 
     def __init__(
@@ -429,7 +438,10 @@ class Client:
                 err = error_of(exc, method, self.target)
                 first_failure = first_failure or time.monotonic()
                 i += 1
-                if not err.retriable or (i >= attempts and not (idempotent and self.waits_for(err, first_failure))):
+                safe = idempotent or never_sent(exc)  # a call the master never got may be sent again
+                if not err.retriable or (
+                    i >= (self.retries if safe else attempts) and not (safe and self.waits_for(err, first_failure))
+                ):
                     raise err from exc
                 delay = min(2.0, 0.05 * 2**i)
                 log.info("retrying %s after %s", method, type(err).__name__, extra={"attempt": i})

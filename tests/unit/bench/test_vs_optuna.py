@@ -15,7 +15,7 @@ def _usage(cpu: float, wall: float, t_launch: float = 100.0) -> TreeUsage:
 def test_figures_are_optunas_over_stagetrees_with_startup_and_the_steps_trained_twice() -> None:
     st_out = {"best": 0.91, "merge_rate": 2.5, "steps_executed": 210, "unique_steps": 200, "first_result_at": 104.0}
     runs = {
-        "optuna": [(_usage(30.0, 60.0), {"best": 0.90})],
+        "optuna": [(_usage(30.0, 60.0), {"best": 0.90, "steps": 300, "first_result_at": 105.0})],
         "stagetree": [(_usage(20.0, 40.0), st_out)],
         "stagetree_no_sharing": [(_usage(40.0, 80.0), {**st_out, "merge_rate": 1.0})],
     }
@@ -25,7 +25,14 @@ def test_figures_are_optunas_over_stagetrees_with_startup_and_the_steps_trained_
     assert f["cpu_s_ratio_no_sharing"] == pytest.approx(0.75)
     assert f["first_trial_s"] == pytest.approx(4.0)
     assert f["steps_trained_twice"] == 10
+    assert f["optuna_first_trial_s"] == pytest.approx(5.0)
+    assert f["cpu_s_per_step_ratio"] == pytest.approx((30.0 / 300) / (20.0 / 210))
+    assert "cpu_s_fork_from_script_vs_fresh" not in f  # only with --fork-compare's side
     assert last_line(f) == (
         "optuna_best=0.9000 stagetree_best=0.9100 merge_rate=2.50 cpu_s_ratio=1.50 e2e_ratio=1.50 "
-        "cpu_s_ratio_no_sharing=0.75 first_trial_s=4.0 steps_trained_twice=10"
+        "cpu_s_ratio_no_sharing=0.75 first_trial_s=4.0 steps_trained_twice=10 optuna_first_trial_s=5.0 "
+        "cpu_s_per_step_ratio=1.05"
     )
+    runs["stagetree_fresh_fork_server"] = [(_usage(25.0, 50.0), st_out)]
+    assert figures(runs)["cpu_s_fork_from_script_vs_fresh"] == pytest.approx(1.25)
+    assert last_line(figures(runs)).endswith(" cpu_s_fork_from_script_vs_fresh=1.25")

@@ -41,3 +41,19 @@ async def test_a_master_that_never_answered_fails_after_the_retries() -> None:
     with pytest.raises(e.Unavailable):
         await Study.load(client, "study-1")
     assert len(master.calls["GetStudy"]) == 2  # the retry count, then the error
+
+
+async def test_a_call_no_connection_carried_is_sent_again_even_when_not_idempotent() -> None:
+    """``never_sent``: UNAVAILABLE "failed to connect" (the master's handshake timed out on a loaded host)
+    means the master never got the call, so a study's creation is retried; an UNAVAILABLE that may have
+    reached it is not."""
+    master = FakeMaster()
+    client = fake_client(master, retries=3, reconnect_s=30)
+    unreached = "failed to connect to all addresses; last error: connection attempt timed out before SETTINGS"
+    master.errors["CreateStudy"].extend(FakeRpcError(grpc.StatusCode.UNAVAILABLE, unreached) for _ in range(2))
+    study = await Study.create(client, "s", trainer="pkg.mod:Net", dataset="d", tuned=["lr"])
+    assert study.name == "s" and len(master.calls["CreateStudy"]) == 3
+    master.errors["CreateStudy"].append(FakeRpcError(grpc.StatusCode.UNAVAILABLE, "Socket closed"))
+    with pytest.raises(e.Unavailable):
+        await Study.create(client, "t", trainer="pkg.mod:Net", dataset="d", tuned=["lr"])
+    assert len(master.calls["CreateStudy"]) == 4  # once: it may have been done
