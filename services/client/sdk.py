@@ -59,6 +59,7 @@ from stagetree.core.errors import (
     Unavailable,
 )
 from stagetree.core.lifecycle import FINISHED_REQUEST_STATES
+from stagetree.core.loglines import LoggedLine
 from stagetree.core.searchplan import check_step
 from stagetree.core.seqforms import config_family_json
 from stagetree.core.sequences import Sequence, as_sequence
@@ -163,19 +164,8 @@ class EvalResult:
     plan_key: str = ""
 
 
-@dataclass(frozen=True)
-class TrainerLine:
-    """A line of text a trainer logged (``Trainer.log_text``) in a batch attempt that trained a request:
-    the attempt's ``seq``-th, logged at ``at`` (epoch seconds, the worker's clock) while the batch stood
-    at (node, step)."""
-
-    batch_id: int
-    attempt: int
-    seq: int
-    node: int
-    step: int
-    at: float
-    line: str
+# A line of text a trainer logged (``Trainer.log_text``) in a batch attempt that trained a request.
+TrainerLine = LoggedLine
 
 
 @dataclass(frozen=True)

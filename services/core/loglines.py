@@ -18,6 +18,7 @@ attempt's metrics, checkpoints and curve besides.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 MAX_LINE_CHARS = 1000
 MAX_LINES = 200
@@ -51,3 +52,18 @@ def cap_notice(dropped: int) -> str:
     """The last line an attempt keeps when its trainer logged more than ``MAX_LINES``: how many were not
     kept (``dropped``, this one's place included)."""
     return f"[stagetree] {dropped} more log lines of this batch attempt not kept (at most {MAX_LINES} are kept)"
+
+
+@dataclass(frozen=True)
+class LoggedLine:
+    """A line of text a batch attempt's trainer logged: the attempt's ``seq``-th, logged at ``at`` (epoch
+    seconds, the worker's clock) while the batch stood at (node, step). The master keeps them so, and the
+    SDK's ``Study.logs`` returns them so."""
+
+    batch_id: int
+    attempt: int
+    seq: int
+    node: int
+    step: int
+    at: float
+    line: str

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from stagetree.core.batch import Point
 from stagetree.core.ids import RequestId, StudyId
 from stagetree.core.lifecycle import Assignment, BatchState, NodeManagerState, RequestState
+from stagetree.core.loglines import LoggedLine
 from stagetree.core.slots import Slot, SlotInfo
 
 __all__ = [
@@ -81,20 +82,6 @@ class FinishedAttempt:
     seconds: float  # from its worker's start (else the node manager taking it, else its dispatch) to its end
     finished_at: float
     gpu_type: str  # of its slot ("" when the slot is no longer registered)
-
-
-@dataclass(frozen=True)
-class LoggedLine:
-    """A line of text a batch attempt's trainer logged: the attempt's ``seq``-th, logged at ``at`` (epoch
-    seconds, the worker's clock) while the batch stood at (node, step)."""
-
-    batch_id: int
-    attempt: int
-    seq: int
-    node: int
-    step: int
-    at: float
-    line: str
 
 
 @dataclass(frozen=True)
