@@ -744,6 +744,8 @@ def fork_this_process(preload: Sequence[str] = ()) -> str | None:
         wanted = [WORKER_MODULE, *(m for m in preload if m)]
         resource_tracker.ensure_running()  # a process of its own (spawned): the server's children share it
         server: Any = forkserver._forkserver  # its fields are multiprocessing's, set as ensure_running sets them
+        if server._forkserver_pid is not None:
+            return "this process runs a multiprocessing fork server already"
         address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
         listener = socket.socket(socket.AF_UNIX)
         try:
