@@ -406,9 +406,9 @@ def run_case(name: str, url: str, broker: Broker, args: argparse.Namespace, cras
 def cpu_seconds(broker: Broker, database: str) -> dict[str, float]:
     """CPU seconds used so far by: this bench's finished child processes (node managers, aggregators),
     the broker, and the live Postgres processes that serve ``database`` or the whole server (writers,
-    checkpointer), not other databases' backends: the machine and its Postgres are shared, and another
-    session's backend that works or ends mid-case would count. This says what a point costs beside how
-    fast it went (process start-ups included; a killed aggregator's backend is not counted)."""
+    checkpointer), not other databases' backends: the machine and its Postgres are shared, and a backend
+    of another database that works or ends mid-case is not this case's cost. This says what a point costs
+    beside how fast it went (process start-ups included; a killed aggregator's backend is not counted)."""
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = {"python": children.ru_utime + children.ru_stime, "broker": _proc_cpu(broker.pid), "postgres": 0.0}
     for proc in Path("/proc").glob("[0-9]*"):
