@@ -31,9 +31,23 @@ Figures (Optuna's over stagetree's for the ratios; medians over ``--runs``, the 
 * with ``--fork-compare``, ``cpu_s_fork_from_script_vs_fresh``: the sharing run with the workers' fork
   server a fresh interpreter over the default (a fork of the script: ``EmbeddedSettings``).
 
+Where stagetree's CPU goes, from a fourth process tree each run: ``imports``, a process that imports what
+any process running the user's module must (``tabular_mlp``'s optuna, scikit-learn, scipy and torch, and
+``torch._dynamo``, which the first ``optimizer.step`` imports): ``fixed_cpu_s``, paid once by both sides.
+Optuna's CPU-seconds of a trained step are then ``(optuna - fixed) / optuna's steps``, and
+
+* ``overhead_cpu_s`` / ``overhead_cpu_s_no_sharing``: stagetree's CPU beyond ``fixed`` and its executed
+  steps at Optuna's price: the platform (its imports and start, the master, node manager and aggregator,
+  checkpoints, the workers' own start);
+* ``cpu_s_ratio_bound``: the ``cpu_s_ratio`` stagetree would reach with no overhead at all
+  (``optuna / (fixed + executed steps at Optuna's price)``). Where it is below ``0.9 x merge_rate`` that
+  target cannot be met on the workload: the fixed cost both sides pay, and Optuna's pruner training fewer
+  trial-by-trial steps than stagetree's, bound the ratio.
+
 Last line: ``optuna_best=<a> stagetree_best=<a> merge_rate=<m> cpu_s_ratio=<r> e2e_ratio=<r>
 cpu_s_ratio_no_sharing=<r> first_trial_s=<s> steps_trained_twice=<n> optuna_first_trial_s=<s>
-cpu_s_per_step_ratio=<r>``, kept with every run's figures in
+cpu_s_per_step_ratio=<r> cpu_s_ratio_bound=<r> fixed_cpu_s=<s> overhead_cpu_s=<s> overhead_cpu_s_no_sharing=<s>``,
+kept with every run's figures in
 ``tests/bench/results/vs_optuna.json`` (``tests.bench.record``). Targets: stagetree_best >= optuna_best - 0.005,
 cpu_s_ratio >= 0.9 x merge_rate, cpu_s_ratio_no_sharing >= 0.9, e2e_ratio >= 1.0, first_trial_s <= 5,
 steps_trained_twice == 0.
@@ -78,6 +92,38 @@ def run_side(side: str, ns: argparse.Namespace, work: Path) -> tuple[TreeUsage, 
     return usage, json.loads(out.read_text())
 
 
+IMPORTS = "imports"  # the fixed cost: what any process running the user's module imports
+
+
+def run_imports(ns: argparse.Namespace) -> TreeUsage:
+    """CPU of a process that only imports the user's module and what its first optimizer step imports."""
+    env = {**os.environ, "TABULAR_MINIBATCHES": str(ns.minibatches), "OMP_NUM_THREADS": "1"}
+    code = "import optuna, torch, tabular_mlp, torch._dynamo"
+    usage = run_counted([sys.executable, "-c", code], env=env, cwd=USERSTYLE, timeout_s=600)
+    if usage.rc != 0:
+        raise RuntimeError(f"the imports probe exited {usage.rc}")
+    return usage
+
+
+def overhead(runs: dict[str, list[tuple[TreeUsage, dict[str, Any]]]], fixed: list[TreeUsage]) -> dict[str, float]:
+    """Stagetree's CPU beyond the fixed cost and its steps at Optuna's price, and the ratio's bound (medians
+    over runs, each run's sides against the same run's imports probe)."""
+    med = statistics.median
+    bound, over, over_ns = [], [], []
+    for i, f in enumerate(fixed):
+        (opt, o_out), (st, s_out), (ns_u, ns_out) = (runs[s][i] for s in SIDES)
+        step = (opt.cpu_s - f.cpu_s) / o_out["steps"]
+        bound.append(opt.cpu_s / (f.cpu_s + step * s_out["steps_executed"]))
+        over.append(st.cpu_s - f.cpu_s - step * s_out["steps_executed"])
+        over_ns.append(ns_u.cpu_s - f.cpu_s - step * ns_out["steps_executed"])
+    return {
+        "fixed_cpu_s": float(med(f.cpu_s for f in fixed)),
+        "overhead_cpu_s": float(med(over)),
+        "overhead_cpu_s_no_sharing": float(med(over_ns)),
+        "cpu_s_ratio_bound": float(med(bound)),
+    }
+
+
 def figures(runs: dict[str, list[tuple[TreeUsage, dict[str, Any]]]]) -> dict[str, float]:
     """The last line's figures from each side's runs (medians)."""
     med = statistics.median
@@ -118,7 +164,9 @@ def last_line(f: dict[str, float]) -> str:
         f"merge_rate={f['merge_rate']:.2f} cpu_s_ratio={f['cpu_s_ratio']:.2f} e2e_ratio={f['e2e_ratio']:.2f} "
         f"cpu_s_ratio_no_sharing={f['cpu_s_ratio_no_sharing']:.2f} first_trial_s={f['first_trial_s']:.1f} "
         f"steps_trained_twice={f['steps_trained_twice']:.0f} optuna_first_trial_s={f['optuna_first_trial_s']:.1f} "
-        f"cpu_s_per_step_ratio={f['cpu_s_per_step_ratio']:.2f}"
+        f"cpu_s_per_step_ratio={f['cpu_s_per_step_ratio']:.2f} cpu_s_ratio_bound={f['cpu_s_ratio_bound']:.2f} "
+        f"fixed_cpu_s={f['fixed_cpu_s']:.1f} overhead_cpu_s={f['overhead_cpu_s']:.1f} "
+        f"overhead_cpu_s_no_sharing={f['overhead_cpu_s_no_sharing']:.1f}"
         + (
             f" cpu_s_fork_from_script_vs_fresh={f['cpu_s_fork_from_script_vs_fresh']:.2f}"
             if "cpu_s_fork_from_script_vs_fresh" in f
@@ -146,9 +194,12 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     runs: dict[str, list[tuple[TreeUsage, dict[str, Any]]]] = {s: [] for s in sides}
+    fixed: list[TreeUsage] = []
     for i in range(ns.runs):
         work = Path(tempfile.mkdtemp(prefix="vs-optuna-"))
         try:
+            fixed.append(run_imports(ns))
+            print(f"  {IMPORTS:22s} cpu_s {fixed[-1].cpu_s:7.1f}  (the user's module and torch._dynamo)", flush=True)
             for side in sides[i % len(sides) :] + sides[: i % len(sides)]:
                 usage, out = run_side(side, ns, work)
                 runs[side].append((usage, out))
@@ -165,10 +216,11 @@ def main(argv: list[str] | None = None) -> int:
                 )
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    f = figures(runs)
+    f = {**figures(runs), **overhead(runs, fixed)}
     details = {
         "args": {k: v for k, v in vars(ns).items()},
         "runs": {side: [{"usage": vars(u), "out": o} for u, o in r] for side, r in runs.items()},
+        "imports": [vars(u) for u in fixed],
     }
     print(record("vs_optuna", last_line(f), extra=details))
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.bench.proctree import TreeUsage
-from tests.bench.vs_optuna import figures, last_line
+from tests.bench.vs_optuna import figures, last_line, overhead
 
 
 def _usage(cpu: float, wall: float, t_launch: float = 100.0) -> TreeUsage:
@@ -19,7 +19,7 @@ def test_figures_are_optunas_over_stagetrees_with_startup_and_the_steps_trained_
         "stagetree": [(_usage(20.0, 40.0), st_out)],
         "stagetree_no_sharing": [(_usage(40.0, 80.0), {**st_out, "merge_rate": 1.0})],
     }
-    f = figures(runs)
+    f = {**figures(runs), **overhead(runs, [_usage(6.0, 6.0)])}
     assert f["cpu_s_ratio"] == pytest.approx(1.5)
     assert f["e2e_ratio"] == pytest.approx(1.5)
     assert f["cpu_s_ratio_no_sharing"] == pytest.approx(0.75)
@@ -31,8 +31,25 @@ def test_figures_are_optunas_over_stagetrees_with_startup_and_the_steps_trained_
     assert last_line(f) == (
         "optuna_best=0.9000 stagetree_best=0.9100 merge_rate=2.50 cpu_s_ratio=1.50 e2e_ratio=1.50 "
         "cpu_s_ratio_no_sharing=0.75 first_trial_s=4.0 steps_trained_twice=10 optuna_first_trial_s=5.0 "
-        "cpu_s_per_step_ratio=1.05"
+        "cpu_s_per_step_ratio=1.05 cpu_s_ratio_bound=1.32 fixed_cpu_s=6.0 overhead_cpu_s=-2.8 "
+        "overhead_cpu_s_no_sharing=17.2"
     )
     runs["stagetree_fresh_fork_server"] = [(_usage(25.0, 50.0), st_out)]
-    assert figures(runs)["cpu_s_fork_from_script_vs_fresh"] == pytest.approx(1.25)
-    assert last_line(figures(runs)).endswith(" cpu_s_fork_from_script_vs_fresh=1.25")
+    f = {**figures(runs), **overhead(runs, [_usage(6.0, 6.0)])}
+    assert f["cpu_s_fork_from_script_vs_fresh"] == pytest.approx(1.25)
+    assert last_line(f).endswith(" cpu_s_fork_from_script_vs_fresh=1.25")
+
+
+def test_overhead_is_what_stagetree_spends_beyond_the_fixed_imports_and_its_steps_at_optunas_price() -> None:
+    # Optuna: 6 CPU-s of imports and 300 steps at 0.08 s; stagetree trains 210 steps (16.8 s at that price)
+    st_out = {"best": 0.9, "merge_rate": 2.5, "steps_executed": 210, "unique_steps": 210, "first_result_at": 1.0}
+    runs = {
+        "optuna": [(_usage(30.0, 1.0), {"best": 0.9, "steps": 300})],
+        "stagetree": [(_usage(25.0, 1.0), st_out)],
+        "stagetree_no_sharing": [(_usage(40.0, 1.0), {**st_out, "steps_executed": 300})],
+    }
+    f = overhead(runs, [_usage(6.0, 1.0)])
+    assert f["fixed_cpu_s"] == 6.0
+    assert f["overhead_cpu_s"] == pytest.approx(25.0 - 6.0 - 16.8)
+    assert f["overhead_cpu_s_no_sharing"] == pytest.approx(40.0 - 6.0 - 24.0)
+    assert f["cpu_s_ratio_bound"] == pytest.approx(30.0 / (6.0 + 16.8))
