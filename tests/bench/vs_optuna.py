@@ -34,7 +34,9 @@ Figures (Optuna's over stagetree's for the ratios; medians over ``--runs``, the 
 Where stagetree's CPU goes, from a fourth process tree each run: ``imports``, a process that imports what
 any process running the user's module must (``tabular_mlp``'s optuna, scikit-learn, scipy and torch, and
 ``torch._dynamo``, which the first ``optimizer.step`` imports): ``fixed_cpu_s``, paid once by both sides.
-Optuna's CPU-seconds of a trained step are then ``(optuna - fixed) / optuna's steps``, and
+Its wall time, ``fixed_wall_s``, is how soon any process running the module can train a step: a
+``first_trial_s`` below it is not possible. Optuna's CPU-seconds of a trained step are then
+``(optuna - fixed) / optuna's steps``, and
 
 * ``overhead_cpu_s`` / ``overhead_cpu_s_no_sharing``: stagetree's CPU beyond ``fixed`` and its executed
   steps at Optuna's price: the platform (its imports and start, the master, node manager and aggregator,
@@ -46,8 +48,8 @@ Optuna's CPU-seconds of a trained step are then ``(optuna - fixed) / optuna's st
 
 Last line: ``optuna_best=<a> stagetree_best=<a> merge_rate=<m> cpu_s_ratio=<r> e2e_ratio=<r>
 cpu_s_ratio_no_sharing=<r> first_trial_s=<s> steps_trained_twice=<n> optuna_first_trial_s=<s>
-cpu_s_per_step_ratio=<r> cpu_s_ratio_bound=<r> fixed_cpu_s=<s> overhead_cpu_s=<s> overhead_cpu_s_no_sharing=<s>``,
-kept with every run's figures in
+cpu_s_per_step_ratio=<r> cpu_s_ratio_bound=<r> fixed_cpu_s=<s> fixed_wall_s=<s> overhead_cpu_s=<s>
+overhead_cpu_s_no_sharing=<s>``, kept with every run's figures in
 ``tests/bench/results/vs_optuna.json`` (``tests.bench.record``). Targets: stagetree_best >= optuna_best - 0.005,
 cpu_s_ratio >= 0.9 x merge_rate, cpu_s_ratio_no_sharing >= 0.9, e2e_ratio >= 1.0, first_trial_s <= 5,
 steps_trained_twice == 0.
@@ -118,6 +120,7 @@ def overhead(runs: dict[str, list[tuple[TreeUsage, dict[str, Any]]]], fixed: lis
         over_ns.append(ns_u.cpu_s - f.cpu_s - step * ns_out["steps_executed"])
     return {
         "fixed_cpu_s": float(med(f.cpu_s for f in fixed)),
+        "fixed_wall_s": float(med(f.wall_s for f in fixed)),
         "overhead_cpu_s": float(med(over)),
         "overhead_cpu_s_no_sharing": float(med(over_ns)),
         "cpu_s_ratio_bound": float(med(bound)),
@@ -165,8 +168,8 @@ def last_line(f: dict[str, float]) -> str:
         f"cpu_s_ratio_no_sharing={f['cpu_s_ratio_no_sharing']:.2f} first_trial_s={f['first_trial_s']:.1f} "
         f"steps_trained_twice={f['steps_trained_twice']:.0f} optuna_first_trial_s={f['optuna_first_trial_s']:.1f} "
         f"cpu_s_per_step_ratio={f['cpu_s_per_step_ratio']:.2f} cpu_s_ratio_bound={f['cpu_s_ratio_bound']:.2f} "
-        f"fixed_cpu_s={f['fixed_cpu_s']:.1f} overhead_cpu_s={f['overhead_cpu_s']:.1f} "
-        f"overhead_cpu_s_no_sharing={f['overhead_cpu_s_no_sharing']:.1f}"
+        f"fixed_cpu_s={f['fixed_cpu_s']:.1f} fixed_wall_s={f['fixed_wall_s']:.1f} "
+        f"overhead_cpu_s={f['overhead_cpu_s']:.1f} overhead_cpu_s_no_sharing={f['overhead_cpu_s_no_sharing']:.1f}"
         + (
             f" cpu_s_fork_from_script_vs_fresh={f['cpu_s_fork_from_script_vs_fresh']:.2f}"
             if "cpu_s_fork_from_script_vs_fresh" in f

@@ -31,7 +31,7 @@ def test_figures_are_optunas_over_stagetrees_with_startup_and_the_steps_trained_
     assert last_line(f) == (
         "optuna_best=0.9000 stagetree_best=0.9100 merge_rate=2.50 cpu_s_ratio=1.50 e2e_ratio=1.50 "
         "cpu_s_ratio_no_sharing=0.75 first_trial_s=4.0 steps_trained_twice=10 optuna_first_trial_s=5.0 "
-        "cpu_s_per_step_ratio=1.05 cpu_s_ratio_bound=1.32 fixed_cpu_s=6.0 overhead_cpu_s=-2.8 "
+        "cpu_s_per_step_ratio=1.05 cpu_s_ratio_bound=1.32 fixed_cpu_s=6.0 fixed_wall_s=6.0 overhead_cpu_s=-2.8 "
         "overhead_cpu_s_no_sharing=17.2"
     )
     runs["stagetree_fresh_fork_server"] = [(_usage(25.0, 50.0), st_out)]
@@ -49,7 +49,7 @@ def test_overhead_is_what_stagetree_spends_beyond_the_fixed_imports_and_its_step
         "stagetree_no_sharing": [(_usage(40.0, 1.0), {**st_out, "steps_executed": 300})],
     }
     f = overhead(runs, [_usage(6.0, 1.0)])
-    assert f["fixed_cpu_s"] == 6.0
+    assert (f["fixed_cpu_s"], f["fixed_wall_s"]) == (6.0, 1.0)
     assert f["overhead_cpu_s"] == pytest.approx(25.0 - 6.0 - 16.8)
     assert f["overhead_cpu_s_no_sharing"] == pytest.approx(40.0 - 6.0 - 24.0)
     assert f["cpu_s_ratio_bound"] == pytest.approx(30.0 / (6.0 + 16.8))
