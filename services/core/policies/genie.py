@@ -35,7 +35,15 @@ for one task over widths ``n`` on one node, with the latency the master's cost m
 slots standing in for Eq. 1-3 (it is fitted on the batches that ran, ``t = a + b / n`` per step); the
 baselines are there too, by name (``WIDTH_POLICIES``). Alg. 1 picks a placement as if the task started
 now; when the chosen width is not free together on one node, the task starts now on the next width of
-``M'_i`` (``in_time_widths``) that is, rather than wait while narrower work backfills the GPUs it needs.
+``M'_i`` (``in_time_widths``) that is, else it holds the free GPUs of the node closest to having its
+width (``WidthChoice.hold``), so that narrower work served after it does not take them meanwhile.
+
+A task none of whose placements meets its ECT any more (``M'_i`` empty) has lost its QoS whatever it
+runs on: Alg. 1 would give it a negative allowance, i.e. serve it before every task still in time, which
+on a loaded cluster makes those late too (the domino effect of least-slack-first under overload). The
+live round serves it after every task still in time instead (``LOST_TIER``), first come first served,
+on its highest-CER placement. An Urgent task (ECT = arrival, never met) keeps its place at the front:
+Eq. 4 gives it the top priority.
 """
 
 from __future__ import annotations
@@ -51,6 +59,9 @@ QOS_CLASSES = ("urgent", "prior", "normal")
 # GPU-efficient placements and GENIE widens a task only when its deadline needs it.
 DEFAULT_THETA = 0.02
 PLATEAU = 0.97  # a single-GPU throughput this close to the best counts as saturated
+# The order key of a non-Urgent task that can no longer meet its ECT: LOST_TIER + its arrival, after every
+# key of a task still in time (a waiting allowance, at most 2 lbar of a task, or a baseline's arrival).
+LOST_TIER = 1e12
 
 
 @dataclass(frozen=True)
@@ -273,15 +284,20 @@ def options(model: PerfModel, batch: float, iterations: float, shape: ClusterSha
 def genie_plan(
     waiting: Sequence[Task], now: float, models: Mapping[str, PerfModel], shape: ClusterShape, theta: float
 ) -> list[Planned]:
-    """Alg. 1: each task's placement and waiting allowance; the queue in increasing allowance."""
+    """Alg. 1: each task's placement and waiting allowance; the queue in increasing allowance, then the
+    non-Urgent tasks that can no longer meet their ECT, in arrival order (see the module docstring)."""
     out = []
+    keys = {}
     for t in waiting:
         m = model_of(models, t)
         e = ect(t, m)
         opts = options(m, t.batch, t.iterations, shape, theta)
-        best = next((o for o in opts if now + o.latency <= e), opts[0])  # opts go by decreasing CER
-        out.append(Planned(t, best.placement, best.latency, e - (now + best.latency)))
-    out.sort(key=lambda p: (p.allowance, p.task.arrival, p.task.id))
+        met = next((o for o in opts if now + o.latency <= e), None)  # opts go by decreasing CER
+        best = met or opts[0]
+        allowance = e - (now + best.latency)
+        out.append(Planned(t, best.placement, best.latency, allowance))
+        keys[t.id] = LOST_TIER + t.arrival if met is None and t.qos != "urgent" else allowance
+    out.sort(key=lambda p: (keys[p.task.id], p.task.arrival, p.task.id))
     return out
 
 
@@ -466,6 +482,9 @@ class WidthChoice:
     latency: float
     key: float
     others: tuple[tuple[int, float], ...] = ()
+    # when none of its widths is free together on one node now: whether it holds the free GPUs of the
+    # node closest to having them (GENIE, for a task still in time), so later work leaves them to it
+    hold: bool = False
 
 
 # (qos, arrival, (n, latency) per width, now, cluster shape, most free slots on one node now) -> choice
@@ -476,8 +495,11 @@ def _genie_width(
     qos: str, arrival: float, widths: Sequence[tuple[int, float]], now: float, shape: ClusterShape, most_free: int
 ) -> WidthChoice:
     n, lat, allowance = choose_width(qos, arrival, widths, now, shape)
-    others = tuple(o for o in in_time_widths(qos, arrival, widths, now, shape) if o[0] != n)
-    return WidthChoice(n, lat, allowance, others)
+    in_time = in_time_widths(qos, arrival, widths, now, shape)
+    if not in_time and qos != "urgent":
+        return WidthChoice(n, lat, LOST_TIER + arrival)  # its ECT is lost: behind every task still in time
+    others = tuple(o for o in in_time if o[0] != n)
+    return WidthChoice(n, lat, allowance, others, hold=bool(in_time))
 
 
 def _maxocc_width(

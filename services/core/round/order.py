@@ -56,9 +56,10 @@ def widths_of(w: Work) -> tuple[tuple[int, float], ...]:
 
 @dataclass(frozen=True)
 class QosOrder:
-    """GENIE: each batch's width by the study's width policy (``genie.WIDTH_POLICIES``), and the other
-    widths it may start on, then the work in increasing order key (the waiting allowance
-    ``ECT - (now + latency)``; arrival for a baseline)."""
+    """GENIE: each batch's width by the study's width policy (``genie.WIDTH_POLICIES``), the other
+    widths it may start on and whether it holds free slots when none fits, then the work in increasing
+    order key (the waiting allowance ``ECT - (now + latency)``, after them the work that can no longer
+    meet its ECT; arrival for a baseline)."""
 
     qos: str
     width: str = genie.DEFAULT_WIDTH_POLICY
@@ -68,7 +69,7 @@ class QosOrder:
         out = []
         for w in work:
             c = choose(self.qos, w.arrival, widths_of(w), view.now, view.shape, view.most_free)
-            out.append(replace(w, slots=c.slots, cost_s=c.latency, tier=c.key, others=c.others))
+            out.append(replace(w, slots=c.slots, cost_s=c.latency, tier=c.key, others=c.others, hold=c.hold))
         out.sort(key=lambda w: (w.tier, w.arrival, w.first))
         return out
 

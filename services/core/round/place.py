@@ -17,7 +17,9 @@ through the place step its policies give it (``PlaceStep``):
 
 Work on ``n > 1`` slots takes ``n`` free slots of one node manager (of those that have them, the one
 with the fewest GPUs free: best fit), no two on one GPU, whatever its study chose; when no node manager
-has them, the first of its other widths (``Work.others``) that one has, or it waits. No step
+has them, the first of its other widths (``Work.others``) that one has, or it waits, and work that holds
+(``Work.hold``: GENIE's, still in time) takes the free slots of the node manager with the most
+(``SlotPool.hold``) for nothing, so that later work of the round leaves them to it. No step
 places work on a node manager that cannot run its plan's trainer (``Work.avoid``). Devices, their
 running jobs and their packed demands are only gathered in rounds where some study places by device.
 """
@@ -109,6 +111,24 @@ class SlotPool:
         if not fits:
             return None
         return tuple(min(fits, key=len)[:n])
+
+    def hold(self, n: int, avoid: frozenset[str] = frozenset()) -> tuple[Slot, ...]:
+        """Take, for no work, up to ``n - 1`` free slots (no two on one GPU) of the node manager not in
+        ``avoid`` that has the most (the first in the free slots' order on ties): work on ``n`` slots
+        that waits for them there keeps them from work that comes after it in the round. Returns them
+        (none when no node manager has a free slot)."""
+        by_host: dict[str, list[Slot]] = {}
+        for s in self.free[self._free_at :]:
+            if s in self.taken or s.node_manager in avoid:
+                continue
+            got = by_host.setdefault(s.node_manager, [])
+            if all(g.rank_place != s.rank_place for g in got):
+                got.append(s)
+        if not by_host:
+            return ()
+        held = tuple(max(by_host.values(), key=len)[: max(n - 1, 0)])
+        self.taken.update(held)
+        return held
 
     def devices(self) -> _Devices:
         if self._devices is None:

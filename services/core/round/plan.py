@@ -304,6 +304,8 @@ class _Round:
                 got = steps.place.place(w, pool)
             if got is None:
                 waiting.append(w)
+                if w.hold and w.slots > 1:
+                    pool.hold(w.slots, w.avoid)
             else:
                 slots, ahead = got
                 pool.take(slots, w)

@@ -42,6 +42,10 @@ class Work:
     others: tuple[tuple[int, float], ...] = ()
     # the free slot whose worker holds the trainer where this batch starts (``RoundInput.warm``), if any
     warm: Slot | None = None
+    # when its slots (and its other widths) are not free together on one node manager: whether it holds
+    # the free slots of the one closest to having them, so later work of the round leaves them free
+    # (``genie.WidthChoice.hold``)
+    hold: bool = False
 
 
 def _boundaries(steps: Sequence[int]) -> Boundaries | None:

@@ -145,6 +145,31 @@ def test_a_qos_batch_whose_width_is_not_free_starts_on_another_that_meets_its_de
         assert dec.dispatches[0].batch.slots == 2
 
 
+@pytest.mark.parametrize(("width", "placed"), [("genie", [("n", ["b0"])]), ("cerpre", [("n", ["a0"]), ("p", ["b0"])])])
+def test_qos_work_in_time_whose_width_is_not_free_holds_a_node_managers_free_slot(
+    width: str, placed: list[tuple[str, list[str]]]
+) -> None:
+    """A Prior batch (t = 10 + 90 / n, ECT 100) at t = 10 meets its ECT on 2 to 4 slots, and GENIE takes
+        2 (the highest CER of those); each node manager has one slot free. It waits, holding a0 (a and b
+        tie on free slots: the first), so the Normal study served after it (allowance 90 against 35) gets b0
+        only, and its second trial waits. A baseline holds nothing (``cerpre``: a Normal trial on one slot,
+    the batch on the other, its most cost-effective width)."""
+    free = [Slot("a0", "a", gpu_index=0), Slot("b0", "b", gpu_index=0)]
+    busy = [BusySlot(Slot(f"{h}{i}", h, gpu_index=i)) for h in "ab" for i in range(1, 4)]
+    scale = {1: 1.0, 2: 55.0 / 100.0, 3: 40.0 / 100.0, 4: 32.0 / 100.0}
+    prior, preqs = plan_work(trials("p", 10), PlanId(1), slots=4, cost=lambda st: 32.0)
+    prior = type(prior)(prior.plan, prior.forest, prior.cost_s, 4, 4, scale)
+    normal, nreqs = plan_work(trials("n", 10, 10, first=1), PlanId(2), cost=lambda st: 100.0)
+    pols = {
+        "p": parse_policies({"qos": "prior", "slots": 4, "width": width}),
+        "n": parse_policies({"qos": "normal", "width": width}),
+    }
+    arrivals = {r: 0.0 for r in (*preqs, *nreqs)}
+    inp = round_input([(prior, preqs), (normal, nreqs)], free, busy=busy, policies=pols, arrivals=arrivals, now=10.0)
+    dec = plan_round(inp)
+    assert [(study, slots) for study, _, slots in dispatched(dec)] == placed
+
+
 @pytest.mark.parametrize(("policy", "compute", "placed"), [("wfd", 40, 2), ("wfd", 60, 1), ("one_per_gpu", 40, 1)])
 def test_packing_places_on_a_device_by_declared_compute(policy: str, compute: float, placed: int) -> None:
     pols = {"s": parse_policies({"placement": policy, "placement_params": {"compute": compute}})}

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from stagetree.core.errors import InvalidArgument
 from stagetree.core.policies.genie import (
+    LOST_TIER,
     QUEUE_POLICIES,
     WIDTH_POLICIES,
     ClusterShape,
@@ -89,6 +90,12 @@ def test_qos_guided_order_alg_1_by_hand() -> None:
     assert plans[1].allowance == pytest.approx(210 - (100 + 20000 / 262.5 + 10))
     assert plans[2].allowance == pytest.approx(420 - (100 + 20000 / 170 + 10))
     assert plans[0].allowance < 0
+    # a Prior task that can no longer meet its ECT (210: (2,2) ends at 100 + 86.2 > 150) waits behind
+    # every task still in time, whatever its allowance; the Urgent one keeps the front
+    late = Task("L", "m", 200, 100, -60.0, "prior")  # ECT 150
+    plans = genie_plan([normal, prior, late, urgent], 100.0, {"m": M}, SHAPE, 0.5)
+    assert [p.task.id for p in plans] == ["U", "P", "N", "L"]
+    assert plans[3].placement == Placement(1, 2) and plans[3].allowance < plans[1].allowance
 
 
 def test_baselines_place_as_described() -> None:
@@ -185,12 +192,14 @@ def test_a_width_choice_and_its_other_widths(qos: str, lat: list[tuple[int, floa
     ratio = [(1.0 / t) / cost(Placement(1, n), shape, 0.02) for n, t in in_time]
     assert ratio == sorted(ratio, reverse=True)
     if policy != "genie":
-        assert c.others == ()
+        assert c.others == () and not c.hold
         return
-    assert (c.slots, c.latency, c.key) == choose_width(qos, 10.0, lat, now, shape)
+    n, latency, allowance = choose_width(qos, 10.0, lat, now, shape)
+    assert (c.slots, c.latency) == (n, latency)
     if in_time:
-        assert (c.slots, c.latency) == in_time[0] and c.key >= 0
+        assert (c.slots, c.latency) == in_time[0] and c.key == allowance >= 0 and c.hold
         assert list(c.others) == in_time[1:]
-    else:
-        assert c.others == () and c.key < 0
-    assert qos != "urgent" or c.others == ()  # nothing meets an urgent ECT (its arrival)
+    elif qos == "urgent":  # nothing meets its ECT (its arrival): the top priority, by its allowance
+        assert c.others == () and c.key == allowance < 0 and not c.hold
+    else:  # its ECT is lost: after every key a task still in time can have (at most 2 lbar)
+        assert c.others == () and c.key == LOST_TIER + 10.0 > 2 * max(t for _, t in lat) and not c.hold
