@@ -324,9 +324,7 @@ def test_the_cluster_page_says_which_study_and_trial_a_slot_works_for(live: Live
     values = {**VALUES, "sleep_s": 1.0}
     errors = _errors(page)
     sign_in(page, live, where="#/cluster")
-    running = asyncio.run_coroutine_threadsafe(
-        run_study(live, "slow", trainer=FAULTY, values=values), live.bg.loop
-    )
+    running = asyncio.run_coroutine_threadsafe(run_study(live, "slow", trainer=FAULTY, values=values), live.bg.loop)
     try:
         slot = page.wait_for_selector("[data-slot] a:has-text('slow')", timeout=120_000)
     except Exception as e:  # what the page and the master saw, for a failure on a loaded machine
