@@ -24,7 +24,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
-from kafka.errors import CommitFailedError, KafkaError, MessageSizeTooLargeError, TopicAlreadyExistsError
+from kafka.errors import (
+    CommitFailedError,
+    InvalidProducerEpochError,
+    KafkaError,
+    MessageSizeTooLargeError,
+    ProducerFencedError,
+    TopicAlreadyExistsError,
+)
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from stagetree.bus.base import BusConsumer, Malformed, MetricBus, Record, decode_records
@@ -38,6 +45,9 @@ from stagetree.core.errors import (
 )
 
 logger = logging.getLogger(__name__)
+
+# failures after which a producer never sends again (besides its transaction manager's fatal state)
+NEW_PRODUCER_ERRORS = (InvalidProducerEpochError, ProducerFencedError)
 
 
 @dataclass(frozen=True)
@@ -181,6 +191,7 @@ class KafkaMetricBus(MetricBus):
                 "report fewer metrics per message"
             ) from e
         except KafkaError as e:
+            self._drop_if_broken(producer, [e])
             raise Unavailable(f"cannot publish to {topic}: {e!r}") from e
         future.add_errback(self._on_send_error, topic, key, first.msg_id if count == 1 else f"bundle@{first.msg_id}")
 
@@ -198,11 +209,32 @@ class KafkaMetricBus(MetricBus):
                 raise Unavailable(f"flush did not finish in {timeout_s} s: {e!r}") from e
         with self._lock:
             failures, self._failures = self._failures, []
+        if producer is not None and failures:
+            self._drop_if_broken(producer, failures)
         if failures:
             raise Unavailable(
                 f"{len(failures)} published message(s) were not stored, first: {failures[0]!r}; "
                 "publish them again (consumers deduplicate on msg_id)"
             )
+
+    def _drop_if_broken(self, producer: KafkaProducer, failures: Sequence[BaseException]) -> None:
+        """Forget ``producer`` when it cannot send again, so that the next publish makes a new one.
+
+        An idempotent producer whose broker restarted without its producer state gets an out-of-order
+        sequence; kafka-python then bumps the producer's epoch, and a broker that refuses the bump (Tansu
+        answers it with an unknown error) leaves the producer in a fatal state: every later send fails.
+        A new producer has a new producer id and starts its sequences again; what it sends twice, the
+        consumers drop by ``msg_id``."""
+        manager = getattr(producer, "_transaction_manager", None)
+        fatal = manager is not None and manager.has_fatal_error()
+        if not fatal and not any(isinstance(f, NEW_PRODUCER_ERRORS) for f in failures):
+            return
+        with self._lock:
+            if self._producer is not producer:
+                return  # already replaced
+            self._producer = None
+        logger.warning("the Kafka producer cannot send again; the next publish uses a new one: %r", failures[0])
+        producer.close(timeout=0)
 
     def subscribe(self, topics: Sequence[str], group: str) -> KafkaBusConsumer:
         if not topics:

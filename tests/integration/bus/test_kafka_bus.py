@@ -9,9 +9,10 @@ import uuid
 import pytest
 from kafka import KafkaConsumer
 
+from stagetree.bus.base import Malformed
 from stagetree.bus.kafka import KafkaBusConfig, KafkaMetricBus, ensure_topics
 from stagetree.bus.messages import Metrics, make_msg_id
-from stagetree.bus.tansu import TansuBroker, free_loopback_port
+from stagetree.bus.tansu import TansuBroker, free_loopback_port, start_tansu
 from stagetree.core.errors import Conflict, InvalidArgument, ResourceExhausted, Unavailable
 
 logger = logging.getLogger(__name__)
@@ -125,3 +126,38 @@ def test_ensure_topics_creates_the_partitions_asked_for_and_is_idempotent(tansu_
 def test_heartbeat_must_be_below_session_timeout() -> None:
     with pytest.raises(InvalidArgument, match="heartbeat_interval_ms"):
         KafkaBusConfig("127.0.0.1:9092", session_timeout_ms=1_000, heartbeat_interval_ms=1_000)
+
+
+def test_a_producer_the_restarted_broker_refuses_is_replaced_and_publishing_goes_on(tansu_broker: TansuBroker) -> None:
+    """A broker restarted without its producer state refuses the idempotent producer's epoch bump (Tansu:
+    an unknown error, which kafka-python holds fatal): the bus makes a new producer instead of failing
+    every publish from then on."""
+    broker = start_tansu()  # its own broker: this test kills it
+    port = int(broker.bootstrap.rsplit(":", 1)[1])
+    config = KafkaBusConfig.fast_rebalance(broker.bootstrap)
+    try:
+        topic = _topic(config, partitions=1)
+        bus = KafkaMetricBus(config)
+        bus.publish(topic, "k", _metrics(1, 0))
+        bus.flush(10)
+        broker.process.kill()
+        broker.process.wait(10)
+        broker = start_tansu(port=port)
+        ensure_topics(config, [topic], partitions=1)  # the restarted broker keeps nothing in memory
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                bus.publish(topic, "k", _metrics(1, 1))
+                bus.flush(5)
+                break
+            except Unavailable:  # what the node manager's batcher does: publish again
+                assert time.monotonic() < deadline, "publishing never recovered after the broker's restart"
+                time.sleep(0.2)
+        with bus.subscribe([topic], f"g-{uuid.uuid4().hex[:8]}") as consumer:
+            got: list[str] = []
+            while not got and time.monotonic() < deadline:
+                got = [r.message.msg_id for r in consumer.poll(timeout_s=1.0) if not isinstance(r.message, Malformed)]
+        assert set(got) == {_metrics(1, 1).msg_id}  # (a publish the broker stored but did not confirm comes twice)
+        bus.close()
+    finally:
+        broker.stop()
