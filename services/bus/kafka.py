@@ -230,9 +230,11 @@ class KafkaMetricBus(MetricBus):
         if not fatal and not any(isinstance(f, NEW_PRODUCER_ERRORS) for f in failures):
             return
         with self._lock:
-            if self._producer is not producer:
-                return  # already replaced
-            self._producer = None
+            current = self._producer is producer  # else another thread replaced it already
+            if current:
+                self._producer = None
+        if not current:
+            return
         logger.warning("the Kafka producer cannot send again; the next publish uses a new one: %r", failures[0])
         producer.close(timeout=0)
 
