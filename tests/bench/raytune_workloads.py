@@ -132,20 +132,24 @@ def replay_work(submits: Iterable[Any]) -> list[TrialWork]:
     return [TrialWork(t, configs[t], tuple(sorted(steps[t]))) for t in sorted(configs)]
 
 
-def _prefix_key(config: Config, step: int) -> tuple[Any, ...]:
-    """What identifies the training of ``step`` (the step from ``step`` to ``step + 1``): the segments
-    of every hyper-parameter that start at or before it."""
-    return tuple(
-        (name, tuple((g.start, g.kind, g.params) for g in segs if g.start <= step)) for name, segs in config.items
-    )
+def _prefix_keys(config: Config, stop: int) -> list[tuple[Any, ...]]:
+    """What identifies the training of each step below ``stop`` (the step from ``s`` to ``s + 1``): the
+    values of every hyper-parameter at steps ``0..s``. The stage tree branches where values differ, not
+    where the schedules' segments do (a warmup into a cosine and into a multistep agree on the first step
+    after the warmup, and that step is shared)."""
+    keys: list[tuple[Any, ...]] = []
+    prefix: tuple[Any, ...] = ()
+    for s in range(stop):
+        prefix = (prefix, tuple(sorted(config.values_at(s).items())))
+        keys.append(prefix)
+    return keys
 
 
 def unique_steps(work: Iterable[TrialWork]) -> int:
     """Steps a system that shares common prefixes trains: each distinct (prefix, step) once."""
     seen: set[tuple[int, tuple[Any, ...]]] = set()
     for w in work:
-        cfg = Config.of(w.config)
-        seen.update((s, _prefix_key(cfg, s)) for s in range(w.stop))
+        seen.update(enumerate(_prefix_keys(Config.of(w.config), w.stop)))
     return len(seen)
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from stagetree.client.tuners import ASHA, Submit, run_sync
-from stagetree.core.sequences import Constant, MultiStep, Piecewise, Sequence, Warmup
+from stagetree.core.sequences import Constant, Cosine, MultiStep, Piecewise, Sequence, Warmup
 from tests.bench import vs_raytune
 from tests.bench.raytune_workloads import (
     S1_STEPS,
@@ -55,6 +55,11 @@ def test_unique_steps_counts_a_shared_prefix_once() -> None:
     d: dict[str, Sequence] = {"lr": Constant(0.1), "bs": Constant(64)}
     e: dict[str, Sequence] = {"lr": Constant(0.1), "bs": Constant(32)}
     assert unique_steps([TrialWork(0, d, (8,)), TrialWork(1, e, (8,))]) == 16
+    # the tree branches on values: a warmup into a cosine and into a multistep both train step 5 at the
+    # peak, so they share steps 0..5 although their segments differ from step 5 on
+    cos: dict[str, Sequence] = {"lr": Warmup(0.01, 5, Cosine(0.1, 0.001, 40))}
+    ms: dict[str, Sequence] = {"lr": Warmup(0.01, 5, MultiStep(0.1, [20], 0.1))}
+    assert unique_steps([TrialWork(0, cos, (10,)), TrialWork(1, ms, (10,))]) == 6 + 2 * 4
 
 
 def test_s2_space_and_asha_rungs() -> None:
