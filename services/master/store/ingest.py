@@ -21,10 +21,10 @@ for both transports of a worker's events: the aggregator's bus records and the n
   never later than now) (``BatchLedger.mark_started_in``; the first word wins, so it needs no claim
   below): a batch sent ahead of its slot's end waits on the node manager; the cost estimator must learn
   from the run alone, and the scheduler estimates when a slot frees from it;
-- ``progress``, ``checkpoint_saved`` and ``batch_preempted``: the furthest step the attempt trained to
-  (``BatchLedger.mark_reached_in``, a maximum: no claim needed), so the stats count what an attempt that
-  did not run to its end trained; not written for an attempt that finishes in the same apply (all its
-  steps count then);
+- ``progress``, ``metrics``, ``checkpoint_saved`` and ``batch_preempted``: the furthest step the attempt
+  trained to (``BatchLedger.mark_reached_in``, a maximum: no claim needed), so the stats count what an
+  attempt that did not run to its end, or whose end is not applied yet, trained; not written for an
+  attempt that finishes in the same apply (all its steps count then);
 - ``batch_timing``: the worker's measure of the attempt's time (``BatchLedger.record_timing_in``; the
   same values again on a redelivery, so no claim either);
 - ``log_line``: a text line the trainer logged, kept with its batch attempt
@@ -184,8 +184,8 @@ class Ingestor:
         for msg in messages:
             if isinstance(msg, BatchMessage) and msg.batch_id > MAX_INT64:
                 pass  # can never apply: an effectful kind is rejected below, the others dropped here
-            elif isinstance(msg, (Progress, CheckpointSaved, BatchPreempted)) and msg.step <= MAX_INT32:
-                reached.append((msg.batch_id, msg.attempt, msg.step))
+            elif isinstance(msg, (Progress, Metrics, CheckpointSaved, BatchPreempted)) and msg.step <= MAX_INT32:
+                reached.append((msg.batch_id, msg.attempt, msg.step))  # metrics at a step: the worker got there
             elif isinstance(msg, BatchTiming):
                 timings.append(
                     (

@@ -86,13 +86,16 @@ class StatsReader:
                     _A.c.train_s,
                 )
                 .join(_B, _B.c.id == _A.c.batch_id)
-                .where(_A.c.batch_id.in_(select(carried.c.b)), _A.c.finished_at.is_not(None))
+                .where(_A.c.batch_id.in_(select(carried.c.b)))
             ).all()
         done = [r for r in reqs if r.state == RequestState.DONE]
         work = work_of(a for row in rows if (a := _ended(row)) is not None)
         return SharingStats(
             requests=dict(Counter(str(r.state) for r in reqs)),
-            steps_executed=work.steps,
+            # an attempt still running counts the steps its worker reported: the metrics that answered a
+            # request are applied a moment before its batch's end, so stats read once a study's last
+            # request is answered count the batch that answered it
+            steps_executed=work.steps + sum(_running_trained(row) for row in rows),
             unique_steps=unique_steps(nodes, ((int(r.node_id), int(r.step)) for r in done)),
             trial_by_trial_steps=trial_by_trial_steps((r.label or "", int(r.step)) for r in done),
             compute_seconds=work.compute_seconds,
@@ -100,6 +103,20 @@ class StatsReader:
             startup_seconds=work.startup_seconds,
             checkpoint_seconds=work.checkpoint_seconds,
         )
+
+
+def _running_trained(row: Sequence[Any]) -> int:
+    """The steps an attempt that has not ended trained so far (the furthest step its worker reported)."""
+    state, spec_json, reached, _dispatched, _started, finished, *_ = row
+    if finished is not None or reached is None or state != BatchState.RUNNING:
+        return 0
+    try:
+        stages = json.loads(spec_json)["stages"]
+        start = int(stages[0]["start"])
+        steps = sum(int(x["end"]) - int(x["start"]) for x in stages)
+    except (ValueError, KeyError, TypeError, IndexError):
+        return 0
+    return min(steps, max(0, int(reached) - start))
 
 
 def _ended(row: Sequence[Any]) -> EndedAttempt | None:
@@ -113,7 +130,7 @@ def _ended(row: Sequence[Any]) -> EndedAttempt | None:
         steps = sum(int(x["end"]) - int(x["start"]) for x in stages)
     except (ValueError, KeyError, TypeError, IndexError):
         return None
-    if not st.is_finished():
+    if not st.is_finished() or finished is None:
         return None
     timing = None
     if given is not None and startup is not None and ckpt is not None and train is not None:

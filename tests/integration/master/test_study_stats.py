@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from stagetree.bus.messages import CheckpointSaved, Progress, make_msg_id
+from stagetree.bus.messages import CheckpointSaved, Metrics, Progress, make_msg_id
 from stagetree.core.batch import BatchSpec
 from stagetree.core.lifecycle import AttemptTiming, MetricPoint
 from stagetree.master.app import MasterApp
@@ -67,6 +67,23 @@ def test_the_steps_of_an_attempt_lost_with_its_node_manager_count(app: MasterApp
     assert (stats.steps_executed, stats.unique_steps) == (31 + 15, 40)
     assert app.store.batches.executed_steps(app.store.batches.get_batch(again).plan_id) == 31 + 15
     assert app.service.delete_study(ALICE, study.id) == 1  # with the record of its requeue
+
+
+def test_a_batch_whose_metrics_answered_before_its_end_was_applied_counts_what_it_trained(app: MasterApp) -> None:
+    """The metrics that answer a request are applied before the batch's end (which comes on its own
+    message): stats read as the study's last request is answered count the batch that answered it."""
+    study = app.service.create_study(ALICE, unique("s"))
+    (req,) = app.service.submit(ALICE, study.id, [SubmitItem("r", config_json(fixed(), lr=0.1), 40)])
+    nm = _node_manager(app)
+    (batch,) = app.scheduler.run_round().dispatched
+    node = _spec(app, batch).stages[-1].node
+    assert app.service.take_assignments(ADMIN, nm)
+    ids = {"msg_id": make_msg_id(nm, batch, 1, 0), "node_manager": nm, "batch_id": batch}
+    Ingestor(app.store, app.service.plans).apply([Metrics(**ids, attempt=1, node=node, step=40, metrics={"loss": 0.5})])  # type: ignore[arg-type]
+    assert app.service.get_requests(ALICE, study.id, [req.id])[0].state == "DONE"  # answered, batch RUNNING
+    assert app.store.batches.get_batch(batch).state == "RUNNING"
+    stats = app.service.study_stats(ALICE, study.id)
+    assert (stats.steps_executed, stats.unique_steps) == (40, 40)
 
 
 def test_time_a_batch_waits_for_its_slot_is_queueing_and_never_compute(app: MasterApp) -> None:
