@@ -100,6 +100,15 @@ class SlotPool:
         (``Slot.rank_place``): of the node managers that have them, the one with the fewest such GPUs
         free (the first in the free slots' order on ties), so that work on fewer GPUs does not break up
         a node manager that wider work needs (best fit)."""
+        by_host = self._free_by_host(avoid)
+        fits = [got for got in by_host.values() if len(got) >= n]
+        if not fits:
+            return None
+        return tuple(min(fits, key=len)[:n])
+
+    def _free_by_host(self, avoid: frozenset[str]) -> dict[str, list[Slot]]:
+        """The free slots not taken of each node manager not in ``avoid``, no two on one GPU
+        (``Slot.rank_place``), in the free slots' order."""
         by_host: dict[str, list[Slot]] = {}
         for s in self.free[self._free_at :]:
             if s in self.taken or s.node_manager in avoid:
@@ -107,23 +116,14 @@ class SlotPool:
             got = by_host.setdefault(s.node_manager, [])
             if all(g.rank_place != s.rank_place for g in got):
                 got.append(s)
-        fits = [got for got in by_host.values() if len(got) >= n]
-        if not fits:
-            return None
-        return tuple(min(fits, key=len)[:n])
+        return by_host
 
     def hold(self, n: int, avoid: frozenset[str] = frozenset()) -> tuple[Slot, ...]:
         """Take, for no work, up to ``n - 1`` free slots (no two on one GPU) of the node manager not in
         ``avoid`` that has the most (the first in the free slots' order on ties): work on ``n`` slots
         that waits for them there keeps them from work that comes after it in the round. Returns them
         (none when no node manager has a free slot)."""
-        by_host: dict[str, list[Slot]] = {}
-        for s in self.free[self._free_at :]:
-            if s in self.taken or s.node_manager in avoid:
-                continue
-            got = by_host.setdefault(s.node_manager, [])
-            if all(g.rank_place != s.rank_place for g in got):
-                got.append(s)
+        by_host = self._free_by_host(avoid)
         if not by_host:
             return ()
         held = tuple(max(by_host.values(), key=len)[: max(n - 1, 0)])
