@@ -64,6 +64,12 @@ PLATEAU = 0.97  # a single-GPU throughput this close to the best counts as satur
 LOST_TIER = 1e12
 
 
+def order_key(qos: str, arrival: float, allowance: float, in_time: bool) -> float:
+    """A task's place in the queue: its waiting allowance while some placement meets its ECT (or it is
+    Urgent), else ``LOST_TIER`` + its arrival."""
+    return allowance if in_time or qos == "urgent" else LOST_TIER + arrival
+
+
 @dataclass(frozen=True)
 class Placement:
     nodes: int
@@ -296,7 +302,7 @@ def genie_plan(
         best = met or opts[0]
         allowance = e - (now + best.latency)
         out.append(Planned(t, best.placement, best.latency, allowance))
-        keys[t.id] = LOST_TIER + t.arrival if met is None and t.qos != "urgent" else allowance
+        keys[t.id] = order_key(t.qos, t.arrival, allowance, met is not None)
     out.sort(key=lambda p: (keys[p.task.id], p.task.arrival, p.task.id))
     return out
 
@@ -496,10 +502,10 @@ def _genie_width(
 ) -> WidthChoice:
     n, lat, allowance = choose_width(qos, arrival, widths, now, shape)
     in_time = in_time_widths(qos, arrival, widths, now, shape)
-    if not in_time and qos != "urgent":
-        return WidthChoice(n, lat, LOST_TIER + arrival)  # its ECT is lost: behind every task still in time
-    others = tuple(o for o in in_time if o[0] != n)
-    return WidthChoice(n, lat, allowance, others, hold=bool(in_time))
+    key = order_key(qos, arrival, allowance, bool(in_time))
+    if not in_time:  # no width meets its ECT: nothing else to start on, nothing to hold for
+        return WidthChoice(n, lat, key)
+    return WidthChoice(n, lat, key, tuple(o for o in in_time if o[0] != n), hold=True)
 
 
 def _maxocc_width(

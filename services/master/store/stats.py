@@ -105,33 +105,37 @@ class StatsReader:
         )
 
 
+def _span(spec_json: str) -> tuple[int, int] | None:
+    """A batch spec's first step and its number of steps (None: the spec does not read)."""
+    try:
+        stages = json.loads(spec_json)["stages"]
+        return int(stages[0]["start"]), sum(int(x["end"]) - int(x["start"]) for x in stages)
+    except (ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
 def _running_trained(row: Sequence[Any]) -> int:
     """The steps an attempt that has not ended trained so far (the furthest step its worker reported)."""
     state, spec_json, reached, _dispatched, _started, finished, *_ = row
-    if finished is not None or reached is None or state != BatchState.RUNNING:
+    span = _span(spec_json)
+    if finished is not None or state != BatchState.RUNNING or span is None:
         return 0
-    try:
-        stages = json.loads(spec_json)["stages"]
-        start = int(stages[0]["start"])
-        steps = sum(int(x["end"]) - int(x["start"]) for x in stages)
-    except (ValueError, KeyError, TypeError, IndexError):
-        return 0
-    return min(steps, max(0, int(reached) - start))
+    reached = None if reached is None else int(reached)
+    return EndedAttempt(BatchState.RUNNING, *span, reached, 0.0, None, 0.0).trained
 
 
 def _ended(row: Sequence[Any]) -> EndedAttempt | None:
     """An ended attempt's row as the core counts it (None: its state or spec does not read, or it has
     not ended)."""
     state, spec_json, reached, dispatched, started, finished, given, startup, ckpt, train = row
+    span = _span(spec_json)
     try:
         st = BatchState(state)
-        stages = json.loads(spec_json)["stages"]
-        start = int(stages[0]["start"])
-        steps = sum(int(x["end"]) - int(x["start"]) for x in stages)
-    except (ValueError, KeyError, TypeError, IndexError):
+    except ValueError:
         return None
-    if not st.is_finished() or finished is None:
+    if span is None or not st.is_finished() or finished is None:
         return None
+    start, steps = span
     timing = None
     if given is not None and startup is not None and ckpt is not None and train is not None:
         timing = AttemptTiming(float(given), float(startup), float(ckpt), float(train))
