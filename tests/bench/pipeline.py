@@ -44,12 +44,10 @@ import math
 import multiprocessing
 import os
 import resource
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -70,6 +68,7 @@ from stagetree.master.store.records import NewNode, NewRequest
 from stagetree.master.store.schema import upgrade
 from stagetree.master.store.store import Store, make_engine
 from tests.bench import refs
+from tests.bench.baseline import ROOT, baseline_tree, child_env, git
 from tests.bench.record import record
 
 ADMIN_URL = os.environ.get("STAGETREE_BENCH_PG_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
@@ -439,7 +438,6 @@ def _stat_cpu(text: str) -> float:
 
 # -- side by side with another commit -----------------------------------------------------------------
 
-ROOT = Path(__file__).resolve().parents[2]
 INGEST = "services/master/store/ingest.py"  # the aggregator's write side: the code the comparison is about
 CODE_PROBE = """
 import hashlib, json, os, stagetree.master.store.ingest as ingest
@@ -467,13 +465,8 @@ def steady_child(args: argparse.Namespace) -> None:
     print(json.dumps({**code, "per_s": result.per_s, "lost": result.lost, "points": result.points}), flush=True)
 
 
-def _git(*argv: str, cwd: Path = ROOT) -> str:
-    return subprocess.run(["git", *argv], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
-
-
 def _steady_in_child(side: str, python_path: str, broker: Broker, args: argparse.Namespace) -> dict[str, object]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (python_path, env.get("PYTHONPATH", "")) if p)
+    env = child_env(python_path)
     cmd = [sys.executable, "-m", "tests.bench.pipeline", "--steady-child", broker.bootstrap]
     cmd += ["--broker-pid", str(broker.pid), "--points", str(args.points), "--workers", str(args.workers)]
     cmd += ["--processes", str(args.processes)]
@@ -493,30 +486,20 @@ def side_by_side(broker: Broker, args: argparse.Namespace) -> tuple[list[float],
     alternately, on the same broker and Postgres server (a fresh database each run). Each run checks
     that its aggregator imports the ``Ingestor`` of its own tree (path and content). Returns the rates
     of this tree, of the baseline, and the points lost over all runs."""
-    commit = _git("rev-parse", "--verify", f"{args.baseline}^{{commit}}")
-    where = Path(tempfile.mkdtemp(prefix="pipeline-baseline-"))
-    tree = where / "tree"
-    _git("worktree", "add", "--detach", str(tree), commit)
-    # Bytecode first, as this tree has it: the node managers import within the case's first 3 s.
-    subprocess.run([sys.executable, "-m", "compileall", "-q", str(tree / "services")], check=True)
-    shim = where / "path"
-    shim.mkdir()
-    (shim / "stagetree").symlink_to(tree / "services")
-    expected = {
-        "current": (ROOT / INGEST, (ROOT / INGEST).read_bytes()),
-        "baseline": (tree / INGEST, subprocess.run(["git", "show", f"{commit}:{INGEST}"], cwd=ROOT,
-                                                   capture_output=True, check=True).stdout),
-    }  # fmt: skip
-    print(
-        f"side by side: current {_git('rev-parse', '--short', 'HEAD')} ({ROOT}) against baseline "
-        f"{_git('rev-parse', '--short', 'HEAD', cwd=tree)} ({tree}), {args.pairs} runs each, alternately",
-        flush=True,
-    )
-    rates: dict[str, list[float]] = {"current": [], "baseline": []}
-    lost = 0
-    try:
+    with baseline_tree(args.baseline, compile_bytecode=True) as base:  # the node managers import in 3 s
+        expected = {
+            "current": (ROOT / INGEST, (ROOT / INGEST).read_bytes()),
+            "baseline": (base.tree / INGEST, (base.tree / INGEST).read_bytes()),
+        }
+        print(
+            f"side by side: current {git('rev-parse', '--short', 'HEAD')} ({ROOT}) against baseline "
+            f"{base.commit[:7]} ({base.tree}), {args.pairs} runs each, alternately",
+            flush=True,
+        )
+        rates: dict[str, list[float]] = {"current": [], "baseline": []}
+        lost = 0
         for _ in range(args.pairs):
-            for side, python_path in (("current", ""), ("baseline", str(shim))):
+            for side, python_path in (("current", ""), ("baseline", base.python_path)):
                 run = _steady_in_child(side, python_path, broker, args)
                 path, source = expected[side]
                 if run["ingest"] != str(path.resolve()) or run["sha1"] != hashlib.sha1(source).hexdigest():
@@ -524,9 +507,6 @@ def side_by_side(broker: Broker, args: argparse.Namespace) -> tuple[list[float],
                 print(f"{side:8s} aggregator code: {run['ingest']} one_ingest={str(run['one_ingest']).lower()}")
                 rates[side].append(float(run["per_s"]))  # type: ignore[arg-type]
                 lost += int(run["lost"])  # type: ignore[call-overload]
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
-        shutil.rmtree(where, ignore_errors=True)
     return rates["current"], rates["baseline"], lost
 
 

@@ -73,6 +73,10 @@ BENCHES = (
           command="python -m tests.bench.warm --base <commit>"),
     Bench("master", "10,000 requests through gRPC into Postgres, round time, cached evaluations",
           ("submit_per_s >= 2000", "round_ms_10k <= 250", "cached_eval_p99_ms <= 20")),
+    Bench("master", "the round at 10,000 pending beside another commit's, alternately, each run a child process "
+          "importing its own tree: `round_vs_baseline` = this tree's median round / the commit's, against "
+          "02172b5 (the code before the pure round)", ("round_vs_baseline <= 1.1",),
+          command="python -m tests.bench.master --baseline 02172b5 --pairs 3", results="master_vs_baseline"),
     Bench("worker", "the runtime against a plain PyTorch loop, checkpoint save and load, exact resume",
           ("runtime_overhead <= 1.05", "resume_exact")),
     Bench("pipeline", "metric points through Kafka (Tansu) and an aggregator into Postgres; the demo's study. "

@@ -37,18 +37,18 @@ import ctypes
 import json
 import os
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from tests.bench.baseline import ROOT, baseline_tree, child_env
 from tests.bench.record import record
 
-ROOT = Path(__file__).resolve().parents[2]
 USER_MODULES = Path(__file__).resolve().parent / "userstyle"
 PR_SET_CHILD_SUBREAPER = 36
 NO_DYNAMO = "new_nodynamo"  # this tree without torch._dynamo preloaded in the fork server
@@ -123,8 +123,7 @@ def _reap_all(timeout_s: float = 60.0) -> None:
 
 
 def _one_run(tree: str, python_path: str, trials: int, promote: int) -> dict[str, Any]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (python_path, env.get("PYTHONPATH", "")) if p)
+    env = child_env(python_path)
     env.pop("STAGETREE_NM_WORKER_PRELOAD", None)
     if tree == NO_DYNAMO:
         env["STAGETREE_NM_WORKER_PRELOAD"] = ""  # the fork server imports the runtime and torch only
@@ -145,16 +144,6 @@ def _one_run(tree: str, python_path: str, trials: int, promote: int) -> dict[str
     return result
 
 
-def _base_tree(ref: str, where: Path) -> str:
-    """A ``PYTHONPATH`` entry whose ``stagetree`` is ``ref``'s ``services`` (a git worktree under ``where``)."""
-    tree = where / "tree"
-    subprocess.run(["git", "worktree", "add", "--detach", str(tree), ref], cwd=ROOT, check=True, capture_output=True)
-    shim = where / "path"
-    shim.mkdir()
-    (shim / "stagetree").symlink_to(tree / "services")
-    return str(shim)
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", default="", help="the commit to compare with (default: none, this tree only)")
@@ -173,11 +162,10 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     _become_subreaper()
-    where = Path(tempfile.mkdtemp(prefix="warm-bench-"))
     trees: dict[str, str] = {"new": ""}
-    try:
+    with ExitStack() as stack:
         if args.base:
-            trees["base"] = _base_tree(args.base, where)
+            trees["base"] = stack.enter_context(baseline_tree(args.base)).python_path
         if args.no_dynamo:
             trees[NO_DYNAMO] = ""
         runs: dict[str, list[dict[str, Any]]] = {t: [] for t in trees}
@@ -185,10 +173,6 @@ def main(argv: list[str] | None = None) -> None:
             order = list(trees) if i % 2 == 0 else list(reversed(trees))
             for tree in order:
                 runs[tree].append(_one_run(tree, trees[tree], args.trials, args.promote))
-    finally:
-        if args.base:
-            subprocess.run(["git", "worktree", "remove", "--force", str(where / "tree")], cwd=ROOT, capture_output=True)
-        shutil.rmtree(where, ignore_errors=True)
 
     def med(tree: str, key: str) -> float:
         return statistics.median(float(r[key]) for r in runs[tree])

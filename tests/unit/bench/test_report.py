@@ -11,7 +11,17 @@ import pytest
 from tests.bench import record as rec
 from tests.bench import report
 
-HELPERS = {"__init__", "refs", "record", "report", "proctree", "raytune_train", "raytune_workloads", "gpu_screenshot"}
+HELPERS = {
+    "__init__",
+    "baseline",
+    "refs",
+    "record",
+    "report",
+    "proctree",
+    "raytune_train",
+    "raytune_workloads",
+    "gpu_screenshot",
+}
 
 
 def test_the_page_and_the_readme_block_are_what_the_results_render_to() -> None:
