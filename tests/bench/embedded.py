@@ -56,6 +56,7 @@ from stagetree.core.simulator import Ask, Simulator
 from stagetree.embedded import Embedded, EmbeddedSettings
 from stagetree.master.settings import SchedulingSettings
 from stagetree.nodemanager.examples.digits import build_mlp, digits_split
+from tests.bench.record import record
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import digits_sha  # the demo is a script, not a package
@@ -304,7 +305,7 @@ def main() -> None:
         f"{f.overhead_same_cost_model:.2f}",
         flush=True,
     )
-    print(f"embedded_steps_vs_unique={f.steps_vs_unique:.2f} embedded_overhead={f.overhead:.2f}")
+    print(record("embedded", f"embedded_steps_vs_unique={f.steps_vs_unique:.2f} embedded_overhead={f.overhead:.2f}"))
 
 
 if __name__ == "__main__":

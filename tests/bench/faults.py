@@ -41,6 +41,7 @@ from stagetree.client.sdk import connect
 from stagetree.cluster import ProcessCluster
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
 from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
+from tests.bench.record import record
 from tests.e2e.conftest import E2E_CONFIG
 from tests.e2e.data_tier import broker_restart, data_tier_cluster, postgres_restart
 from tests.e2e.helpers import new_study
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overload-s", type=float, default=60.0)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    print(asyncio.run(main_async(args)), flush=True)
+    print(record("faults", asyncio.run(main_async(args))), flush=True)
     return 0
 
 

@@ -46,6 +46,7 @@ from stagetree.nodemanager.runtime.executor import run_batch
 from stagetree.nodemanager.runtime.state import restore, take_snapshot
 from stagetree.nodemanager.runtime.trainer import TrainerContext, seed_everything
 from stagetree.nodemanager.runtime.worker import EventWriter
+from tests.bench.record import record
 
 SEED = 7
 FIXED = {"minibatches": 4, "hidden": 64}
@@ -215,10 +216,11 @@ def main(argv: list[str] | None = None) -> int:
         f"curve_overhead={statistics.median(runtime_s) / statistics.median(nocurve_s):.3f} "
         f"runtime_overhead_without_curve={statistics.median(nocurve_s) / statistics.median(plain_s):.3f}"
     )
-    print(
+    line = (
         f"runtime_overhead={overhead:.3f} ckpt_save_ms={save_ms:.2f} ckpt_load_ms={load_ms:.2f} "
         f"resume_exact={str(exact).lower()}"
     )
+    print(record("worker", line))
     return 0
 
 
