@@ -102,7 +102,10 @@ def round_ms(n_requests: int, repeats: int = 5) -> float:
         t0 = time.perf_counter()
         result = plan_round(plan_input(plan, slots))
         times.append((time.perf_counter() - t0) * 1000)
-        assert len(result.dispatches) == len(slots)
+        # the stage tree branches by value: the requests' 2,160 configs share their first steps, so fewer
+        # batches than slots are ready at the start (each batch one slot; none dispatched twice)
+        assert 0 < len(result.dispatches) <= len(slots)
+        assert len({d.slots for d in result.dispatches}) == len(result.dispatches)
     return statistics.median(times)
 
 
