@@ -222,9 +222,17 @@ async def grid_sharing(root: Path) -> tuple[float, bool, str]:
         t0 = time.monotonic()
         await asyncio.gather(*(study.eval(c, GRID_STEP, label=f"trial-{i}") for i, c in enumerate(configs)))
         wall = time.monotonic() - t0
-        stats = await study.stats()
         plan_id = (await asyncio.to_thread(cluster.app.store.requests.get_requests, study.id))[0].plan_id
-        ledger = await asyncio.to_thread(cluster.app.store.batches.executed_steps, plan_id)
+        # The last answers come with their metrics, before their batch's end is applied: study.stats()
+        # counts a running attempt's steps, the ledger only ended attempts'. Compared once both are read
+        # after the batches ended (or after 30 s, when they disagree for good).
+        deadline = time.monotonic() + 30.0
+        while True:
+            stats = await study.stats()
+            ledger = await asyncio.to_thread(cluster.app.store.batches.executed_steps, plan_id)
+            if stats.steps_executed == ledger or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
         by_value = unique_steps_by_value(configs, GRID_STEP)
         public = stats.steps_executed == ledger and stats.trial_by_trial_steps == len(configs) * GRID_STEP
         note = (
