@@ -5,7 +5,8 @@
 A child process with that directory first on its ``PYTHONPATH`` imports the baseline's ``stagetree``
 (the editable install's finder comes after the path entries) while ``tests`` stays this tree's, so the
 same bench code drives both. ``child_env`` builds such an environment; ``python_path=""`` is this tree.
-The worktree is removed when the block ends.
+The worktree is removed when the block ends. ``fresh_database`` gives each run, of either tree, a new
+database made by the migrations of the ``stagetree`` that process imports.
 """
 
 from __future__ import annotations
@@ -15,12 +16,16 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from sqlalchemy import create_engine, text
+
 ROOT = Path(__file__).resolve().parents[2]
+ADMIN_URL = os.environ.get("STAGETREE_BENCH_PG_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
 
 
 @dataclass(frozen=True)
@@ -60,3 +65,26 @@ def child_env(python_path: str, base: dict[str, str] | None = None) -> dict[str,
     env = dict(os.environ if base is None else base)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (python_path, env.get("PYTHONPATH", "")) if p)
     return env
+
+
+@contextmanager
+def fresh_database() -> Iterator[str]:
+    """A new database on the bench's PostgreSQL server, migrated to head by the ``stagetree`` this process
+    imports; dropped at the end."""
+    from stagetree.master.store.schema import upgrade
+    from stagetree.master.store.store import make_engine
+
+    name = f"stagetree_bench_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        url = ADMIN_URL.rsplit("/", 1)[0] + "/" + name
+        engine = make_engine(url)
+        upgrade(engine)
+        engine.dispose()
+        yield url
+    finally:
+        with admin.connect() as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()

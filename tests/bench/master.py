@@ -27,9 +27,8 @@ import statistics
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import grpc
 from pydantic import SecretStr
@@ -39,15 +38,12 @@ from stagetree.master.app import MasterApp
 from stagetree.master.auth import Principal
 from stagetree.master.coordination import InProcessCoordination
 from stagetree.master.settings import AuthSettings, LimitSettings, MasterSettings
-from stagetree.master.store.schema import upgrade
-from stagetree.master.store.store import make_engine
 from stagetree.proto.stagetree.v1 import master_pb2 as pb
 from stagetree.proto.stagetree.v1 import master_pb2_grpc as pb_grpc
 from tests.bench import refs
-from tests.bench.baseline import ROOT, baseline_tree, child_env, git
+from tests.bench.baseline import ROOT, baseline_tree, child_env, fresh_database, git
 from tests.bench.record import record
 
-ADMIN_URL = os.environ.get("STAGETREE_BENCH_PG_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
 TOKEN = "bench-token"
 MD = (("authorization", f"Bearer {TOKEN}"),)
 
@@ -182,25 +178,6 @@ async def rounds_only(url: str, studies: int, trials: int, batch: int) -> list[f
     async with serving(url, batch) as (app, stub):
         await submit_all(stub, studies, trials, batch, step=100)
         return time_rounds(app, studies * trials)
-
-
-@contextmanager
-def fresh_database() -> Iterator[str]:
-    """A new database migrated by the ``stagetree`` this process imports; dropped at the end."""
-    name = f"stagetree_bench_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as c:
-        c.execute(text(f'CREATE DATABASE "{name}"'))
-    url = ADMIN_URL.rsplit("/", 1)[0] + "/" + name
-    try:
-        engine = make_engine(url)
-        upgrade(engine)
-        engine.dispose()
-        yield url
-    finally:
-        with admin.connect() as c:
-            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 def round_child(ns: argparse.Namespace) -> None:

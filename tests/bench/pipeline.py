@@ -51,8 +51,6 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,13 +63,11 @@ from stagetree.bus.tansu import TansuBroker, start_tansu
 from stagetree.core.config import Config
 from stagetree.master.plans import config_text
 from stagetree.master.store.records import NewNode, NewRequest
-from stagetree.master.store.schema import upgrade
 from stagetree.master.store.store import Store, make_engine
 from tests.bench import refs
-from tests.bench.baseline import ROOT, baseline_tree, child_env, git
+from tests.bench.baseline import ROOT, baseline_tree, child_env, fresh_database, git
 from tests.bench.record import record
 
-ADMIN_URL = os.environ.get("STAGETREE_BENCH_PG_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
 GROUP = "bench-aggregators"
 PARTITIONS = 8
 REQUEST_EVERY = 500  # a request waits every this many steps along each worker's path
@@ -120,24 +116,6 @@ class CaseResult:
 
 
 # -- the database --------------------------------------------------------------------------------------
-
-
-@contextmanager
-def fresh_database() -> Iterator[str]:
-    name = f"stagetree_bench_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as c:
-        c.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        url = ADMIN_URL.rsplit("/", 1)[0] + "/" + name
-        engine = make_engine(url)
-        upgrade(engine)
-        engine.dispose()
-        yield url
-    finally:
-        with admin.connect() as c:
-            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 def seed(store: Store, tag: str, workers: int, steps: int) -> list[Job]:
