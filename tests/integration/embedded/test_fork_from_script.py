@@ -2,7 +2,7 @@
 (``nodemanager.workers.fork_this_process``): the workers then hold the trainer module the script imported
 and never import it again, and they train exactly what a fresh fork server's workers train. Where the
 script already runs another thread or gRPC when the cluster starts, the fork server is a fresh interpreter,
-and the study runs the same."""
+and the study runs the same. The script's teardown skips the cyclic collector (``embedded.freeze_at_exit``)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,11 @@ class Net(DigitsMLP):
 """
 
 SCRIPT = """
-import asyncio, json, sys, threading
+import asyncio, atexit, gc, json, sys, threading
 from pathlib import Path
+
+# registered before the cluster's own handler, so it runs after it: what the collector skips at exit
+atexit.register(lambda: print(json.dumps({"frozen_at_exit": gc.get_freeze_count()})))
 
 import my_trainer  # the user's module, as a tuner script imports its model's
 import stagetree
@@ -53,7 +56,7 @@ async def go():
                 source.write_text(source.read_text().replace("VERSION = 1", "VERSION = 2"))
                 again = await stagetree.Study.create(client, "fork2", trainer="my_trainer:Net", seed=0, tuned=["lr"])
                 await again.eval({"lr": 0.05}, 6)
-        print(json.dumps({"fork": cluster.worker_fork, "results": got}))
+        print(json.dumps({"fork": cluster.worker_fork, "results": got, "frozen": gc.get_freeze_count()}))
 
 asyncio.run(go())
 """
@@ -75,7 +78,8 @@ def _run(tmp_path: Path, mode: str) -> tuple[dict, list[str]]:
         check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1]), imports.read_text().split()
+    *_, result, at_exit = done.stdout.strip().splitlines()
+    return {**json.loads(result), **json.loads(at_exit)}, imports.read_text().split()
 
 
 def _env() -> dict[str, str]:
@@ -92,6 +96,9 @@ def test_workers_forked_from_the_script_never_import_its_trainer_again_and_train
     assert fresh["fork"] == "none"
     assert len(fresh_imports) == 2  # the script's, and the worker's own
     assert forked["results"] == fresh["results"]
+    # the script's objects stay under the collector while it runs; its teardown skips them
+    assert forked["frozen"] == fresh["frozen"] == 0
+    assert forked["frozen_at_exit"] > 100_000 and fresh["frozen_at_exit"] > 100_000
 
 
 def test_a_module_edited_after_the_fork_is_imported_again_by_the_next_worker(tmp_path: Path) -> None:

@@ -214,3 +214,36 @@ async def test_workers_waiting_on_other_slots_import_the_trainer_of_the_work_sen
     pids = _worker_pids(caplog)
     assert pids[1] != pids[2]
     assert sorted(_lines(imports)) == sorted([pids[1], pids[2]])  # not again for its batch
+
+
+# A trainer that writes what the cyclic collector sees in the worker that builds it.
+GC_PROBE = """
+import gc
+from pathlib import Path
+
+from stagetree.nodemanager.examples.digits import DigitsMLP
+
+
+class Probe(DigitsMLP):
+    prepare_ahead = False
+
+    def init(self):
+        seen = f"{gc.isenabled()} {gc.get_freeze_count()} {len(gc.get_objects())}"
+        Path(__file__).with_suffix(".gc").write_text(seen)
+        super().init()
+"""
+
+
+async def test_a_worker_keeps_what_it_imported_out_of_the_collectors_scans(tmp_path: Path) -> None:
+    (tmp_path / "gc_probe.py").write_text(GC_PROBE)
+    h = await _started(tmp_path, user_path=tmp_path)
+    try:
+        h.run(spec_of(1, steps=2, trainer="gc_probe:Probe", hidden=16))
+        assert (await _report(h, 1)).ok
+    finally:
+        await _stop(h)
+    enabled, frozen, tracked = (tmp_path / "gc_probe.gc").read_text().split()
+    assert enabled == "True"  # the batch's own garbage is still collected
+    # torch's and the runtime's objects (hundreds of thousands) are frozen; what the collector tracks is
+    # what was made since (the trainer's module, the batch)
+    assert int(frozen) > 100_000 > int(tracked)
