@@ -1,7 +1,9 @@
 """Fixtures shared by the integration suites: a fresh Postgres database per test session (dropped at the
-end) and fresh SQLite files, both migrated to head with the packaged migrations; a master app with
-gRPC on a free port; the Tansu Kafka-protocol broker (``tansu_broker``, from ``tests/integration/bus``);
-a moto S3 server (``s3``, ``tests.s3server``) and a fresh bucket per test (``s3_bucket``)."""
+end) and fresh SQLite files, both migrated to head by running the packaged migrations (``migrate``; an
+empty database's ``upgrade`` creates the head's schema at once, which ``test_store_contract`` compares);
+a master app with gRPC on a free port; the Tansu Kafka-protocol broker (``tansu_broker``, from
+``tests/integration/bus``); a moto S3 server (``s3``, ``tests.s3server``) and a fresh bucket per test
+(``s3_bucket``)."""
 
 from __future__ import annotations
 
@@ -31,21 +33,31 @@ PG_ADMIN_URL = os.environ.get("STAGETREE_TEST_PG_URL", "postgresql+psycopg2://po
 REDIS_URL = os.environ.get("STAGETREE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
+def migrate(url: str) -> None:
+    """Bring a new database to head by running every migration (not the empty database's shortcut)."""
+    engine = make_engine(url)
+    try:
+        upgrade(engine, "0001")
+        upgrade(engine)
+    finally:
+        engine.dispose()
+
+
 def _pg_url(name: str) -> str:
     return PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
 
 
 @contextmanager
-def _fresh_pg() -> Iterator[str]:
+def fresh_pg(*, migrated: bool = True) -> Iterator[str]:
+    """A new Postgres database (dropped after), migrated to head unless ``migrated`` is False (empty)."""
     name = f"stagetree_test_{uuid.uuid4().hex[:10]}"
     admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     with admin.connect() as c:
         c.execute(text(f'CREATE DATABASE "{name}"'))
     try:
         url = _pg_url(name)
-        engine = make_engine(url)
-        upgrade(engine)
-        engine.dispose()
+        if migrated:
+            migrate(url)
         yield url
     finally:
         with admin.connect() as c:
@@ -67,7 +79,7 @@ def s3_bucket(s3: S3Server) -> str:
 @pytest.fixture(scope="session")
 def pg_url() -> Iterator[str]:
     """One migrated database for the session; tests keep apart by unique names and fixed parts."""
-    with _fresh_pg() as url:
+    with fresh_pg() as url:
         yield url
 
 
@@ -75,13 +87,11 @@ def pg_url() -> Iterator[str]:
 def fresh_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A migrated database of its own, for tests that look at global state (scheduling rounds)."""
     if request.param == "postgres":
-        with _fresh_pg() as url:
+        with fresh_pg() as url:
             yield url
         return
     url = f"sqlite:///{tmp_path / 'fresh.db'}"
-    engine = make_engine(url)
-    upgrade(engine)
-    engine.dispose()
+    migrate(url)
     yield url
 
 
@@ -89,9 +99,7 @@ def fresh_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
 def sqlite_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     path: Path = tmp_path_factory.mktemp("sqlite") / "master.db"
     url = f"sqlite:///{path}"
-    engine = make_engine(url)
-    upgrade(engine)
-    engine.dispose()
+    migrate(url)
     return url
 
 

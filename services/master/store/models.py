@@ -178,7 +178,8 @@ class Request(Base):
     label: Mapped[str] = mapped_column(String(128), default="", server_default="")  # the tuner's trial
     created_at: Mapped[float] = mapped_column(Float)
     done_at: Mapped[float | None] = mapped_column(Float, nullable=True)
-    failures: Mapped[int] = mapped_column(Integer, default=0)  # failed batch attempts that carried it
+    # failed batch attempts that carried it
+    failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     error: Mapped[str | None] = mapped_column(Text, nullable=True)  # the last failure, shown when FAILED
 
 
@@ -305,11 +306,13 @@ class SlotRow(Base):
     node_manager_id: Mapped[str] = mapped_column(ForeignKey("node_managers.id"), primary_key=True)
     slot_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     gpu_type: Mapped[str] = mapped_column(String(64))
-    memory_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
-    compute_capability: Mapped[str] = mapped_column(String(16), default="")
-    share: Mapped[float] = mapped_column(Float, default=0.0)
-    cpu_cores: Mapped[int] = mapped_column(Integer, default=0)
-    gpu_index: Mapped[int] = mapped_column(Integer, default=-1)
+    # server defaults (here and on requests.failures) as the migration that added the columns set them:
+    # an empty database's tables come from these models (store.schema)
+    memory_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    compute_capability: Mapped[str] = mapped_column(String(16), default="", server_default="")
+    share: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
+    cpu_cores: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    gpu_index: Mapped[int] = mapped_column(Integer, default=-1, server_default="-1")
 
 
 class NodeManagerAction(Base):

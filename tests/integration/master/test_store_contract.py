@@ -16,6 +16,7 @@ from stagetree.master.store.ingest import Ingestor
 from stagetree.master.store.records import DispatchItem, NewNode, NewRequest
 from stagetree.master.store.schema import check_schema, head_revision, upgrade
 from stagetree.master.store.store import Store, make_engine
+from tests.integration.conftest import migrate
 from tests.integration.master.helpers import unique
 from tests.reports import attempt_report
 
@@ -294,6 +295,74 @@ def test_old_schema_refuses_with_the_upgrade_command(tmp_path: object) -> None:
     Store.open(engine)
     assert head_revision() == "0017"
     engine.dispose()
+
+
+def _schema(url: str) -> dict[str, object]:
+    """Every table's columns, keys, indexes and constraints as the database reports them."""
+    from sqlalchemy import inspect
+
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            insp = inspect(conn)
+
+            def index(ix: dict) -> tuple:
+                where = {k: str(v) for k, v in ix.get("dialect_options", {}).items() if k.endswith("_where")}
+                return ix["name"], tuple(ix["column_names"]), bool(ix["unique"]), tuple(sorted(where.items()))
+
+            return {
+                t: (
+                    sorted(
+                        (c["name"], str(c["type"]), c["nullable"], str(c.get("default"))) for c in insp.get_columns(t)
+                    ),
+                    insp.get_pk_constraint(t)["constrained_columns"],
+                    sorted(
+                        (tuple(f["constrained_columns"]), f["referred_table"], tuple(f["referred_columns"]))
+                        for f in insp.get_foreign_keys(t)
+                    ),
+                    sorted(index(ix) for ix in insp.get_indexes(t)),
+                    sorted(tuple(u["column_names"]) for u in insp.get_unique_constraints(t)),
+                )
+                for t in sorted(insp.get_table_names())
+            }
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_an_empty_database_gets_the_schema_the_migrations_build(kind: str, tmp_path: object) -> None:
+    from tests.integration.conftest import fresh_pg
+
+    def made(name: str, migrated: bool) -> dict[str, object]:
+        def build(url: str) -> dict[str, object]:
+            if migrated:
+                migrate(url)
+            else:
+                engine = make_engine(url)
+                upgrade(engine)  # the empty database's shortcut: the models' tables and the head's revision
+                check_schema(engine)
+                engine.dispose()
+            return _schema(url)
+
+        if kind == "sqlite":
+            return build(f"sqlite:///{tmp_path}/{name}.db")
+        with fresh_pg(migrated=False) as url:
+            return build(url)
+
+    migrated, created = made("migrated", True), made("created", False)
+    assert "alembic_version" in created
+    assert created == migrated
+    assert head_revision() == _alembic_head()  # read from the file names, as Alembic reads the files
+
+
+def _alembic_head() -> str:
+    from alembic.script import ScriptDirectory
+
+    from stagetree.master.store.schema import alembic_config
+
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert head is not None
+    return head
 
 
 def test_migrations_match_the_models(db_url: str) -> None:
