@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from stagetree.core.errors import Unavailable
 from stagetree.core.ids import BatchId
 from stagetree.core.round import RoundDecision, plan_round
+from stagetree.gcpause import gc_paused
 from stagetree.master import metrics
 from stagetree.master.checkpoint_files import CheckpointFiles, NodeManagersDeleteFiles
 from stagetree.master.coordination import Coordination, Subscription
@@ -115,10 +115,10 @@ class SchedulingLoop:
         """Read the round's input (from ``reads`` when the caller has just read them) and run the round.
         Writes nothing.
 
-        The cyclic garbage collector is paused meanwhile (``_gc_paused``): a round allocates tens of
+        The cyclic garbage collector is paused meanwhile (``gcpause``): a round allocates tens of
         thousands of short-lived, acyclic objects, and the collections they trigger walk the whole plan
         cache. Reference counting still frees them."""
-        with _gc_paused():
+        with gc_paused():
             read = self.reader.read(self.settings, reads)
             t0 = time.perf_counter()
             decision = plan_round(read.input)
@@ -213,20 +213,6 @@ class SchedulingLoop:
             if report is not None and report.wake_at is not None:  # the round asked to run again then
                 wait = min(wait, max(0.05, report.wake_at - time.time()))
             await wakeups.wait(wait)
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """No cyclic collection while the block runs, then as before. The switch is process-wide, so it is
-    held for one round only (a few hundred milliseconds at most): other threads' cycles wait that long.
-    Kept because ``python -m tests.bench.master`` shows it (``round_ms_10k``, with it and without)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
