@@ -90,7 +90,9 @@ async def test_optuna_tpe_with_asha_logged_to_mlflow_and_tensorboard(tmp_path: P
         stagetree.connect(cluster.target, token=cluster.token) as client,
     ):
         study = await stagetree.Study.create(
-            client, "tools", trainer=ENTRY_POINT, seed=0, values={"hidden": 16, "minibatches": 2},
+            # 200 minibatches a step: batches long enough that a scrape every few tens of milliseconds sees
+            # a slot busy on a loaded machine (with 2, a batch trained for a few milliseconds)
+            client, "tools", trainer=ENTRY_POINT, seed=0, values={"hidden": 16, "minibatches": 200},
             tuned=["lr", "momentum", "bs"],
         )  # fmt: skip
         before = await scrape(cluster.http_url)
