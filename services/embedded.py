@@ -31,7 +31,6 @@ import os
 import secrets
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,21 +111,14 @@ class EmbeddedSettings:
         )
 
 
-_exit_freeze = threading.Lock()
-_exit_freeze_registered = False
-
-
 def freeze_at_exit() -> None:
     """Have this process's interpreter skip the cyclic collector over what is alive at exit: with torch,
-    the trainer's modules and the master's imported, the collections of an interpreter's teardown cost a
-    script about a second of CPU (tests.bench.vs_optuna) to free memory the process is about to give back.
+    the trainer's modules and the master imported, an interpreter's teardown spent about a second of CPU
+    (measured on ``tests/bench/userstyle``'s modules) freeing memory the process is about to give back.
     The script's semantics are untouched until then (``gc.freeze`` runs in an ``atexit`` handler, after
-    the script's own); once per process."""
-    global _exit_freeze_registered
-    with _exit_freeze:
-        if not _exit_freeze_registered:
-            atexit.register(gc.freeze)
-            _exit_freeze_registered = True
+    the script's own); registered once however often it is called."""
+    atexit.unregister(gc.freeze)
+    atexit.register(gc.freeze)
 
 
 def script_paths() -> tuple[str, ...]:

@@ -25,7 +25,7 @@ Figures (Optuna's over stagetree's for the ratios; medians over ``--runs``, the 
   count, each step added or taken away at Optuna's CPU-seconds a step (below), so that what is left is the
   platform's overhead. The two searches train different numbers of steps: the user's objective seeds no
   torch generator, so Optuna's trials (and its pruner's calls, and what TPE asks next) differ run to run
-  (378 to 564 steps in six runs, stagetree's seeded search 336 in each); ``cpu_s_ratio_no_sharing_raw``
+  (378 to 564 steps in the runs measured, stagetree's seeded search 336 in each); ``cpu_s_ratio_no_sharing_raw``
   is the plain ratio, which measures that luck as much as the overhead;
 * ``e2e_ratio``: wall seconds from launch to the last process's exit;
 * ``merge_rate``: the study's trial-by-trial steps over its unique steps (``study.stats()``);
