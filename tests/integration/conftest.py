@@ -113,15 +113,24 @@ def pg_url() -> Iterator[str]:
 
 
 @pytest.fixture(params=["postgres", "sqlite"])
-def fresh_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+def fresh_db_url(request: pytest.FixtureRequest) -> str:
     """A migrated database of its own, for tests that look at global state (scheduling rounds)."""
-    if request.param == "postgres":
-        with fresh_pg() as url:
-            yield url
-        return
+    return str(request.getfixturevalue(f"fresh_{request.param}_url"))
+
+
+@pytest.fixture
+def fresh_postgres_url() -> Iterator[str]:
+    """A migrated Postgres database of this test's own: a master started on it meets no node manager
+    another test registered (a new master waits one liveness TTL for those before requeueing)."""
+    with fresh_pg() as url:
+        yield url
+
+
+@pytest.fixture
+def fresh_sqlite_url(tmp_path: Path) -> str:
     url = f"sqlite:///{tmp_path / 'fresh.db'}"
     migrate(url)
-    yield url
+    return url
 
 
 @pytest.fixture(scope="session")
