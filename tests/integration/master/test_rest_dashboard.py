@@ -17,6 +17,7 @@ from stagetree.core.batch import Point
 from stagetree.core.failures import log_note
 from stagetree.core.lifecycle import MetricPoint
 from stagetree.core.sequences import MultiStep
+from stagetree.dashboard import routes as dashboard_routes
 from stagetree.dashboard.schemas import Curves
 from stagetree.master.app import MasterApp
 from stagetree.master.auth import ADMIN, Principal
@@ -244,12 +245,20 @@ def test_a_batch_sent_ahead_does_not_make_its_slot_busier(http: httpx.Client, ap
     assert bobs["slots"][0]["work"] == {"busy": True, "sent_ahead": False}
 
 
+@pytest.fixture
+def keepalive_1s(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A keepalive comment every second, so that a ``_Listener``'s thread sees its ``close`` within one (at
+    the default 15 s each listener's close waited out its stream's next comment)."""
+    monkeypatch.setattr(dashboard_routes, "KEEPALIVE_S", 1.0)
+
+
 class _Listener:
-    """A study's event stream read on a thread of its own, until ``close``."""
+    """A study's event stream read on a thread of its own, until ``close`` (with ``keepalive_1s``)."""
 
     def __init__(self, base_url: str, study_id: str, since: float | None = None) -> None:
         self.client = httpx.Client(base_url=base_url, headers=ALICE, timeout=30)
         self.seen: list[str] = []
+        self.closed = False
         self.thread = threading.Thread(target=self._read, args=(study_id, since), daemon=True)
         self.thread.start()
 
@@ -258,16 +267,20 @@ class _Listener:
             q = "" if since is None else f"&since={since}"
             with self.client.stream("GET", f"/dashboard/events?study={study_id}{q}") as r:
                 for line in r.iter_lines():
+                    if self.closed:
+                        return
                     if line.startswith("event: "):
                         self.seen.append(line[7:])
         except (httpx.HTTPError, RuntimeError):
             pass  # closed
 
     def close(self) -> None:
-        self.client.close()
+        self.closed = True
         self.thread.join(10)
+        self.client.close()
 
 
+@pytest.mark.usefixtures("keepalive_1s")
 def test_a_study_scoped_event_stream_hears_only_its_study(http: httpx.Client, app: MasterApp) -> None:
     fx = fixed()
     idle = http.post("/studies", json={"name": unique("idle")}, headers=ALICE).json()["id"]
@@ -295,6 +308,7 @@ def test_a_study_scoped_event_stream_hears_only_its_study(http: httpx.Client, ap
         busy_l.close()
 
 
+@pytest.mark.usefixtures("keepalive_1s")
 def test_a_stream_opened_after_the_page_read_its_curves_announces_the_points_in_between(
     http: httpx.Client, app: MasterApp
 ) -> None:
