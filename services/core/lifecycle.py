@@ -126,6 +126,7 @@ _BATCH_STATE_OF = {
 class NodeManagerState(StrEnum):
     ALIVE = "ALIVE"  # registered and heartbeating
     LOST = "LOST"  # its heartbeat lapsed: its running batches were requeued
+    LEFT = "LEFT"  # it stopped gracefully: no work is sent to it until it registers again
 
 
 class AssignmentKind(StrEnum):

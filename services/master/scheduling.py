@@ -34,7 +34,7 @@ from stagetree.master.round_apply import DecisionApplier
 from stagetree.master.round_read import InputReader, RoundRead
 from stagetree.master.service import CH_ROUND
 from stagetree.master.settings import SchedulingSettings
-from stagetree.master.store.nodes import ALIVE
+from stagetree.master.store.nodes import ALIVE, LEFT
 from stagetree.master.store.records import NodeManagerRecord, RoundReads
 from stagetree.master.store.store import Store
 
@@ -94,21 +94,35 @@ class SchedulingLoop:
         self.reader = InputReader(store, plans, self.costs, self.policies)
         self.applier = DecisionApplier(store, plans, coordination, self.policies)
         self._round_thread: ThreadPoolExecutor | None = None  # run's own thread for the rounds
+        self._settled: set[tuple[str, float]] = set()  # node managers that left, looked at a TTL later
 
     # -- one round ------------------------------------------------------------------------------
 
     def requeue_lost(self, nms: Sequence[NodeManagerRecord] | None = None) -> list[str]:
         """Requeue the work of node managers whose heartbeat key lapsed. A master that just started
         leading (restarted, or a standby taking over) gives the node managers it has not heard from yet
-        one heartbeat TTL to reconnect: while no master ran, their keys lapsed with nobody to renew them."""
-        nms = [n for n in (self.store.nodes.node_managers() if nms is None else nms) if n.state == ALIVE]
+        one heartbeat TTL to reconnect: while no master ran, their keys lapsed with nobody to renew them.
+        A node manager that left (``LEFT``) keeps the work it listed for one heartbeat TTL, for its
+        reports to arrive; what is still running on it then is requeued, once (it stays ``LEFT``)."""
+        every = self.store.nodes.node_managers() if nms is None else nms
+        nms = [n for n in every if n.state == ALIVE]
         alive = self.coord.alive(n.id for n in nms)
-        since = self.leader_since
-        grace = time.time() < since + self.settings.heartbeat_ttl_s
+        now, since = time.time(), self.leader_since
+        grace = now < since + self.settings.heartbeat_ttl_s
         lost = [n.id for n in nms if n.id not in alive and not (grace and n.last_heartbeat <= since)]
         for nm in lost:
             batches = self.store.ledger.mark_lost(nm)
             log.warning("node manager lost; work requeued", extra={"node_manager_id": nm, "batches": batches})
+        for n in every:
+            key = (n.id, n.last_heartbeat)
+            if n.state == LEFT and now >= n.last_heartbeat + self.settings.heartbeat_ttl_s and key not in self._settled:
+                self._settled.add(key)
+                if batches := self.store.ledger.mark_lost(n.id, state=LEFT):
+                    lost.append(n.id)
+                    log.warning(
+                        "node manager left with work whose report never came; requeued",
+                        extra={"node_manager_id": n.id, "batches": batches},
+                    )
         return lost
 
     def decide(self, reads: RoundReads | None = None) -> Decided:

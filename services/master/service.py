@@ -575,6 +575,20 @@ class MasterService:
                 self.wakeups.notify(CH_ROUND)
         return out
 
+    def leave_node_manager(self, who: Principal, nm_id: str, known: Sequence[tuple[int, int]]) -> list[int]:
+        """A node manager stopping gracefully, once its workers stopped and their reports were sent: it
+        gets no more work, and what it was given but does not list in ``known`` is requeued now
+        (``BatchLedger.leave``), where waiting out its heartbeat TTL would send work there meanwhile.
+        The batch ids requeued."""
+        who.require_admin()
+        check_text(nm_id, "node_manager_id", MAX_ID_LEN)
+        requeued = self.store.ledger.leave(nm_id, known)
+        if requeued is None:
+            raise NotFound(f"node manager {nm_id!r} is not registered; register it first")
+        log.info("node manager left", extra={"node_manager_id": nm_id, "batches": requeued})
+        self.wakeups.notify(CH_ROUND)
+        return requeued
+
     def take_assignments(self, who: Principal, nm_id: str) -> list[Assignment]:
         """What the node manager should do next: batch attempts to run, then control actions."""
         who.require_admin()

@@ -30,7 +30,8 @@ A wrong token is not retried: ``run`` raises ``Unauthenticated``/``PermissionDen
 to fix. A call the master fails with a bug (INTERNAL, UNKNOWN) is logged as one and ends the session
 like any failure, but the backoff keeps growing across registrations while sessions end that way.
 On stop, running workers are preempted (``stop_grace_s`` to save) so their work resumes elsewhere from
-a checkpoint.
+a checkpoint; once their reports are sent the node manager tells the master it left (``LeaveNodeManager``),
+which then sends it no more work and requeues at once what it was given and never ran.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ DEFAULT_HEARTBEAT_S = 5.0
 STOPPED = "the node manager stopped"
 EOF_GRACE_S = 2.0  # after a worker exits, how long its last events may take to arrive
 KNOWN_ENDED = 1000  # ended attempts listed at registration (their reports may not be applied yet)
+LEAVE_TIMEOUT_S = 3.0  # how long a stop waits to tell the master (unreachable: it finds out a TTL later)
 
 
 @dataclass
@@ -222,12 +224,24 @@ class NodeManager:
             await self.reporter.close()  # delivers what it can of the last reports, then gives up
             if self._background:
                 await asyncio.wait(set(self._background), timeout=10)
+            if self.registrations:
+                await self._leave()
             await self.link.close()
             metrics.untrack(self)
             if self.mps is not None:
                 await asyncio.to_thread(self.mps.stop)
             if self.probe is not None:
                 self.probe.close()
+
+    async def _leave(self) -> None:
+        """Tell the master this node manager is gone (``MasterLink.leave``), within ``LEAVE_TIMEOUT_S``:
+        a master that cannot be reached finds out a heartbeat TTL later, as from a crash."""
+        try:
+            requeued = await asyncio.wait_for(self.link.leave(self.id, self.known_attempts()), LEAVE_TIMEOUT_S)
+        except (StagetreeError, TimeoutError) as e:
+            log.info("could not tell the master this node manager left: %s", e, extra={"node_manager_id": self.id})
+            return
+        log.info("left the master", extra={"node_manager_id": self.id, "requeued": requeued})
 
     async def workers_ready(self) -> None:
         """Until the worker launcher is ready (registered, fork server imported or workers prestarted):

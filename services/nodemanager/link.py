@@ -115,6 +115,13 @@ class MasterLink(ABC):
         """Say this node manager is alive; ``known`` (as in ``register_known``) lets the master requeue
         attempts it sent long ago that never arrived."""
 
+    async def leave(self, node_manager_id: str, known: Sequence[tuple[int, int]]) -> list[int]:
+        """Tell the master this node manager is stopping (its workers stopped, their reports sent), so
+        it sends no more work here and requeues what it gave that is not in ``known`` (as in
+        ``register_known``); the batch ids it requeued. An adapter that cannot say so says nothing: the
+        master then finds the node manager gone a heartbeat TTL later."""
+        return []
+
     @abstractmethod
     def assignments(self, node_manager_id: str) -> AsyncIterator[Assignment]:
         """The assignment stream; ends or raises when the connection does."""
@@ -238,6 +245,16 @@ class GrpcMasterLink(MasterLink):
             await self._get_stub().Heartbeat(req, metadata=self._metadata, timeout=self._timeout)
         except grpc.aio.AioRpcError as e:
             raise translate(e, self.target, "heartbeat") from None
+
+    async def leave(self, node_manager_id: str, known: Sequence[tuple[int, int]]) -> list[int]:
+        req = pb.LeaveNodeManagerRequest(
+            node_manager_id=node_manager_id, known_attempts=[pb.AttemptRef(batch_id=b, attempt=a) for b, a in known]
+        )
+        try:
+            resp = await self._get_stub().LeaveNodeManager(req, metadata=self._metadata, timeout=self._timeout)
+        except grpc.aio.AioRpcError as e:
+            raise translate(e, self.target, "leave") from None
+        return [int(b) for b in resp.requeued_batch_ids]
 
     async def assignments(self, node_manager_id: str) -> AsyncIterator[Assignment]:
         call = self._get_stub().StreamAssignments(

@@ -57,7 +57,7 @@ export async function renderCluster(main, gen) {
       const gpus = nm.gpus.length ? `<h3>GPUs</h3><table><tr><th>GPU</th><th>utilization</th><th>memory</th><th>processes</th></tr>${nm.gpus.map((g) =>
         `<tr><td>${g.gpu_index}</td><td>${fmt(g.utilization, 0)} %</td><td>${fmt(g.memory_used / 2 ** 30, 2)} / ${fmt(g.memory_total / 2 ** 30, 2)} GiB</td><td>${(g.processes || []).length}</td></tr>`).join("")}</table>`
         : `<p class="muted">no GPU telemetry (no NVML on this host, or none reported yet)</p>`;
-      return `<div class="card node-manager" data-nm="${esc(nm.id)}"><h2>host ${esc(nm.id)} <span class="badge s-${nm.state === "ALIVE" ? "done" : "failed"}">${esc(nm.state.toLowerCase())}</span>
+      return `<div class="card node-manager" data-nm="${esc(nm.id)}"><h2>host ${esc(nm.id)} <span class="badge s-${{ ALIVE: "done", LEFT: "cancelled" }[nm.state] || "failed"}">${esc(nm.state.toLowerCase())}</span>
         <span class="muted">${esc(nm.address)}, heard ${when(nm.last_heartbeat)}</span></h2><table><tr><th>slot</th><th>kind</th><th>running</th></tr>${slots}</table>${gpus}</div>`;
     }).join("") || `<div class="card muted">no hosts (node managers) registered</div>`;
 

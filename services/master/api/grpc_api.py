@@ -348,6 +348,13 @@ class MasterGrpc(pb_grpc.MasterServiceServicer):
         await self._call(context, register, shed=False)
         return pb.RegisterNodeManagerResponse(heartbeat_interval_s=self.heartbeat_interval_s)
 
+    async def LeaveNodeManager(self, request: pb.LeaveNodeManagerRequest, context: Any) -> pb.LeaveNodeManagerResponse:
+        known = [(a.batch_id, a.attempt) for a in request.known_attempts]
+        requeued = await self._call(
+            context, lambda who: self.svc.leave_node_manager(who, request.node_manager_id, known), shed=False
+        )
+        return pb.LeaveNodeManagerResponse(requeued_batch_ids=requeued)
+
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
         try:
             who = self._who(context)

@@ -25,6 +25,7 @@ from stagetree.core.lifecycle import (
     BatchHead,
     BatchState,
     CarriedRequest,
+    NodeManagerState,
     Outcome,
     RequestState,
     RetryPolicy,
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 DEFAULT_RETRY = RetryPolicy()
 
 _B, _A, _R, _BS = table(m.Batch), table(m.BatchAttempt), table(m.Request), table(m.BatchSlot)
+_NM = table(m.NodeManager)
 _RQ, _HP, _LL = table(m.RequeuedRequest), table(m.HostProblem), table(m.LogLineRow)
 # the node manager and plan of attempts that found their host cannot run the plan's trainer
 _WHERE_RAN = (
@@ -354,11 +356,12 @@ class BatchLedger:
             enqueue_action(s, b.node_manager_id, AssignmentKind.PREEMPT, batch_id, b.attempt)
             return True
 
-    def mark_lost(self, nm_id: str) -> list[int]:
+    def mark_lost(self, nm_id: str, state: NodeManagerState = LOST) -> list[int]:
         """The node manager stopped heartbeating: its running batches are LOST and their requests go back
-        to NOT_SCHED (the next round rebuilds them from the latest checkpoint). Returns the batch ids."""
+        to NOT_SCHED (the next round rebuilds them from the latest checkpoint), and it is in ``state``
+        (``LEFT`` for one that said it left). Returns the batch ids."""
         with self.db.tx("mark node manager lost") as s:
-            s.execute(update(m.NodeManager).where(m.NodeManager.id == nm_id).values(state=LOST))
+            s.execute(update(m.NodeManager).where(m.NodeManager.id == nm_id).values(state=state))
             ids = s.scalars(select(_B.c.id).where(_B.c.node_manager_id == nm_id, _B.c.state == BatchState.RUNNING))
             return self._end_running_in(s, [int(b) for b in ids], Outcome.LOST)
 
@@ -401,6 +404,34 @@ class BatchLedger:
             ended = set(self._end_running_in(s, sorted(b for ids in lost.values() for b in ids), Outcome.LOST))
         return {nm: out for nm, ids in lost.items() if (out := sorted(b for b in ids if b in ended))}
 
+    def leave(self, nm_id: str, known: Iterable[tuple[int, int]]) -> list[int] | None:
+        """A node manager stopped gracefully (``LEFT``: rounds give its slots no work; a registration
+        makes it ``ALIVE`` again). Its running attempts it does not list in ``known``, sent or not, are
+        LOST and their requests NOT_SCHED at once; the listed ones end by their reports (or by
+        ``requeue_lost`` a heartbeat TTL later). The batch ids requeued; None when it is not registered."""
+        keep = {(int(b), int(a)) for b, a in known}
+        with self.db.tx("node manager leaves") as s:
+            found = s.execute(
+                update(m.NodeManager)
+                .where(m.NodeManager.id == nm_id)
+                .values(state=NodeManagerState.LEFT, last_heartbeat=time.time())
+                .returning(m.NodeManager.id)
+            ).first()
+            if found is None:
+                return None
+            rows = s.execute(
+                select(_B.c.id, _B.c.attempt)
+                .join(_A, (_A.c.batch_id == _B.c.id) & (_A.c.attempt == _B.c.attempt))
+                .where(
+                    _A.c.node_manager_id == nm_id,
+                    _A.c.state == BatchState.RUNNING,
+                    _B.c.node_manager_id == nm_id,
+                    _B.c.state == BatchState.RUNNING,
+                )
+            ).all()
+            gone = sorted({int(b) for b, a in rows if (int(b), int(a)) not in keep})
+            return sorted(self._end_running_in(s, gone, Outcome.LOST))
+
     # -- dispatch -------------------------------------------------------------------------------------
 
     def dispatch(
@@ -413,61 +444,76 @@ class BatchLedger:
         """Create each batch and its first attempt on a slot and mark its requests SCHED, all in one
         transaction (a round's dispatches commit together). ``spec_for(batch_id, attempt) -> str``
         renders a spec. An item none of whose requests is still NOT_SCHED (another round or a cancel got
-        there first) gets None and writes nothing."""
+        there first), or whose node manager is no longer ``ALIVE`` (it left or was lost since the round
+        read it), gets None and writes nothing."""
         if not items:
             return []
         if any(not it.slot_ids for it in items):
             raise InvalidArgument("dispatch_many: every batch needs at least one slot")
-        now = time.time()
-        out: list[BatchRecord | None] = []
         # A handful of statements for the whole round, not four per batch: a round places up to a few
         # hundred batches, and their round trips were half its time on a busy database (tests.bench.scale)
         with self.db.tx("dispatch batches") as s:
             c = s.connection()
-            rows = [
-                {"plan_id": it.plan_id, "state": BatchState.RUNNING, "attempt": 1, "spec_json": ""}
-                | {"node_manager_id": it.node_manager_id, "created_at": now, "updated_at": now}
-                for it in items
-            ]
-            written: dict[int, str] = {}  # batch id -> the spec its row was inserted with
+            # the node managers' rows held against a leave (``leave``) until this commits: a leave then
+            # sees these attempts, or they see its LEFT
+            alive_q = select(_NM.c.id).where(
+                _NM.c.id.in_(sorted({it.node_manager_id for it in items})), _NM.c.state == NodeManagerState.ALIVE
+            )
             if self.db.is_postgres:
-                # the ids first, so each row goes in with its spec (which names its batch id): an UPDATE per
-                # batch afterwards left a dead row version per dispatch
-                bids = sorted(int(i) for (i,) in c.execute(_NEXT_BATCH_IDS, {"n": len(items)}))
-                for row, it, bid in zip(rows, items, bids, strict=True):
-                    row["id"] = bid
-                    row["spec_json"] = written[bid] = it.spec_for(bid, 1)
-                c.execute(_NEW_BATCHES_WITH_IDS, rows)
-            else:
-                bids = [int(r[0]) for r in c.execute(_NEW_BATCHES, rows)]
-            owner = {rid: bid for it, bid in zip(items, bids, strict=True) for rid in it.request_ids}
-            claimed: set[int] = set()
-            if owner:
-                claim = _CLAIM_MANY.values(state=RequestState.SCHED, batch_id=case(owner, value=_R.c.id))
-                claimed = {int(b) for (b,) in c.execute(claim, {"ids": sorted(owner)})}
-            specs, attempts, slots, dropped = [], [], [], []
-            for it, bid in zip(items, bids, strict=True):
-                if it.request_ids and bid not in claimed:  # all taken meanwhile: not needed
-                    dropped.append({"b": bid})
-                    out.append(None)
-                    continue
-                spec = written.get(bid)
-                if spec is None:
-                    spec = it.spec_for(bid, 1)
-                    specs.append({"b": bid, "spec": spec})
-                # the attempt names rank 0's slot: its GPU type is the batch's (finished_attempts joins it)
-                attempts.append(
-                    {"batch_id": bid, "attempt": 1, "node_manager_id": it.node_manager_id}
-                    | {"slot_id": it.slot_ids[0], "state": BatchState.RUNNING, "dispatched_at": now}
-                )
-                slots += [{"batch_id": bid, "rank": r, "slot_id": slot} for r, slot in enumerate(it.slot_ids)]
-                out.append(BatchRecord(bid, it.plan_id, BatchState.RUNNING, 1, spec, it.node_manager_id, it.slot_ids))
-            if dropped:
-                c.execute(_DROP_BATCH, dropped)
-            if specs:
-                c.execute(_SET_SPEC, specs)
-            if attempts:
-                c.execute(_NEW_ATTEMPT, attempts)
-            if slots:
-                c.execute(_NEW_SLOTS, slots)
+                alive_q = alive_q.with_for_update(read=True)
+            alive = {str(i) for (i,) in c.execute(alive_q)}
+            todo = [it for it in items if it.node_manager_id in alive]
+            placed = iter(self._dispatch_in(s, todo) if todo else [])
+            return [next(placed) if it.node_manager_id in alive else None for it in items]
+
+    def _dispatch_in(self, s: Session, items: Sequence[DispatchItem]) -> list[BatchRecord | None]:
+        now = time.time()
+        out: list[BatchRecord | None] = []
+        c = s.connection()
+        rows = [
+            {"plan_id": it.plan_id, "state": BatchState.RUNNING, "attempt": 1, "spec_json": ""}
+            | {"node_manager_id": it.node_manager_id, "created_at": now, "updated_at": now}
+            for it in items
+        ]
+        written: dict[int, str] = {}  # batch id -> the spec its row was inserted with
+        if self.db.is_postgres:
+            # the ids first, so each row goes in with its spec (which names its batch id): an UPDATE per
+            # batch afterwards left a dead row version per dispatch
+            bids = sorted(int(i) for (i,) in c.execute(_NEXT_BATCH_IDS, {"n": len(items)}))
+            for row, it, bid in zip(rows, items, bids, strict=True):
+                row["id"] = bid
+                row["spec_json"] = written[bid] = it.spec_for(bid, 1)
+            c.execute(_NEW_BATCHES_WITH_IDS, rows)
+        else:
+            bids = [int(r[0]) for r in c.execute(_NEW_BATCHES, rows)]
+        owner = {rid: bid for it, bid in zip(items, bids, strict=True) for rid in it.request_ids}
+        claimed: set[int] = set()
+        if owner:
+            claim = _CLAIM_MANY.values(state=RequestState.SCHED, batch_id=case(owner, value=_R.c.id))
+            claimed = {int(b) for (b,) in c.execute(claim, {"ids": sorted(owner)})}
+        specs, attempts, slots, dropped = [], [], [], []
+        for it, bid in zip(items, bids, strict=True):
+            if it.request_ids and bid not in claimed:  # all taken meanwhile: not needed
+                dropped.append({"b": bid})
+                out.append(None)
+                continue
+            spec = written.get(bid)
+            if spec is None:
+                spec = it.spec_for(bid, 1)
+                specs.append({"b": bid, "spec": spec})
+            # the attempt names rank 0's slot: its GPU type is the batch's (finished_attempts joins it)
+            attempts.append(
+                {"batch_id": bid, "attempt": 1, "node_manager_id": it.node_manager_id}
+                | {"slot_id": it.slot_ids[0], "state": BatchState.RUNNING, "dispatched_at": now}
+            )
+            slots += [{"batch_id": bid, "rank": r, "slot_id": slot} for r, slot in enumerate(it.slot_ids)]
+            out.append(BatchRecord(bid, it.plan_id, BatchState.RUNNING, 1, spec, it.node_manager_id, it.slot_ids))
+        if dropped:
+            c.execute(_DROP_BATCH, dropped)
+        if specs:
+            c.execute(_SET_SPEC, specs)
+        if attempts:
+            c.execute(_NEW_ATTEMPT, attempts)
+        if slots:
+            c.execute(_NEW_SLOTS, slots)
         return out

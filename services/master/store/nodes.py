@@ -17,7 +17,7 @@ from stagetree.master.store import models as m
 from stagetree.master.store.database import Database, table
 from stagetree.master.store.records import NodeManagerRecord
 
-ALIVE, LOST = NodeManagerState.ALIVE, NodeManagerState.LOST
+ALIVE, LOST, LEFT = NodeManagerState.ALIVE, NodeManagerState.LOST, NodeManagerState.LEFT
 
 _A, _B, _NA, _SL, _NM, _HP = (
     table(t) for t in (m.BatchAttempt, m.Batch, m.NodeManagerAction, m.SlotRow, m.NodeManager, m.HostProblem)

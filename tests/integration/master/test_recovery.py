@@ -1,12 +1,16 @@
 """What a master does when node managers and masters come back: a node manager that registers listing the
 attempts it knows gets the others requeued; a master that starts leading gives node managers it has not
 heard from one heartbeat TTL before it requeues their work (while no master ran, nobody renewed their
-heartbeat keys)."""
+heartbeat keys); a node manager that leaves gets no more work, and what it did not list is requeued at
+once."""
 
 from __future__ import annotations
 
 import time
 
+import pytest
+
+from stagetree.core.errors import NotFound, PermissionDenied
 from stagetree.master.app import MasterApp
 from stagetree.master.auth import Principal
 from stagetree.master.scheduling import SchedulingLoop
@@ -110,3 +114,53 @@ def test_a_master_over_the_same_database_schedules_in_its_first_round_while_a_ba
         assert restarted.store.batches.get_batch(long).state == "RUNNING"
     finally:
         restarted.store.dispose()
+
+
+def test_a_node_manager_that_left_gets_no_more_work_and_what_it_did_not_list_is_requeued_at_once(
+    app: MasterApp,
+) -> None:
+    nm, other = unique("nm"), unique("nm")
+    app.service.register_node_manager(ADMIN, nm, "local", [("g0", "cpu"), ("g1", "cpu")])
+    app.coordination.heartbeat(nm, 30)
+    kept, dropped = _dispatched(app, nm)
+    with pytest.raises(PermissionDenied):
+        app.service.leave_node_manager(ALICE, nm, [])
+    with pytest.raises(NotFound, match="not registered"):
+        app.service.leave_node_manager(ADMIN, unique("nm"), [])
+    assert app.service.leave_node_manager(ADMIN, nm, [(kept, 1)]) == [dropped]
+    (rec,) = [n for n in app.service.list_node_managers(ADMIN) if n.id == nm]
+    assert rec.state == "LEFT"
+    assert app.store.batches.get_batch(kept).state == "RUNNING"  # its report is on its way
+    assert app.store.batches.get_batch(dropped).state == "LOST"
+    assert app.scheduler.run_round().dispatched == []  # its heartbeat key is alive, but it left
+    app.service.register_node_manager(ADMIN, other, "local", [("g0", "cpu")])
+    app.coordination.heartbeat(other, 30)
+    assert len(app.scheduler.run_round().dispatched) == 1  # the requeued work, elsewhere
+    # what it listed and never reported is requeued a heartbeat TTL after it left, once; it stays LEFT
+    settings = SchedulingSettings(heartbeat_ttl_s=0.5)
+    loop = SchedulingLoop(app.store, app.scheduler.plans, app.coordination, settings, "master-4")
+    time.sleep(0.6)
+    assert loop.requeue_lost() == [nm] and loop.requeue_lost() == []
+    assert app.store.batches.get_batch(kept).state == "LOST"
+    (rec,) = [n for n in app.service.list_node_managers(ADMIN) if n.id == nm]
+    assert rec.state == "LEFT"
+    app.service.register_node_manager(ADMIN, nm, "local", [("g0", "cpu")])  # back: ALIVE again
+    (rec,) = [n for n in app.service.list_node_managers(ADMIN) if n.id == nm]
+    assert rec.state == "ALIVE"
+
+
+def test_a_round_decided_before_a_node_manager_left_sends_it_nothing(app: MasterApp) -> None:
+    """The round reads, the node manager leaves, the round applies: the dispatch to it is dropped (its
+    row is held against the leave while the dispatch commits) and the work stays pending."""
+    nm = unique("nm")
+    app.service.register_node_manager(ADMIN, nm, "local", [("g0", "cpu")])
+    app.coordination.heartbeat(nm, 30)
+    study = app.service.create_study(ALICE, unique("s"))
+    app.service.submit(ALICE, study.id, [SubmitItem("r0", config_json(fixed(), lr=0.01), 10)])
+    scheduler = app.scheduler
+    decided = scheduler.decide()
+    assert decided.decision.dispatches  # it would go to the node manager
+    assert app.service.leave_node_manager(ADMIN, nm, []) == []
+    applied = scheduler.applier.apply(decided.decision, decided.read, scheduler.settings, scheduler.files)
+    assert applied.dispatched == [] and app.service.take_assignments(ADMIN, nm) == []
+    assert [r.state for r in app.service.get_requests(ALICE, study.id, None)] == ["NOT_SCHED"]

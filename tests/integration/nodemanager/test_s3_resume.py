@@ -49,8 +49,9 @@ async def test_a_checkpoint_written_by_one_node_manager_is_resumed_by_another_wi
     started = await until(lambda: a.reporter.of("batch_started"), 30, "the batch to start on host a")
     first = started[0]["batch_id"]
     await until(lambda: a.reporter.progress(first) >= 8, 30, "progress on host a")
-    await a.close()  # a graceful stop: the worker saves where it is, then exits
+    await a.close()  # a graceful stop: the worker saves where it is, then exits, and a leaves the master
     (stop,) = a.reporter.of("batch_preempted", first)
+    assert {n.id: n.state for n in app.store.nodes.node_managers()}[a.nm.id] == "LEFT"  # no more work for a
     assert stop["uri"].startswith(f"s3://{s3_bucket}/ckpts/") and 8 <= stop["step"] < steps
     assert _cached(host_a / "work" / "checkpoint-cache", stop["uri"])  # the writer keeps its copy
     b = await start_node_manager(grpc_target, host_b, **store)

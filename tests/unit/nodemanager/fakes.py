@@ -30,6 +30,8 @@ class FakeLink(MasterLink):
         self.register_errors: list[Exception] = []
         self.heartbeat_errors: list[Exception] = []
         self.report_errors: list[Exception] = []
+        self.left: list[list[tuple[int, int]]] = []  # what each leave listed, with the reports sent then
+        self.reports_at_leave: list[int] = []
         self.closed = False
 
     async def register(self, node_manager_id: str, address: str, slots: Sequence[SlotInfo]) -> float:
@@ -50,6 +52,11 @@ class FakeLink(MasterLink):
             if isinstance(item, Exception):
                 raise item
             yield item
+
+    async def leave(self, node_manager_id: str, known: Sequence[tuple[int, int]]) -> list[int]:
+        self.left.append(list(known))
+        self.reports_at_leave.append(len(self.reports))
+        return []
 
     async def report(self, report: BatchReport) -> list[int]:
         if self.report_errors:

@@ -8,7 +8,7 @@ import asyncio
 import json
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ import torch
 from stagetree.core.batch import BatchSpec
 from stagetree.core.errors import Unauthenticated, Unavailable
 from stagetree.core.slots import SlotInfo
-from stagetree.nodemanager.agent import NodeManager
+from stagetree.nodemanager.agent import LEAVE_TIMEOUT_S, NodeManager
 from stagetree.nodemanager.examples.digits import DigitsMLP
 from stagetree.nodemanager.examples.faults import ENTRY_POINT as FAULTY
 from stagetree.nodemanager.examples.faults import EXIT_CODE
@@ -204,6 +204,7 @@ async def test_a_wrong_token_stops_the_node_manager_at_once(tmp_path: Path) -> N
     with pytest.raises(Unauthenticated, match="STAGETREE_NM_ADMIN_TOKEN"):
         await asyncio.wait_for(nm.run(asyncio.Event()), 60)
     assert link.closed and not (tmp_path / "work" / "logs").exists()  # no worker was ever started
+    assert link.left == []  # never registered: nothing to leave
 
 
 async def test_stop_preempts_running_workers_so_their_work_resumes_elsewhere(tmp_path: Path) -> None:
@@ -214,6 +215,27 @@ async def test_stop_preempts_running_workers_so_their_work_resumes_elsewhere(tmp
     await asyncio.wait_for(h.task, 120)
     report = h.link.report_of(13)
     assert report.preempted and [c.kind for c in report.checkpoints] == ["peripheral"]
+    # it left the master once its report was sent, listing the attempt so that only its report ends it
+    assert h.link.left == [[(13, 1)]] and h.link.reports_at_leave == [len(h.link.reports)]
+
+
+class _MasterThatNeverAnswersALeave(FakeLink):
+    async def leave(self, node_manager_id: str, known: Sequence[tuple[int, int]]) -> list[int]:
+        await asyncio.Event().wait()  # a master away, or one that never heard of leaving
+        return []
+
+
+async def test_a_stop_whose_leave_goes_unanswered_still_ends_in_a_few_seconds(tmp_path: Path) -> None:
+    link = _MasterThatNeverAnswersALeave()
+    launcher = launcher_of("exec", LocalCheckpointStore(tmp_path / "ckpt"), tmp_path)
+    nm = NodeManager(link, GrpcReporter(link), [SlotInfo("cpu0")], launcher, node_manager_id="nm-test")
+    stop = asyncio.Event()
+    task = asyncio.create_task(nm.run(stop))
+    await until(lambda: nm.connected.is_set())
+    t0 = asyncio.get_running_loop().time()
+    stop.set()
+    await asyncio.wait_for(task, 30)
+    assert asyncio.get_running_loop().time() - t0 < LEAVE_TIMEOUT_S + 10 and link.closed
 
 
 async def test_exec_launcher_with_prestart_runs_the_worker_in_its_slots_environment(tmp_path: Path) -> None:

@@ -164,3 +164,12 @@ async def until(cond: Callable[[], bool], timeout: float = 10) -> None:
     while not cond():
         assert loop.time() < deadline, "timed out"
         await asyncio.sleep(0.01)
+
+
+async def test_a_master_that_does_not_know_leaving_answers_a_leave_with_an_error_the_agent_can_log(
+    master: tuple[ScriptedMaster, GrpcMasterLink],
+) -> None:
+    _, link = master  # ScriptedMaster implements no LeaveNodeManager, as a master of an older release
+    with pytest.raises(StagetreeError) as got:
+        await link.leave("nm-1", [(7, 1)])
+    assert "leave" in got.value.message

@@ -378,6 +378,20 @@ class HeartbeatResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class LeaveNodeManagerRequest(_message.Message):
+    __slots__ = ("node_manager_id", "known_attempts")
+    NODE_MANAGER_ID_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    node_manager_id: str
+    known_attempts: _containers.RepeatedCompositeFieldContainer[AttemptRef]
+    def __init__(self, node_manager_id: _Optional[str] = ..., known_attempts: _Optional[_Iterable[_Union[AttemptRef, _Mapping]]] = ...) -> None: ...
+
+class LeaveNodeManagerResponse(_message.Message):
+    __slots__ = ("requeued_batch_ids",)
+    REQUEUED_BATCH_IDS_FIELD_NUMBER: _ClassVar[int]
+    requeued_batch_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, requeued_batch_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class StreamAssignmentsRequest(_message.Message):
     __slots__ = ("node_manager_id",)
     NODE_MANAGER_ID_FIELD_NUMBER: _ClassVar[int]

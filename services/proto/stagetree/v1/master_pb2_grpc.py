@@ -115,6 +115,11 @@ class MasterServiceStub:
                 request_serializer=stagetree_dot_v1_dot_master__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=stagetree_dot_v1_dot_master__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.LeaveNodeManager = channel.unary_unary(
+                '/stagetree.v1.MasterService/LeaveNodeManager',
+                request_serializer=stagetree_dot_v1_dot_master__pb2.LeaveNodeManagerRequest.SerializeToString,
+                response_deserializer=stagetree_dot_v1_dot_master__pb2.LeaveNodeManagerResponse.FromString,
+                _registered_method=True)
         self.StreamAssignments = channel.unary_stream(
                 '/stagetree.v1.MasterService/StreamAssignments',
                 request_serializer=stagetree_dot_v1_dot_master__pb2.StreamAssignmentsRequest.SerializeToString,
@@ -236,6 +241,14 @@ class MasterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LeaveNodeManager(self, request, context):
+        """A node manager stopping gracefully, after its workers stopped and their reports were sent: the
+        master sends it no more work (it is LEFT until it registers again).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def StreamAssignments(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -337,6 +350,11 @@ def add_MasterServiceServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=stagetree_dot_v1_dot_master__pb2.HeartbeatRequest.FromString,
                     response_serializer=stagetree_dot_v1_dot_master__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'LeaveNodeManager': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaveNodeManager,
+                    request_deserializer=stagetree_dot_v1_dot_master__pb2.LeaveNodeManagerRequest.FromString,
+                    response_serializer=stagetree_dot_v1_dot_master__pb2.LeaveNodeManagerResponse.SerializeToString,
             ),
             'StreamAssignments': grpc.unary_stream_rpc_method_handler(
                     servicer.StreamAssignments,
@@ -786,6 +804,33 @@ class MasterService:
             '/stagetree.v1.MasterService/Heartbeat',
             stagetree_dot_v1_dot_master__pb2.HeartbeatRequest.SerializeToString,
             stagetree_dot_v1_dot_master__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaveNodeManager(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagetree.v1.MasterService/LeaveNodeManager',
+            stagetree_dot_v1_dot_master__pb2.LeaveNodeManagerRequest.SerializeToString,
+            stagetree_dot_v1_dot_master__pb2.LeaveNodeManagerResponse.FromString,
             options,
             channel_credentials,
             insecure,
