@@ -66,13 +66,14 @@ def _migrated_template(admin: Engine) -> str:
     return _template
 
 
-def _drop(name: str) -> None:
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+def _drop(name: str, admin: Engine | None = None) -> None:
+    engine = admin if admin is not None else create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     try:
-        with admin.connect() as c:
+        with engine.connect() as c:
             c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     finally:
-        admin.dispose()
+        if admin is None:
+            engine.dispose()
 
 
 @contextmanager
@@ -88,8 +89,7 @@ def fresh_pg(*, migrated: bool = True) -> Iterator[str]:
         try:
             yield _pg_url(name)
         finally:
-            with admin.connect() as c:
-                c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            _drop(name, admin)
     finally:
         admin.dispose()
 

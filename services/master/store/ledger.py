@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from sqlalchemy import bindparam, case, insert, or_, select, text, tuple_, update
+from sqlalchemy import ColumnElement, bindparam, case, insert, or_, select, text, tuple_, update
 from sqlalchemy.orm import Session
 
 from stagetree.core.errors import InvalidArgument
@@ -385,23 +385,30 @@ class BatchLedger:
             return {}
         sent = _A.c.sent_at.is_not(None) if sent_before is None else _A.c.sent_at < sent_before
         with self.db.tx("requeue unknown attempts") as s:
-            # driven by the running attempts (a partial index, per node manager), not the batches' history
-            rows = s.execute(
-                select(_A.c.node_manager_id, _B.c.id, _B.c.attempt)
-                .join(_B, (_A.c.batch_id == _B.c.id) & (_A.c.attempt == _B.c.attempt))
-                .where(
-                    _A.c.node_manager_id.in_(sorted(keep)),
-                    _A.c.state == BatchState.RUNNING,
-                    _B.c.node_manager_id == _A.c.node_manager_id,
-                    _B.c.state == BatchState.RUNNING,
-                    sent,
-                )
-            ).all()
-            lost: dict[str, list[int]] = {}
-            for nm, b, a in rows:
-                if (int(b), int(a)) not in keep[nm]:
-                    lost.setdefault(nm, []).append(int(b))
-            ended = set(self._end_running_in(s, sorted(b for ids in lost.values() for b in ids), Outcome.LOST))
+            return self._requeue_unlisted_in(s, keep, sent)
+
+    def _requeue_unlisted_in(
+        self, s: Session, keep: dict[str, set[tuple[int, int]]], *where: ColumnElement[bool]
+    ) -> dict[str, list[int]]:
+        """End LOST the running attempts of these node managers (and ``where``) that their lists in
+        ``keep`` do not hold; the batch ids requeued, per node manager that had any."""
+        # driven by the running attempts (a partial index, per node manager), not the batches' history
+        rows = s.execute(
+            select(_A.c.node_manager_id, _B.c.id, _B.c.attempt)
+            .join(_B, (_A.c.batch_id == _B.c.id) & (_A.c.attempt == _B.c.attempt))
+            .where(
+                _A.c.node_manager_id.in_(sorted(keep)),
+                _A.c.state == BatchState.RUNNING,
+                _B.c.node_manager_id == _A.c.node_manager_id,
+                _B.c.state == BatchState.RUNNING,
+                *where,
+            )
+        ).all()
+        lost: dict[str, list[int]] = {}
+        for nm, b, a in rows:
+            if (int(b), int(a)) not in keep[nm]:
+                lost.setdefault(nm, []).append(int(b))
+        ended = set(self._end_running_in(s, sorted(b for ids in lost.values() for b in ids), Outcome.LOST))
         return {nm: out for nm, ids in lost.items() if (out := sorted(b for b in ids if b in ended))}
 
     def leave(self, nm_id: str, known: Iterable[tuple[int, int]]) -> list[int] | None:
@@ -409,7 +416,7 @@ class BatchLedger:
         makes it ``ALIVE`` again). Its running attempts it does not list in ``known``, sent or not, are
         LOST and their requests NOT_SCHED at once; the listed ones end by their reports (or by
         ``requeue_lost`` a heartbeat TTL later). The batch ids requeued; None when it is not registered."""
-        keep = {(int(b), int(a)) for b, a in known}
+        keep = {nm_id: {(int(b), int(a)) for b, a in known}}
         with self.db.tx("node manager leaves") as s:
             found = s.execute(
                 update(m.NodeManager)
@@ -419,18 +426,7 @@ class BatchLedger:
             ).first()
             if found is None:
                 return None
-            rows = s.execute(
-                select(_B.c.id, _B.c.attempt)
-                .join(_A, (_A.c.batch_id == _B.c.id) & (_A.c.attempt == _B.c.attempt))
-                .where(
-                    _A.c.node_manager_id == nm_id,
-                    _A.c.state == BatchState.RUNNING,
-                    _B.c.node_manager_id == nm_id,
-                    _B.c.state == BatchState.RUNNING,
-                )
-            ).all()
-            gone = sorted({int(b) for b, a in rows if (int(b), int(a)) not in keep})
-            return sorted(self._end_running_in(s, gone, Outcome.LOST))
+            return self._requeue_unlisted_in(s, keep).get(nm_id, [])
 
     # -- dispatch -------------------------------------------------------------------------------------
 
