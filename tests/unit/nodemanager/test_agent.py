@@ -407,29 +407,31 @@ async def test_a_worker_started_ahead_builds_the_trainer_and_the_batch_trains_th
         assert [dict(m.metrics) for m in report.metrics] == _metrics_in_process(spec, direct)
 
 
-async def test_a_cpu_slots_worker_runs_its_batches_and_the_next_starts_when_it_exits(tmp_path: Path) -> None:
+async def test_a_cpu_slots_worker_runs_its_batches_and_the_next_starts_when_it_exits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     h = await start_node_manager(tmp_path)
     launcher = h.nm.launcher
     logs = tmp_path / "work" / "logs"
-    pids: dict[int, int] = {}
+    pids: dict[int, int] = {}  # batch id -> its worker's pid, as the node manager got it
+    start_worker = h.nm._start_worker
 
-    def record_pid(batch_id: int) -> bool:
-        att = h.nm._attempts.get((batch_id, 1))
-        if att is not None and att.worker is not None:
-            pids[batch_id] = att.worker.pid
-        return batch_id in pids
+    async def recording(att: Any) -> Any:  # batch 2 ends within milliseconds: polling could miss it
+        worker = await start_worker(att)
+        pids[att.info.batch_id] = worker.pid
+        return worker
 
+    monkeypatch.setattr(h.nm, "_start_worker", recording)
     try:
         await h.nm.workers_ready()
         await until(lambda: "cpu0" in launcher._fresh)  # the one prestarted at start-up
         h.run(spec_of(1, steps=30, trainer=FAULTY, sleep_s=0.02))
         h.run(spec_of(2, trainer=FAULTY, fault="say_and_exit", fault_step=1))  # queued behind it (one slot)
         await until(lambda: h.nm._attempts.get((1, 1)) and h.nm._attempts[(1, 1)].started)
-        record_pid(1)
         while not any(r.batch_id == 1 for r in h.link.reports):  # while batch 1 trains, nothing else starts
             assert "cpu0" not in launcher._fresh and "cpu0" not in launcher._starting
             await asyncio.sleep(0.01)
-        await until(lambda: record_pid(2))
+        await until(lambda: 2 in pids)
         assert (await h.report(1)).ok
         # batch 2 runs on the worker batch 1 ran on, handed over at once: what it wrote before dying
         # reaches the report, from the log under the batch's name
