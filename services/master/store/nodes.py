@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import bindparam, case, select, update
 from sqlalchemy.orm import Session
 
 from stagetree.core.errors import NotFound
@@ -116,14 +116,20 @@ class NodeRegistry:
 
     def heartbeat_many(self, nm_ids: Sequence[str]) -> set[str]:
         """Mark these node managers alive now, in one statement (the heartbeats that arrived together);
-        returns those that are registered."""
+        returns those that are registered. One that left stays ``LEFT``, its leave's time kept: a
+        heartbeat that reaches the master after the leave (held up in a batch of heartbeats) is older
+        than it, and only a registration brings the node manager back."""
         if not nm_ids:
             return set()
+        left = _NM.c.state == LEFT
         with self.db.tx("heartbeat") as s:
             res = s.execute(
                 update(_NM)
                 .where(_NM.c.id.in_(sorted(set(nm_ids))))
-                .values(last_heartbeat=time.time(), state=ALIVE)
+                .values(
+                    last_heartbeat=case((left, _NM.c.last_heartbeat), else_=time.time()),
+                    state=case((left, LEFT), else_=ALIVE),
+                )
                 .returning(_NM.c.id)
             )
             return {str(i) for (i,) in res}

@@ -133,6 +133,9 @@ def test_a_node_manager_that_left_gets_no_more_work_and_what_it_did_not_list_is_
     assert app.store.batches.get_batch(kept).state == "RUNNING"  # its report is on its way
     assert app.store.batches.get_batch(dropped).state == "LOST"
     assert app.scheduler.run_round().dispatched == []  # its heartbeat key is alive, but it left
+    app.service.heartbeat(ADMIN, nm, [(kept, 1)])  # one sent before the leave, processed after it
+    (rec,) = [n for n in app.service.list_node_managers(ADMIN) if n.id == nm]
+    assert rec.state == "LEFT" and app.scheduler.run_round().dispatched == []
     app.service.register_node_manager(ADMIN, other, "local", [("g0", "cpu")])
     app.coordination.heartbeat(other, 30)
     assert len(app.scheduler.run_round().dispatched) == 1  # the requeued work, elsewhere
