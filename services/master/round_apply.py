@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from stagetree.core.batch import BatchSpec, CurveSampling, Point, Source, StageSpec
 from stagetree.core.config import FixedPart
 from stagetree.core.errors import NotFound
-from stagetree.core.ids import BatchId, PlanId
+from stagetree.core.ids import BatchId, PlanId, RequestId, StudyId
 from stagetree.core.policies.state import Kill
 from stagetree.core.round import Dispatch, RoundDecision
 from stagetree.core.scheduler import PlannedBatch
@@ -57,7 +57,7 @@ class DecisionApplier:
         self.policies.keep(dec.state)
         # write-ahead: the policies' state, with what this round preempts and kills, before any of it is done
         self.policies.save(force=bool(dec.preempts or dec.kills))
-        applied = self.dispatch(dec.dispatches, read.uris, settings)
+        applied = self.dispatch(dec.dispatches, read.uris, settings, read.reads.studies)
         if dec.preempts or dec.kills:
             self.carry_out(dec.preempts, dec.kills)
         if dec.unplaceable:
@@ -69,9 +69,14 @@ class DecisionApplier:
     # -- dispatches -----------------------------------------------------------------------------
 
     def dispatch(
-        self, dispatches: Sequence[Dispatch], uris: Mapping[PlanId, Mapping[Point, str]], settings: SchedulingSettings
+        self,
+        dispatches: Sequence[Dispatch],
+        uris: Mapping[PlanId, Mapping[Point, str]],
+        settings: SchedulingSettings,
+        studies: Mapping[RequestId, StudyId] | None = None,
     ) -> Applied:
-        curves = self.curve_samplings([d.batch for d in dispatches], settings)
+        """``studies``: the study of each request the round read (the rest are looked up)."""
+        curves = self.curve_samplings([d.batch for d in dispatches], settings, studies)
         items = [
             DispatchItem(
                 d.batch.plan,
@@ -100,19 +105,29 @@ class DecisionApplier:
         self.coord.notify_many(ch_node_manager(nm) for nm in sorted(woken))
         return Applied(dispatched, ahead, sent)
 
-    def curve_samplings(self, batches: Sequence[PlannedBatch], settings: SchedulingSettings) -> list[CurveSampling]:
+    def curve_samplings(
+        self,
+        batches: Sequence[PlannedBatch],
+        settings: SchedulingSettings,
+        known: Mapping[RequestId, StudyId] | None = None,
+    ) -> list[CurveSampling]:
         """Each batch's learning-curve sampling: the finest its requests' studies ask for
-        (``CurveSampling.finest``; a study that set none gets the master's settings). One read for all."""
+        (``CurveSampling.finest``; a study that set none gets the master's settings). The requests' studies
+        are ``known`` (the round read them) or read at once for all."""
         default = CurveSampling(settings.curve_every_steps, settings.curve_max_per_s)
+        known = known or {}
         wanted = [r for b in batches for r in b.requests]
-        owners = self.store.requests.request_studies(wanted) if wanted else {}
+        owners: dict[int, str] = {r: str(known[r]) for r in wanted if r in known}
+        missing = [r for r in wanted if r not in owners]
+        if missing:
+            owners.update((r, sid) for r, (sid, _) in self.store.requests.request_studies(missing).items())
         by_study: dict[str, CurveSampling] = {}
-        for sid, _ in owners.values():
+        for sid in owners.values():
             if sid not in by_study:
                 by_study[sid] = self._study_sampling(sid, default)
         out = []
         for b in batches:
-            studies = {owners[r][0] for r in b.requests if r in owners}
+            studies = {owners[r] for r in b.requests if r in owners}
             out.append(CurveSampling.finest(by_study[sid] for sid in sorted(studies)) if studies else default)
         return out
 

@@ -103,6 +103,7 @@ class InputReader:
         self._bad_specs: set[int] = set()
         self._bad_plans: set[int] = set()
         self._good_plans: set[int] = set()  # plans whose fixed part was checked (a plan's rows never change)
+        self._out_of_memory: tuple[int, float | None] | None = None  # RoundReads.out_of_memory at the last look
         self._inflight: dict[tuple[int, int], InflightBatch] = {}  # (batch, attempt) -> its parsed spec
         self._running: dict[tuple[int, int], RunningAttempt] = {}
         # (node manager, slot) -> (plan, point) where the last batch sent to it ends: once the slot is free,
@@ -127,7 +128,9 @@ class InputReader:
         policies = self.policies.active(reads.policy_studies)
         self.policies.load(policies)
         learning = any(p.stateful for p in policies.values())
-        self.costs.refresh_oom(store.batches)
+        if reads.out_of_memory != self._out_of_memory:  # an attempt ran out of memory since the last look
+            self.costs.refresh_oom(store.batches)
+            self._out_of_memory = reads.out_of_memory
         asked = self._asked(policies)
         every = free or [s for n in nms for s in n.placed_slots()]
         cost = self.stage_cost(every, asked, settings.cost_refresh_s) if reads.pending else None

@@ -163,6 +163,9 @@ class RoundReads:
     owners: dict[str, str] = field(default_factory=dict)  # the owner of each study above
     # per plan: the node managers that cannot run its trainer, and why (``BatchLedger.host_problems_in``)
     host_problems: dict[int, dict[str, str]] = field(default_factory=dict)
+    # the attempts that ran out of memory: how many, and the latest one's end (what tells a round that
+    # the cost model has new ones to learn: ``CostLearner.refresh_oom``)
+    out_of_memory: tuple[int, float | None] = (0, None)
 
 
 def metric_value(v: float | str) -> float:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import bindparam, select
+from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
 from stagetree.core.batch import Point
@@ -30,6 +30,9 @@ _BATCH_STUDIES = (
     select(_R.c.batch_id, _R.c.study_id).where(_R.c.batch_id.in_(bindparam("ids", expanding=True))).order_by(_R.c.id)
 )
 _OWNERS = select(_S.c.id, _S.c.owner).where(_S.c.id.in_(bindparam("ids", expanding=True)))
+# on the partial index of the attempts that ran out of memory (a handful): one lookup a round instead of
+# the cost learner's own transaction every round
+_OUT_OF_MEMORY = select(func.count(), func.max(_A.c.finished_at)).where(_A.c.state == BatchState.OUT_OF_MEMORY)
 _SPECS_PER_READ = 500
 PATH_NODES_READ = 20_000  # see RoundReader.path_checkpoints
 _POLICY_STUDIES = select(_S.c.id, _S.c.fixed_json).where(
@@ -67,8 +70,12 @@ class RoundReader:
             served = self._served_in(s, running)
             owners = self._owners_in(s, {*studies.values(), *(sid for sid, _ in served.values() if sid is not None)})
             unable = self.batches.host_problems_in(s) if pending else {}
+            oom = s.execute(_OUT_OF_MEMORY).one()
         busy = {(b.node_manager_id, slot) for b in running if b.node_manager_id for slot in b.slot_ids}
-        return RoundReads(nms, busy, policies, pending, running, started, studies, arrivals, served, owners, unable)
+        return RoundReads(
+            nms, busy, policies, pending, running, started, studies, arrivals, served, owners, unable,
+            (int(oom[0]), None if oom[1] is None else float(oom[1])),
+        )  # fmt: skip
 
     def path_checkpoints(self, nodes: list[int], plans: list[int]) -> dict[int, dict[Point, str]]:
         """Checkpoint uri per point, per node, on ``nodes`` (the pending work's paths in ``plans``). Past
