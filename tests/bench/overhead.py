@@ -143,13 +143,18 @@ class Probes:
                 return fn(*args, **kwargs)
             finally:
                 self._worker["batches"] += 1
-                sums = {**self._worker, "cpu_s": _process_cpu()}  # a fork's times start at zero
+                # a fork's times start at zero
+                sums = {**self._worker, "cpu_s": _process_cpu(), "threads": thread_cpu()}
                 (self.worker_dir / f"worker-{os.getpid()}.json").write_text(json.dumps(sums))
 
         return wrapper
 
+    def workers(self) -> list[dict[str, Any]]:
+        """Each worker's sums after its last batch."""
+        return [json.loads(Path(p).read_text()) for p in sorted(glob.glob(str(self.worker_dir / "worker-*.json")))]
+
     def figures(self) -> dict[str, float]:
-        workers = [json.loads(Path(p).read_text()) for p in glob.glob(str(self.worker_dir / "worker-*.json"))]
+        workers = self.workers()
         batches = sum(w["batches"] for w in workers)
         worker_overhead = sum(w["cpu_s"] - w["train_s"] - w["eval_s"] for w in workers)
         start = self.marks["started"] - self.marks["start"]
@@ -204,14 +209,20 @@ def child(ns: argparse.Namespace) -> None:
         torch.set_num_threads(1)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         result = asyncio.run(study_script.run(study))
-        figures = probes.figures()
+        figures, workers = probes.figures(), probes.workers()
     out = {
         "figures": figures,
         "merge_rate": result["merge_rate"],
         "code": os.path.realpath(scheduling.__file__),
-        "threads": {k: round(v, 2) for k, v in sorted(probes.threads.items(), key=lambda kv: -kv[1])},
+        "threads": _rounded(probes.threads),
+        "worker_threads": [_rounded(w["threads"]) for w in workers],
+        "workers": [{k: round(w[k], 2) for k in ("batches", "cpu_s", "train_s", "eval_s")} for w in workers],
     }
     print(json.dumps(out), flush=True)
+
+
+def _rounded(cpu: Mapping[str, float]) -> dict[str, float]:
+    return {k: round(v, 2) for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])}
 
 
 def run_child(ns: argparse.Namespace, python_path: str, tree: Path) -> dict[str, Any]:
@@ -273,6 +284,7 @@ def main() -> None:
                 runs.setdefault(side, []).append(run["figures"])
                 shown = " ".join(f"{k}={v:.2f}" for k, v in run["figures"].items())
                 print(f"{side:8s} {shown} merge_rate={run['merge_rate']:.2f} threads={run['threads']}", flush=True)
+                print(f"{'':8s} workers={run['workers']} their threads={run['worker_threads']}", flush=True)
     current = medians(runs["current"])
     baseline = medians(runs["baseline"]) if "baseline" in runs else None
     command = f"python -m tests.bench.overhead --pairs {ns.pairs}" + (
