@@ -71,9 +71,9 @@ BENCHES = (
     Bench("warm", "a user-style study of ~40 short batches, every process counted: this tree against another "
           "commit's (warm workers, preload, the start)", ("cpu_ratio >= 1.0",),
           command="python -m tests.bench.warm --base <commit>"),
-    Bench("overhead", "where the platform's own CPU goes on that port with nothing shared (its start, the script's "
-          "process while the study runs, the rounds, the workers beyond training), measured inside the processes, "
-          "this tree beside another commit's, alternately", (),
+    Bench("overhead", "where the platform's own CPU goes on vs_optuna's port of an Optuna user's script, with "
+          "nothing shared (its start, the script's process while the study runs, the rounds, the workers beyond "
+          "training), measured inside the processes, this tree beside another commit's, alternately", (),
           command="python -m tests.bench.overhead --pairs 3 --baseline <commit>"),
     Bench("master", "10,000 requests through gRPC into Postgres, round time, cached evaluations",
           ("submit_per_s >= 2000", "round_ms_10k <= 250", "cached_eval_p99_ms <= 20")),
