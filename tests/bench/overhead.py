@@ -65,10 +65,6 @@ FIGURES = (
 COMPARED = ("platform_cpu_s", "run_cpu_s", "worker_overhead_s", "round_cpu_ms")
 
 
-def _process_cpu() -> float:
-    return time.process_time()
-
-
 class Probes:
     """CPU-seconds of the platform's parts, added up by wrappers installed on their functions (in the
     script's process, and in the workers forked from it). ``worker_dir``: where each worker writes its
@@ -83,7 +79,7 @@ class Probes:
         self._worker = {"batches": 0, "train_s": 0.0, "eval_s": 0.0}
 
     def mark(self, name: str) -> None:
-        self.marks[name] = _process_cpu()
+        self.marks[name] = time.process_time()
 
     def install(self) -> None:
         import stagetree.embedded as embedded
@@ -144,7 +140,7 @@ class Probes:
             finally:
                 self._worker["batches"] += 1
                 # a fork's times start at zero
-                sums = {**self._worker, "cpu_s": _process_cpu(), "threads": thread_cpu()}
+                sums = {**self._worker, "cpu_s": time.process_time(), "threads": thread_cpu()}
                 (self.worker_dir / f"worker-{os.getpid()}.json").write_text(json.dumps(sums))
 
         return wrapper
