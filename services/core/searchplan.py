@@ -130,6 +130,12 @@ class SearchPlan:
             self._shadowed[key] = self._shadowed.get(key, 0) + 1
         return node
 
+    @property
+    def branched(self) -> bool:
+        """Whether some trial of the plan shares a prefix with another and then differs (a node has a
+        parent): its trials do not all start apart."""
+        return len(self.nodes) > len(self.roots)
+
     def forget_node(self, nid: int) -> None:
         """Remove a leaf added by mistake (a walk's node that another writer's node replaces)."""
         node = self.nodes.pop(nid)
@@ -321,6 +327,19 @@ class SearchPlan:
         for steps in out.values():
             steps.sort()
         return out
+
+
+def keeps_snapshots(plan: SearchPlan, probation_roots: int) -> bool:
+    """Whether a batch of ``plan`` keeps in-memory snapshots at every step it trains (``BatchSpec.
+    snapshot_budget_bytes``), for trials that arrive later and branch inside its range.
+
+    Snapshots pay only when such trials come. A late trial branches inside a trained range only if it
+    agrees with a trial already there on a prefix; a plan whose first ``probation_roots`` trials all
+    started apart (every node a root: no two agreed even on their first step, as with continuous values)
+    gives no sign that one will, and there the snapshots, their pack and a checkpoint record per step cost
+    more than the steps they could save. So: while the plan has fewer roots than that, and from its first
+    branch on (then for good). 0: always."""
+    return probation_roots == 0 or len(plan.roots) < probation_roots or plan.branched
 
 
 def _values_hash(config: Config, step: int) -> int:

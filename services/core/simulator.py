@@ -13,7 +13,8 @@ and the node managers do:
   share a device), evaluates where requests wait (``eval_s``) and saves checkpoints in the background
   (available ``save_s`` after it passes the point), peripheral ones every ``peripheral_every_s``; with
   ``snapshots`` it also leaves a checkpoint at every step it trained when it ends (the runtime's
-  in-memory snapshots of a small model, written as one pack);
+  in-memory snapshots of a small model, written as one pack; with ``snapshot_probation_roots`` only
+  in the plans the master keeps them for, ``searchplan.keeps_snapshots``);
 * a preemption finishes the step in flight, saves a checkpoint (``save_s``, holding the slot) and ends
   the batch; its requests go back to the pending work, which resumes from that checkpoint;
 * a kill cancels the trial's live requests (aborting its batch when nothing else needs it);
@@ -62,7 +63,7 @@ from stagetree.core.round import (
     plan_round,
 )
 from stagetree.core.scheduler import PlannedBatch, StageCost
-from stagetree.core.searchplan import Checkpoint, SearchPlan
+from stagetree.core.searchplan import Checkpoint, SearchPlan, keeps_snapshots
 from stagetree.core.slots import Slot
 from stagetree.core.stagetree import InflightBatch, InflightStage, Stage, build_stage_tree
 
@@ -243,6 +244,7 @@ class _Run:
     gen: int = 0
     stop_after: int | None = None
     last_ckpt_t: float = 0.0
+    snapshots: bool = False  # it keeps a snapshot of every step it trains (one pack at its end)
     done: bool = False
 
     def progress(self) -> dict[tuple[int, int], int]:
@@ -279,6 +281,7 @@ class Simulator:
         decision_scale: Callable[[str, int], float] | None = None,
         boundaries: bool = True,
         snapshots: bool = False,
+        snapshot_probation_roots: int = 0,
         peripheral_every_s: float = 0.0,
         round_interval_s: float = 5.0,
         round_delay_s: float = 0.01,
@@ -308,6 +311,7 @@ class Simulator:
         self.faults = sorted(faults, key=lambda f: f.at)
         self.save_at_boundaries = boundaries
         self.snapshots = snapshots
+        self.snapshot_probation_roots = snapshot_probation_roots
         self.peripheral_every_s = peripheral_every_s
         self.round_interval_s = round_interval_s
         self.round_delay_s = round_delay_s
@@ -510,7 +514,7 @@ class Simulator:
                 for st in run.batch.stages
             )
             inflight_by_plan.setdefault(run.plan.id, []).append(
-                InflightBatch(run.id, stages, frozenset(run.batch.saves), self.snapshots)
+                InflightBatch(run.id, stages, frozenset(run.batch.saves), run.snapshots)
             )
             running.append(
                 RunningAttempt(
@@ -630,6 +634,7 @@ class Simulator:
             marks.append(len(steps) - 1)
         reports = d.study is not None and d.study in self.policies and self.policies[d.study].stateful
         run = _Run(bid, plan, b, d.slots, d.study, self.now, steps, nominal, marks, reports)
+        run.snapshots = self.snapshots and keeps_snapshots(plan.plan, self.snapshot_probation_roots)
         self.running[bid] = run
         plan.plan.mark_scheduled(b.requests, bid)
         if d.ahead:
@@ -741,12 +746,12 @@ class Simulator:
 
     def _end(self, run: _Run, free_at: float, save: Point | None = None) -> None:
         """The run stops training; its slots free at ``free_at`` (after a preemption's save). With
-        ``snapshots`` every step it trained is a checkpoint by then (one pack, written as it ends)."""
+        ``run.snapshots`` every step it trained is a checkpoint by then (one pack, written as it ends)."""
         run.done = True
         run.gen += 1
         if save is not None:
             self._at(free_at, "ckpt", (run.plan, save))
-        if self.snapshots:
+        if run.snapshots:
             for node, s in run.steps[: run.pos]:
                 self._at(free_at, "ckpt", (run.plan, Point(node, s + 1)))
         if run.pos:

@@ -23,6 +23,7 @@ from stagetree.core.ids import BatchId, PlanId, RequestId, StudyId
 from stagetree.core.policies.state import Kill
 from stagetree.core.round import Dispatch, RoundDecision
 from stagetree.core.scheduler import PlannedBatch
+from stagetree.core.searchplan import keeps_snapshots
 from stagetree.master.checkpoint_files import CheckpointFiles
 from stagetree.master.coordination import Coordination
 from stagetree.master.plans import PlanCache
@@ -162,7 +163,9 @@ class DecisionApplier:
         if curves is None:
             curves = CurveSampling(settings.curve_every_steps, settings.curve_max_per_s)
         curve_every, curve_rate = curves.every_steps, curves.max_per_s
-        snapshot_budget = settings.snapshot_budget_bytes
+        snapshot_budget = (
+            settings.snapshot_budget_bytes if keeps_snapshots(plan, settings.snapshot_probation_roots) else 0
+        )
 
         def render(batch_id: int, attempt: int) -> str:
             spec = BatchSpec(

@@ -249,3 +249,29 @@ def test_a_heartbeat_requeues_work_sent_long_ago_that_its_node_manager_never_got
     assert [r.state for r in app.store.requests.get_requests(study, [rid])] == ["NOT_SCHED"]
     (again,) = app.scheduler.run_round().dispatched  # and the freed slot takes it again
     assert again != bid
+
+
+def test_a_plan_whose_first_trials_all_start_apart_keeps_no_snapshots_until_one_branches(app: MasterApp) -> None:
+    settings = app.scheduler.settings
+    probation = settings.snapshot_probation_roots
+    assert probation > 0 and settings.snapshot_budget_bytes > 0
+    study = app.service.create_study(ALICE, unique("s"))
+    f = fixed()
+    nm = _node_manager(app, probation + 4)
+
+    def dispatch(items: list[SubmitItem]) -> list[int]:
+        app.service.submit(ALICE, study.id, items)
+        app.scheduler.run_round()
+        specs = [BatchSpec.from_json(json.loads(a.spec_json)) for a in app.service.take_assignments(ADMIN, nm)]
+        assert len(specs) == len(items)
+        return [s.snapshot_budget_bytes for s in specs]
+
+    # trials that differ from their first step: roots only; the first ones still keep snapshots
+    apart = [SubmitItem(f"a{i}", config_json(f, lr=0.01 * (i + 1)), 10) for i in range(probation - 1)]
+    assert dispatch(apart) == [settings.snapshot_budget_bytes] * (probation - 1)
+    assert dispatch([SubmitItem("b", config_json(f, lr=0.5), 10)]) == [0]  # the probation-th root: none
+    assert dispatch([SubmitItem("c", config_json(f, lr=0.6), 10)]) == [0]
+    # a trial agreeing with "c" until step 5: the plan branched, and its batches keep them from now on
+    late = {"kind": "multistep", "init": 0.6, "milestones": [5], "gamma": 0.5}
+    assert dispatch([SubmitItem("d", config_json(f, lr=late), 10)]) == [settings.snapshot_budget_bytes]
+    assert dispatch([SubmitItem("e", config_json(f, lr=0.7), 10)]) == [settings.snapshot_budget_bytes]

@@ -13,7 +13,7 @@ from stagetree.core.config import Config, divergence
 from stagetree.core.errors import InvalidArgument, NotFound
 from stagetree.core.round import plan_round
 from stagetree.core.scheduler import ORDER_POLICIES, order_policy, steps_cost
-from stagetree.core.searchplan import Checkpoint, SearchPlan
+from stagetree.core.searchplan import Checkpoint, SearchPlan, keeps_snapshots
 from stagetree.core.sequences import Constant, MultiStep, Piecewise, Warmup
 from stagetree.core.simulator import Ask, Simulator, simulate, synthetic_curve
 from stagetree.core.slots import Slot
@@ -237,3 +237,17 @@ def test_simulated_asha_serves_every_request(configs, workers, policy, seed) -> 
     assert rep.served == rep.requests
     assert rep.executed_steps >= rep.unique_steps
     assert rep.makespan >= rep.lower_bound - 1e-9
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.integers(1, 5)), max_size=30), st.integers(0, 10))
+def test_a_plan_keeps_snapshots_while_young_and_once_it_branched(adds, probation) -> None:  # type: ignore[no-untyped-def]
+    plan = SearchPlan()
+    for parent_pick, start in adds:
+        ids = sorted(plan.nodes)
+        parent = ids[parent_pick % len(ids)] if ids and parent_pick % 3 else None  # some roots, some children
+        plan.add_node(parent, 0 if parent is None else plan.nodes[parent].start + start, Config.of({"lr": 0.1}))
+        branched = any(n.parent is not None for n in plan.nodes.values())
+        assert plan.branched == branched
+        want = probation == 0 or len(plan.roots) < probation or branched
+        assert keeps_snapshots(plan, probation) == want

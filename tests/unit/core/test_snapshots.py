@@ -74,3 +74,21 @@ def test_without_snapshots_a_late_branch_inside_a_trained_range_trains_its_prefi
     assert _sim(grid, snapshots=False).executed_steps == 10 + 10  # b starts from a fresh model
     with_snaps = _sim(grid, snapshots=True)
     assert with_snaps.executed_steps == with_snaps.unique_steps == 10 + 4  # b resumes at (a, 6)
+
+
+def test_with_a_probation_a_plan_whose_trials_start_apart_keeps_none_until_one_branches() -> None:
+    a, c = Config.of({"lr": Constant(0.1)}), Config.of({"lr": Constant(0.2)})
+    b = Config.of({"lr": Piecewise([Constant(0.2), Constant(0.05)], [6])})  # branches off c at step 6
+    d = Config.of({"lr": Piecewise([Constant(0.2), Constant(0.05), Constant(0.01)], [6, 8])})  # off b at 8
+
+    def executed(probation: int) -> int:
+        sim = Simulator(
+            LateGrid([a, c, b, d], [10] * 4, 1), 1, snapshots=True, snapshot_probation_roots=probation, boundaries=False
+        )
+        return sim.run().executed_steps
+
+    assert executed(0) == 10 + 10 + 4 + 2  # every batch keeps them: b resumes at (c, 6), d at (b, 8)
+    assert executed(3) == 10 + 10 + 4 + 2  # fewer roots than the probation: the same
+    # two roots that started apart: c keeps none, so b trains c's first 6 steps again; from b on the plan
+    # has branched, so b keeps them and d resumes at (b, 8)
+    assert executed(2) == 10 + 10 + (6 + 4) + 2
