@@ -109,15 +109,20 @@ class SchedulingLoop:
         alive = self.coord.alive(n.id for n in nms)
         now, since = time.time(), self.leader_since
         grace = now < since + self.settings.heartbeat_ttl_s
-        lost = [n.id for n in nms if n.id not in alive and not (grace and n.last_heartbeat <= since)]
-        for nm in lost:
-            batches = self.store.ledger.mark_lost(nm)
-            log.warning("node manager lost; work requeued", extra={"node_manager_id": nm, "batches": batches})
+        lost = []
+        for n in nms:
+            if n.id in alive or (grace and n.last_heartbeat <= since):
+                continue
+            # as read: a node manager that registered or heartbeated since is not lost
+            batches = self.store.ledger.mark_lost(n.id, seen=(ALIVE, n.last_heartbeat))
+            if batches is not None:
+                lost.append(n.id)
+                log.warning("node manager lost; work requeued", extra={"node_manager_id": n.id, "batches": batches})
         for n in every:
             key = (n.id, n.last_heartbeat)
             if n.state == LEFT and now >= n.last_heartbeat + self.settings.heartbeat_ttl_s and key not in self._settled:
                 self._settled.add(key)
-                if batches := self.store.ledger.mark_lost(n.id, state=LEFT):
+                if batches := self.store.ledger.mark_lost(n.id, state=LEFT, seen=(LEFT, n.last_heartbeat)):
                     lost.append(n.id)
                     log.warning(
                         "node manager left with work whose report never came; requeued",

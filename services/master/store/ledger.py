@@ -356,12 +356,23 @@ class BatchLedger:
             enqueue_action(s, b.node_manager_id, AssignmentKind.PREEMPT, batch_id, b.attempt)
             return True
 
-    def mark_lost(self, nm_id: str, state: NodeManagerState = LOST) -> list[int]:
+    def mark_lost(
+        self, nm_id: str, state: NodeManagerState = LOST, seen: tuple[NodeManagerState, float] | None = None
+    ) -> list[int] | None:
         """The node manager stopped heartbeating: its running batches are LOST and their requests go back
         to NOT_SCHED (the next round rebuilds them from the latest checkpoint), and it is in ``state``
-        (``LEFT`` for one that said it left). Returns the batch ids."""
+        (``LEFT`` for one that said it left). Returns the batch ids.
+
+        ``seen``: the (state, last heartbeat) the caller judged it by. When the row no longer holds them (it
+        registered or heartbeated since), nothing changes and None is returned: that registration's list
+        of the attempts it runs decides what is requeued, not a judgement made before it."""
         with self.db.tx("mark node manager lost") as s:
-            s.execute(update(m.NodeManager).where(m.NodeManager.id == nm_id).values(state=state))
+            row = update(m.NodeManager).where(m.NodeManager.id == nm_id)
+            if seen is not None:
+                row = row.where(m.NodeManager.state == seen[0], m.NodeManager.last_heartbeat == seen[1])
+            changed = s.execute(row.values(state=state)).rowcount  # type: ignore[attr-defined]
+            if seen is not None and not changed:
+                return None
             ids = s.scalars(select(_B.c.id).where(_B.c.node_manager_id == nm_id, _B.c.state == BatchState.RUNNING))
             return self._end_running_in(s, [int(b) for b in ids], Outcome.LOST)
 

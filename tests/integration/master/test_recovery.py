@@ -78,6 +78,28 @@ def test_a_node_manager_that_heartbeated_to_the_new_leader_is_lost_at_once(app: 
     assert nm in leader.requeue_lost()
 
 
+def test_a_node_manager_judged_lost_from_a_read_made_before_it_registered_again_keeps_its_work(
+    app: MasterApp,
+) -> None:
+    settings = SchedulingSettings(heartbeat_ttl_s=30)
+    leader = SchedulingLoop(app.store, app.scheduler.plans, app.coordination, settings, "master-5")
+    nm = unique("nm")
+    time.sleep(0.01)
+    app.service.register_node_manager(ADMIN, nm, "local", [("g0", "cpu")])  # after the leader started
+    app.coordination.heartbeat(nm, 0.1)
+    (bid,) = _dispatched(app, nm, 1)
+    read = [r for r in app.store.nodes.node_managers() if r.id == nm]  # the round's read
+    time.sleep(0.2)  # its key lapses
+    # between that read and the round's judgement, it registers again listing the attempt it runs
+    app.service.register_node_manager(ADMIN, nm, "local", [("g0", "cpu")], known=[(bid, 1)])
+    assert leader.requeue_lost(read) == []
+    assert app.store.batches.get_batch(bid).state == "RUNNING"
+    assert next(r for r in app.store.nodes.node_managers() if r.id == nm).state == "ALIVE"
+    # judged on a fresh read, with its key still lapsed, it is lost
+    assert leader.requeue_lost() == [nm]
+    assert app.store.batches.get_batch(bid).state == "LOST"
+
+
 def test_a_master_over_the_same_database_schedules_in_its_first_round_while_a_batch_runs(app: MasterApp) -> None:
     # the new master's plan cache is empty: every read of a plan (here the lookahead's cost of the running
     # batch, before any snapshot) must load it, or the round fails and the free slot waits for the batch
