@@ -24,6 +24,7 @@ from stagetree.core.policies.state import Kill
 from stagetree.core.round import Dispatch, RoundDecision
 from stagetree.core.scheduler import PlannedBatch
 from stagetree.core.searchplan import keeps_snapshots
+from stagetree.core.slots import CPU, Slot
 from stagetree.master.checkpoint_files import CheckpointFiles
 from stagetree.master.coordination import Coordination
 from stagetree.master.plans import PlanCache
@@ -81,7 +82,7 @@ class DecisionApplier:
         items = [
             DispatchItem(
                 d.batch.plan,
-                self.spec_of(d.batch, uris.get(d.batch.plan, {}), settings, c, [s.id for s in d.slots]),
+                self.spec_of(d.batch, uris.get(d.batch.plan, {}), settings, c, d.slots),
                 d.batch.requests,
                 d.slot.node_manager,
                 tuple(s.id for s in d.slots),  # a batch on several slots holds them all
@@ -147,13 +148,16 @@ class DecisionApplier:
         uris: Mapping[Point, str],
         settings: SchedulingSettings,
         curves: CurveSampling | None = None,
-        slot_ids: Sequence[str] = (),
+        slots: Sequence[Slot] = (),
     ) -> Callable[[int, int], str]:
         """The renderer of ``batch``'s spec for ``store.dispatch``. Everything it needs (the plan's fixed
         part, its nodes) is read here, before the dispatch transaction opens: rendering inside it must
         take no lock, or a submission holding the plan cache's lock while it waits for the database
         write lock deadlocks with the round (seen on SQLite). ``curves``: its curve sampling (None: the
-        master's settings)."""
+        master's settings). The spec's snapshot budget is the master's for a batch on one CPU slot in a
+        plan that keeps snapshots (``keeps_snapshots``), 0 otherwise: a worker keeps none on a GPU or on
+        several ranks, and the round (``inflight_of``) takes a running batch's budget as its promise of a
+        checkpoint at every step it trains."""
         plan_id = batch.plan
         key, fixed = self._fixed_part(plan_id)
         plan = self.plans.ensure(plan_id, {s.node for s in batch.stages})
@@ -163,8 +167,12 @@ class DecisionApplier:
         if curves is None:
             curves = CurveSampling(settings.curve_every_steps, settings.curve_max_per_s)
         curve_every, curve_rate = curves.every_steps, curves.max_per_s
+        slot_ids = [s.id for s in slots]
+        one_cpu = len(slots) <= 1 and all(s.gpu_type == CPU for s in slots)
         snapshot_budget = (
-            settings.snapshot_budget_bytes if keeps_snapshots(plan, settings.snapshot_probation_roots) else 0
+            settings.snapshot_budget_bytes
+            if one_cpu and batch.slots <= 1 and keeps_snapshots(plan, settings.snapshot_probation_roots)
+            else 0
         )
 
         def render(batch_id: int, attempt: int) -> str:

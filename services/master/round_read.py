@@ -68,9 +68,14 @@ class RoundRead:
 
 
 def inflight_of(spec_json: str) -> InflightBatch:
+    """A running batch as the stage tree sees it: the checkpoints its spec asks it to save, and, with a
+    snapshot budget, a snapshot of every step of its stages (written as one pack when it ends; a worker
+    that keeps none, such as a trainer that saves by itself, leaves work that waited for them to start
+    from the checkpoint before once the batch ends)."""
     spec = json.loads(spec_json)
     stages = tuple(InflightStage(s["node"], s["start"], s["end"], s["start"]) for s in spec["stages"])
-    return InflightBatch(int(spec["batch_id"]), stages, frozenset(Point(a, b) for a, b in spec.get("saves", [])))
+    saves = frozenset(Point(a, b) for a, b in spec.get("saves", []))
+    return InflightBatch(int(spec["batch_id"]), stages, saves, int(spec.get("snapshot_budget_bytes", 0)) > 0)
 
 
 def source_of(spec_json: str) -> Point | None:
