@@ -8,7 +8,7 @@ device it is on), the one the scheduler and the policies read.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 CPU = "cpu"
@@ -72,3 +72,10 @@ def rank_places(slots: Iterable[Slot]) -> dict[str, int]:
     for s in slots:
         places.setdefault(s.node_manager, set()).add(s.rank_place)
     return {nm: len(p) for nm, p in places.items()}
+
+
+def keeps_snapshots_on(slots: Sequence[Slot]) -> bool:
+    """Whether a batch placed on ``slots`` can keep an in-memory snapshot of every step it trains: on one
+    CPU slot only (on a GPU a copy per step would make every step wait for the device; a batch on several
+    ranks saves from rank 0 alone)."""
+    return len(slots) == 1 and slots[0].gpu_type == CPU

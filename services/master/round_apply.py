@@ -24,7 +24,7 @@ from stagetree.core.policies.state import Kill
 from stagetree.core.round import Dispatch, RoundDecision
 from stagetree.core.scheduler import PlannedBatch
 from stagetree.core.searchplan import keeps_snapshots
-from stagetree.core.slots import CPU, Slot
+from stagetree.core.slots import Slot, keeps_snapshots_on
 from stagetree.master.checkpoint_files import CheckpointFiles
 from stagetree.master.coordination import Coordination
 from stagetree.master.plans import PlanCache
@@ -168,10 +168,9 @@ class DecisionApplier:
             curves = CurveSampling(settings.curve_every_steps, settings.curve_max_per_s)
         curve_every, curve_rate = curves.every_steps, curves.max_per_s
         slot_ids = [s.id for s in slots]
-        one_cpu = len(slots) <= 1 and all(s.gpu_type == CPU for s in slots)
         snapshot_budget = (
             settings.snapshot_budget_bytes
-            if one_cpu and batch.slots <= 1 and keeps_snapshots(plan, settings.snapshot_probation_roots)
+            if keeps_snapshots_on(slots) and keeps_snapshots(plan, settings.snapshot_probation_roots)
             else 0
         )
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from stagetree.core.config import Config
 from stagetree.core.sequences import Constant, Piecewise
 from stagetree.core.simulator import Ask, Simulator
+from stagetree.core.slots import Slot, keeps_snapshots_on
 
 
 class LateGrid:
@@ -92,3 +93,14 @@ def test_with_a_probation_a_plan_whose_trials_start_apart_keeps_none_until_one_b
     # two roots that started apart: c keeps none, so b trains c's first 6 steps again; from b on the plan
     # has branched, so b keeps them and d resumes at (b, 8)
     assert executed(2) == 10 + 10 + (6 + 4) + 2
+
+
+def test_a_batch_keeps_snapshots_on_one_cpu_slot_only() -> None:
+    assert keeps_snapshots_on([Slot("w0")])
+    assert not keeps_snapshots_on([Slot("g0", gpu_type="A100")])  # a copy per step waits for the device
+    assert not keeps_snapshots_on([Slot("w0"), Slot("w1")])  # several ranks: rank 0 saves alone
+    a = Config.of({"lr": Constant(0.1)})
+    b = Config.of({"lr": Piecewise([Constant(0.1), Constant(0.05)], [6])})  # branches off a at step 6
+    gpus = [Slot("g0", gpu_type="A100")]
+    sim = Simulator(LateGrid([a, b], [10, 10], 1), gpus, snapshots=True, boundaries=False)
+    assert sim.run().executed_steps == 10 + 10  # on a GPU, b trains a's first 6 steps again
