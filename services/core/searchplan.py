@@ -16,6 +16,7 @@ functions to decide what to write.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -25,8 +26,12 @@ from stagetree.core.batch import Point
 from stagetree.core.config import Config, divergence
 from stagetree.core.errors import InvalidArgument, NotFound
 from stagetree.core.lifecycle import RequestState
+from stagetree.core.sequences import Value
 
 MAX_STEP = 10_000_000
+# the first roots of a plan whose starting values are kept to tell whether its trials start apart
+# (``SearchPlan.roots_apart``): enough to judge by, bounded for plans of many roots
+ROOTS_JUDGED = 64
 
 
 class CheckpointKind(StrEnum):
@@ -112,6 +117,10 @@ class SearchPlan:
         # how many more nodes share a key of _branches (a hash collision of their values): only then does
         # forgetting the indexed one look among its siblings for the next
         self._shadowed: dict[tuple[int | None, int, int], int] = {}
+        # per hyper-parameter, how many of the first ROOTS_JUDGED roots start with each value (typed: 1 and
+        # True are different values); the roots counted
+        self._root_values: dict[str, Counter[tuple[str, Value]]] = {}
+        self._judged: set[int] = set()
 
     # -- structure ------------------------------------------------------------------------------
 
@@ -123,6 +132,9 @@ class SearchPlan:
         self.nodes[nid] = node
         if parent is None:
             self.roots.append(nid)
+            if len(self._judged) < ROOTS_JUDGED:
+                self._judged.add(nid)
+                self._count_root(config, 1)
         else:
             self.nodes[parent].children.setdefault(start, []).append(nid)
         key = (parent, start, _values_hash(config, start))
@@ -130,15 +142,33 @@ class SearchPlan:
             self._shadowed[key] = self._shadowed.get(key, 0) + 1
         return node
 
+    def _count_root(self, config: Config, by: int) -> None:
+        for name, value in config.values_at(0).items():
+            counts = self._root_values.setdefault(name, Counter())
+            counts[(type(value).__name__, value)] += by
+            if counts[(type(value).__name__, value)] <= 0:
+                del counts[(type(value).__name__, value)]
+
     @property
     def branched(self) -> bool:
         """Whether some trial of the plan shares a prefix with another and then differs (a node has a
         parent): its trials do not all start apart."""
         return len(self.nodes) > len(self.roots)
 
+    @property
+    def roots_apart(self) -> bool:
+        """Whether some hyper-parameter starts each of the plan's roots (its first ``ROOTS_JUDGED``) with a
+        value no other root starts with, as a continuous one does: then a new trial starts apart from
+        every trial so far too."""
+        n = len(self._judged)
+        return n > 1 and any(len(counts) == n for counts in self._root_values.values())
+
     def forget_node(self, nid: int) -> None:
         """Remove a leaf added by mistake (a walk's node that another writer's node replaces)."""
         node = self.nodes.pop(nid)
+        if nid in self._judged:
+            self._judged.discard(nid)
+            self._count_root(node.config, -1)
         kids = self.roots if node.parent is None else self.nodes[node.parent].children[node.start]
         if kids[-1] == nid:  # the usual case: the walk's newest node
             kids.pop()
@@ -334,12 +364,15 @@ def keeps_snapshots(plan: SearchPlan, probation_roots: int) -> bool:
     snapshot_budget_bytes``), for trials that arrive later and branch inside its range.
 
     Snapshots pay only when such trials come. A late trial branches inside a trained range only if it
-    agrees with a trial already there on a prefix; a plan whose first ``probation_roots`` trials all
-    started apart (every node a root: no two agreed even on their first step, as with continuous values)
-    gives no sign that one will, and there the snapshots, their pack and a checkpoint record per step cost
-    more than the steps they could save. So: while the plan has fewer roots than that, and from its first
-    branch on (then for good). 0: always."""
-    return probation_roots == 0 or len(plan.roots) < probation_roots or plan.branched
+    agrees with a trial already there on a prefix. A plan of at least ``probation_roots`` trials that
+    all started apart (every node a root: no two agreed even on their first step) and that one
+    hyper-parameter tells apart at the start (each trial drew a value of its own: a continuous one) will
+    start every new trial apart too; there the snapshots, their pack and a checkpoint record per step
+    cost more than the steps they could save, and none are kept. Anywhere else (fewer roots, a branch,
+    or starting values that repeat, as a grid's do) they are. 0: always."""
+    if probation_roots == 0 or len(plan.roots) < probation_roots or plan.branched:
+        return True
+    return not plan.roots_apart
 
 
 def _values_hash(config: Config, step: int) -> int:

@@ -59,8 +59,8 @@ class SchedulingSettings(BaseModel):
     # as one pack when it ends: a trial that arrives later and branches inside the batch's range resumes at
     # its branch point (every k-th step when they do not fit; 0: off)
     snapshot_budget_bytes: int = Field(default=64 * 1024 * 1024, ge=0)
-    # ... but only in a plan that branched, or has fewer roots than this (core.searchplan.keeps_snapshots:
-    # a plan whose first trials all start apart keeps none); 0: in every plan
+    # ... but not in a plan of at least this many trials that all start apart, a hyper-parameter taking a
+    # value of its own in each (core.searchplan.keeps_snapshots: continuous values); 0: in every plan
     snapshot_probation_roots: int = Field(default=8, ge=0)
     # the studies' policy state (Hermes quanta, POP curves) is saved when changed, at most this often; a
     # round that preempts or kills saves it first, always (master.policies)

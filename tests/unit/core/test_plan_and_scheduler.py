@@ -239,15 +239,32 @@ def test_simulated_asha_serves_every_request(configs, workers, policy, seed) -> 
     assert rep.makespan >= rep.lower_bound - 1e-9
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 30), st.integers(1, 5)), max_size=30), st.integers(0, 10))
-def test_a_plan_keeps_snapshots_while_young_and_once_it_branched(adds, probation) -> None:  # type: ignore[no-untyped-def]
+_START_VALUES = st.sampled_from([0.1, 0.2, 0.3, 1, True, "a"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 30), st.integers(1, 5), _START_VALUES, _START_VALUES, st.booleans()), max_size=30
+    ),
+    st.integers(0, 10),
+)
+def test_a_plan_keeps_snapshots_unless_its_trials_start_apart(adds, probation) -> None:  # type: ignore[no-untyped-def]
     plan = SearchPlan()
-    for parent_pick, start in adds:
+    for parent_pick, start, lr, m, undo in adds:
         ids = sorted(plan.nodes)
         parent = ids[parent_pick % len(ids)] if ids and parent_pick % 3 else None  # some roots, some children
-        plan.add_node(parent, 0 if parent is None else plan.nodes[parent].start + start, Config.of({"lr": 0.1}))
+        node = plan.add_node(
+            parent, 0 if parent is None else plan.nodes[parent].start + start, Config.of({"lr": lr, "m": m})
+        )
+        if undo:  # a walk's node that another writer's node replaced
+            plan.forget_node(node.id)
         branched = any(n.parent is not None for n in plan.nodes.values())
         assert plan.branched == branched
-        want = probation == 0 or len(plan.roots) < probation or branched
+        firsts = [plan.nodes[r].config.values_at(0) for r in plan.roots]  # at most 30 roots: all judged
+        apart = len(firsts) > 1 and any(
+            len({(type(v[name]).__name__, v[name]) for v in firsts}) == len(firsts) for name in ("lr", "m")
+        )
+        assert plan.roots_apart == apart
+        want = probation == 0 or len(plan.roots) < probation or branched or not apart
         assert keeps_snapshots(plan, probation) == want

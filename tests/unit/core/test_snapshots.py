@@ -68,6 +68,20 @@ def test_with_snapshots_executed_steps_equal_unique_steps(grid: tuple[list[Confi
     assert report.duplicate_steps == 0
 
 
+@settings(max_examples=300, deadline=None)
+@given(late_grids())
+def test_a_grid_with_fewer_values_than_the_probation_keeps_them_and_trains_each_step_once(
+    grid: tuple[list[Config], list[int], int, int],
+) -> None:
+    configs, steps, first, workers = grid
+    # three values per hyper-parameter: no four roots can all start with values of their own
+    sim = Simulator(
+        LateGrid(configs, steps, first), workers, snapshots=True, snapshot_probation_roots=4, boundaries=False
+    )
+    report = sim.run()
+    assert report.executed_steps == report.unique_steps
+
+
 def test_without_snapshots_a_late_branch_inside_a_trained_range_trains_its_prefix_again() -> None:
     a = Config.of({"lr": Constant(0.1)})
     b = Config.of({"lr": Piecewise([Constant(0.1), Constant(0.05)], [6])})  # branches off a at step 6
@@ -93,6 +107,19 @@ def test_with_a_probation_a_plan_whose_trials_start_apart_keeps_none_until_one_b
     # two roots that started apart: c keeps none, so b trains c's first 6 steps again; from b on the plan
     # has branched, so b keeps them and d resumes at (b, 8)
     assert executed(2) == 10 + 10 + (6 + 4) + 2
+
+
+def test_with_a_probation_a_plan_whose_starting_values_repeat_keeps_them() -> None:
+    # three roots, none alike, but neither hyper-parameter tells them all apart (a grid's values repeat)
+    roots = [
+        Config.of({"lr": Constant(0.1), "m": Constant(0.9)}),
+        Config.of({"lr": Constant(0.2), "m": Constant(0.9)}),
+        Config.of({"lr": Constant(0.1), "m": Constant(0.8)}),
+    ]
+    late = Config.of({"lr": Piecewise([Constant(0.1), Constant(0.05)], [6]), "m": Constant(0.8)})  # off the third
+    grid = LateGrid([*roots, late], [10] * 4, 1)
+    sim = Simulator(grid, 1, snapshots=True, snapshot_probation_roots=2, boundaries=False)
+    assert sim.run().executed_steps == 3 * 10 + 4  # the late trial resumes at step 6 of the third root
 
 
 def test_a_batch_keeps_snapshots_on_one_cpu_slot_only() -> None:
