@@ -277,7 +277,9 @@ def test_a_plan_whose_first_trials_all_start_apart_keeps_no_snapshots_until_one_
     assert dispatch([SubmitItem("e", config_json(f, lr=0.7), 10)]) == [settings.snapshot_budget_bytes]
 
 
-def test_a_trial_branching_inside_a_running_batch_that_keeps_snapshots_waits_for_its_pack(app: MasterApp) -> None:
+def _late_branch_while_running(app: MasterApp) -> tuple[str, BatchSpec]:
+    """Trial "a" (20 steps) running on one of two CPU slots, and trial "b", which agrees with it until
+    step 10, submitted meanwhile; the round that follows. The node manager and "a"'s spec."""
     study = app.service.create_study(ALICE, unique("s"))
     f = fixed()
     nm = _node_manager(app, 2)
@@ -286,19 +288,28 @@ def test_a_trial_branching_inside_a_running_batch_that_keeps_snapshots_waits_for
     (sent,) = app.service.take_assignments(ADMIN, nm)
     spec = BatchSpec.from_json(json.loads(sent.spec_json))
     assert spec.snapshot_budget_bytes > 0  # one CPU slot: the batch keeps a snapshot of every step
-    # a trial that agrees with "a" until step 10 arrives while "a" trains: a free slot, yet it waits for
-    # the snapshot at step 10 instead of training steps 0-10 again
     late = {"kind": "multistep", "init": 0.6, "milestones": [10], "gamma": 0.5}
     app.service.submit(ALICE, study.id, [SubmitItem("b", config_json(f, lr=late), 20)])
+    # a free slot, yet "b" waits for the snapshot at step 10 instead of training steps 0-10 again
     waiting = app.scheduler.run_round()
     assert waiting.pending == 1 and waiting.dispatched == []
-    # "a" ends with its pack: "b" resumes at (a, 10) and trains 10 steps
+    return nm, spec
+
+
+def _finish(app: MasterApp, spec: BatchSpec, checkpoints: list[tuple[int, int, str, int, str]]) -> None:
     node = spec.stages[0].node
-    pack = [(node, s, f"file:///ckpt/pack-{s}", 100, "peripheral") for s in range(1, 20)]
-    end = (node, 20, "file:///ckpt/a-20", 100, "central")
     done = [(node, 20, {"loss": 0.5})]
-    app.service.report_batch(ADMIN, attempt_report(spec.batch_id, 1, ok=True, metrics=done, checkpoints=[*pack, end]))
+    end = (node, 20, "file:///ckpt/a-20", 100, "central")
+    app.service.report_batch(
+        ADMIN, attempt_report(spec.batch_id, 1, ok=True, metrics=done, checkpoints=[*checkpoints, end])
+    )
     assert len(app.scheduler.run_round().dispatched) == 1
+
+
+def test_a_trial_branching_inside_a_running_batch_that_keeps_snapshots_waits_for_its_pack(app: MasterApp) -> None:
+    nm, spec = _late_branch_while_running(app)
+    node = spec.stages[0].node
+    _finish(app, spec, [(node, s, f"file:///ckpt/pack-{s}", 100, "peripheral") for s in range(1, 20)])  # its pack
     (resumed,) = [BatchSpec.from_json(json.loads(a.spec_json)) for a in app.service.take_assignments(ADMIN, nm)]
     assert resumed.source.point == Point(node, 10) and resumed.source.uri == "file:///ckpt/pack-10"
     assert resumed.steps == 10
@@ -307,22 +318,8 @@ def test_a_trial_branching_inside_a_running_batch_that_keeps_snapshots_waits_for
 def test_work_waiting_for_a_snapshot_the_batch_did_not_keep_starts_from_the_checkpoint_before(
     app: MasterApp,
 ) -> None:
-    study = app.service.create_study(ALICE, unique("s"))
-    f = fixed()
-    nm = _node_manager(app, 2)
-    app.service.submit(ALICE, study.id, [SubmitItem("a", config_json(f, lr=0.6), 20)])
-    app.scheduler.run_round()
-    (sent,) = app.service.take_assignments(ADMIN, nm)
-    spec = BatchSpec.from_json(json.loads(sent.spec_json))
-    late = {"kind": "multistep", "init": 0.6, "milestones": [10], "gamma": 0.5}
-    app.service.submit(ALICE, study.id, [SubmitItem("b", config_json(f, lr=late), 20)])
-    assert app.scheduler.run_round().dispatched == []
-    # its trainer saves by itself (no snapshots): "a" ends with its own checkpoint only
-    node = spec.stages[0].node
-    end = (node, 20, "file:///ckpt/a-20", 100, "central")
-    done = [(node, 20, {"loss": 0.5})]
-    app.service.report_batch(ADMIN, attempt_report(spec.batch_id, 1, ok=True, metrics=done, checkpoints=[end]))
-    assert len(app.scheduler.run_round().dispatched) == 1
+    nm, spec = _late_branch_while_running(app)
+    _finish(app, spec, [])  # its trainer saves by itself (no snapshots): "a"'s own checkpoint only
     (fresh,) = [BatchSpec.from_json(json.loads(a.spec_json)) for a in app.service.take_assignments(ADMIN, nm)]
     assert fresh.source.uri is None and fresh.steps == 20  # from a fresh model: steps 0-10 again
 
