@@ -145,9 +145,10 @@ class SearchPlan:
     def _count_root(self, config: Config, by: int) -> None:
         for name, value in config.values_at(0).items():
             counts = self._root_values.setdefault(name, Counter())
-            counts[(type(value).__name__, value)] += by
-            if counts[(type(value).__name__, value)] <= 0:
-                del counts[(type(value).__name__, value)]
+            typed = (type(value).__name__, value)
+            counts[typed] += by
+            if counts[typed] <= 0:
+                del counts[typed]
 
     @property
     def branched(self) -> bool:
