@@ -13,7 +13,7 @@ from stagetree.core.config import Config, divergence
 from stagetree.core.errors import InvalidArgument, NotFound
 from stagetree.core.round import plan_round
 from stagetree.core.scheduler import ORDER_POLICIES, order_policy, steps_cost
-from stagetree.core.searchplan import Checkpoint, SearchPlan, keeps_snapshots
+from stagetree.core.searchplan import ROOTS_JUDGED, Checkpoint, SearchPlan, keeps_snapshots
 from stagetree.core.sequences import Constant, MultiStep, Piecewise, Warmup
 from stagetree.core.simulator import Ask, Simulator, simulate, synthetic_curve
 from stagetree.core.slots import Slot
@@ -268,3 +268,18 @@ def test_a_plan_keeps_snapshots_unless_its_trials_start_apart(adds, probation) -
         assert plan.roots_apart == apart
         want = probation == 0 or len(plan.roots) < probation or branched or not apart
         assert keeps_snapshots(plan, probation) == want
+
+
+def test_a_plan_judges_whether_its_trials_start_apart_by_its_first_roots() -> None:
+    plan = SearchPlan()
+    for i in range(ROOTS_JUDGED):
+        plan.add_node(None, 0, Config.of({"lr": 0.001 * (i + 1), "bs": 32}))
+    assert plan.roots_apart and not keeps_snapshots(plan, 8)  # lr tells every root apart
+    plan.add_node(None, 0, Config.of({"lr": 0.001, "bs": 64}))  # repeats the first lr, past the judged roots
+    assert plan.roots_apart and len(plan.roots) == ROOTS_JUDGED + 1
+    grid = SearchPlan()
+    grid.add_node(None, 0, Config.of({"lr": 0.1, "bs": 32}))
+    grid.add_node(None, 0, Config.of({"lr": 0.1, "bs": 64}))
+    assert grid.roots_apart  # bs tells the two apart
+    grid.add_node(None, 0, Config.of({"lr": 0.2, "bs": 32}))
+    assert not grid.roots_apart  # each value repeats: neither tells every root apart
