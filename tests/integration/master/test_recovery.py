@@ -67,13 +67,19 @@ def test_a_new_leader_gives_silent_node_managers_one_ttl_before_requeueing(app: 
     assert app.store.batches.get_batch(bid).state == "LOST"
 
 
-def test_a_node_manager_that_heartbeated_to_the_new_leader_is_lost_at_once(app: MasterApp) -> None:
+def _leader_then_node_manager(app: MasterApp, instance: str) -> tuple[SchedulingLoop, str]:
+    """A leader that started first, and a node manager that registered to it with a 0.1-s heartbeat."""
     settings = SchedulingSettings(heartbeat_ttl_s=30)
-    leader = SchedulingLoop(app.store, app.scheduler.plans, app.coordination, settings, "master-3")
+    leader = SchedulingLoop(app.store, app.scheduler.plans, app.coordination, settings, instance)
     nm = unique("nm")
     time.sleep(0.01)
     app.service.register_node_manager(ADMIN, nm, "local", [("g0", "cpu")])  # after the leader started
     app.coordination.heartbeat(nm, 0.1)
+    return leader, nm
+
+
+def test_a_node_manager_that_heartbeated_to_the_new_leader_is_lost_at_once(app: MasterApp) -> None:
+    leader, nm = _leader_then_node_manager(app, "master-3")
     time.sleep(0.2)
     assert nm in leader.requeue_lost()
 
@@ -81,12 +87,7 @@ def test_a_node_manager_that_heartbeated_to_the_new_leader_is_lost_at_once(app: 
 def test_a_node_manager_judged_lost_from_a_read_made_before_it_registered_again_keeps_its_work(
     app: MasterApp,
 ) -> None:
-    settings = SchedulingSettings(heartbeat_ttl_s=30)
-    leader = SchedulingLoop(app.store, app.scheduler.plans, app.coordination, settings, "master-5")
-    nm = unique("nm")
-    time.sleep(0.01)
-    app.service.register_node_manager(ADMIN, nm, "local", [("g0", "cpu")])  # after the leader started
-    app.coordination.heartbeat(nm, 0.1)
+    leader, nm = _leader_then_node_manager(app, "master-5")
     (bid,) = _dispatched(app, nm, 1)
     read = [r for r in app.store.nodes.node_managers() if r.id == nm]  # the round's read
     time.sleep(0.2)  # its key lapses
