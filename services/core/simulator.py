@@ -634,10 +634,10 @@ class Simulator:
         if not steps or marks[-1:] != [len(steps) - 1]:
             marks.append(len(steps) - 1)
         reports = d.study is not None and d.study in self.policies and self.policies[d.study].stateful
-        run = _Run(bid, plan, b, d.slots, d.study, self.now, steps, nominal, marks, reports)
-        run.snapshots = (
+        snapshots = (
             self.snapshots and keeps_snapshots_on(d.slots) and keeps_snapshots(plan.plan, self.snapshot_probation_roots)
         )
+        run = _Run(bid, plan, b, d.slots, d.study, self.now, steps, nominal, marks, reports, snapshots=snapshots)
         self.running[bid] = run
         plan.plan.mark_scheduled(b.requests, bid)
         if d.ahead:
