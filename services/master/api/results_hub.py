@@ -27,10 +27,19 @@ from stagetree.master.store.records import RequestRecord
 log = logging.getLogger(__name__)
 
 POLL_S = 1.0  # the hub re-reads at least this often even when a wake-up is missed
-# and at most this often: on a busy cluster notices come ten times a second (each aggregator's every
-# write), and each read looks up every request any stream waits for (1,600 ids at 1,600 slots: a fifth of
-# the database's time; tests.bench.scale). A lone notice after a quiet spell is read at once.
-MIN_GAP_S = 0.25
+# How often it reads at most follows what a read costs: after a read of t seconds the next waits for
+# READ_SPACING x t (at most MAX_GAP_S), so reads take a tenth of the time at most whatever their size. On
+# a busy cluster notices come ten times a second (each aggregator's every write) and a read looks up every
+# request any stream waits for (1,600 ids at 1,600 slots: tens of milliseconds, a fifth of the database's
+# time when read at every notice; tests.bench.scale): a few reads a second. A tuner waiting for one result
+# at a time (one slot, one trial in flight) has its result read within milliseconds of the notice.
+READ_SPACING = 9.0
+MAX_GAP_S = 0.25
+
+
+def read_gap(read_s: float) -> float:
+    """How long the hub waits after a read that took ``read_s`` seconds before it reads again."""
+    return min(MAX_GAP_S, READ_SPACING * max(0.0, read_s))
 
 
 class ResultWatch:
@@ -95,14 +104,16 @@ class ResultsHub:
             raise
         subscribed.set_result(None)
         try:
-            last = float("-inf")
+            next_at = float("-inf")
             while self._watches:
                 await wakeups.wait(POLL_S)
-                gap = last + MIN_GAP_S - time.monotonic()
-                if gap > 0:
-                    await asyncio.sleep(gap)  # the notices meanwhile are answered by this read
-                last = time.monotonic()
+                wait = next_at - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)  # the notices meanwhile are answered by this read
+                began = time.monotonic()
                 await self._read_once()
+                ended = time.monotonic()
+                next_at = ended + read_gap(ended - began)
         except Exception:
             log.exception("results hub stopped; its streams read for themselves until the next one starts it")
         finally:

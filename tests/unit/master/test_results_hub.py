@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from stagetree.core.lifecycle import RequestState
-from stagetree.master.api.results_hub import ResultsHub
+from stagetree.master.api.results_hub import MAX_GAP_S, ResultsHub, read_gap
 from stagetree.master.coordination import InProcessCoordination
 from stagetree.master.service import CH_RESULTS
 from stagetree.master.store.records import RequestRecord
@@ -79,3 +81,12 @@ def test_a_result_found_twice_is_handed_over_once_and_a_new_watch_restarts_the_h
         await _until(lambda: not hub.running)
 
     asyncio.run(go())
+
+
+def test_reads_are_spaced_by_their_own_cost_up_to_a_cap() -> None:
+    # a tuner waiting on one result at a time: a millisecond's read lets the next come 9 ms later
+    assert read_gap(0.001) == pytest.approx(0.009)
+    # 1,600 waited-for ids at 1,600 slots: tens of milliseconds a read, a few reads a second
+    assert read_gap(0.02) == pytest.approx(0.18)
+    assert read_gap(0.1) == MAX_GAP_S == read_gap(10.0)
+    assert read_gap(-1.0) == 0.0  # a clock step back
