@@ -9,24 +9,26 @@ learning rate, momentum and a batch-size ramp; TPE with a median pruner; accurac
 3, 9 and 27); it imports optuna, scikit-learn and scipy as such modules do. ``tabular_port`` is its port
 as docs/integrations.md tells an Optuna user to write it (a ``TorchTrainer`` and an ``OptunaSpace`` with
 ``grid=4``), driven by ``stagetree_study.py`` in embedded mode through ``OptunaTuner(promotions="pruner")``.
-Three runs, each its own process tree launched by this bench (``tests.bench.proctree``: a subreaper
+Four runs, each its own process tree launched by this bench (``tests.bench.proctree``: a subreaper
 wrapper, so daemons and workers that outlive their parents are counted too), one torch thread per
 training process, ``--workers`` processes (Optuna) or slots (stagetree) each:
 
 1. ``optuna``: ``optuna_study.py``, one process (or ``--workers`` sharing an SQLite study);
 2. ``stagetree``: the port, embedded (master, node manager, fork server and workers all counted);
-3. ``stagetree_no_sharing``: the same search with continuous floats (``--grid 0``): merge rate 1.0, so
-   what it costs over Optuna is the platform's overhead alone.
+3. ``optuna_replay`` and 4. ``stagetree_replay``: Optuna's search of run 1 played again by each system
+   (``userstyle/replay.py``: its trials' parameters in its order, each pruned at the step it was pruned,
+   continuous floats, so nothing is shared: merge rate 1.0). Both train the same trials to the same steps
+   at the same batch sizes and neither sampler proposes anything, so what stagetree spends over Optuna
+   there is the platform's overhead alone. (Two independent searches train different numbers of steps:
+   the user's objective seeds no torch generator, so Optuna's trials, its pruner's calls and what TPE asks
+   next differ run to run: 378 to 564 steps in the runs measured.)
 
 Figures (Optuna's over stagetree's for the ratios; medians over ``--runs``, the order rotating):
 
 * ``cpu_s_ratio``: CPU-seconds of the whole tree, start-up included;
-* ``cpu_s_ratio_no_sharing``: the same for the no-sharing run, at equal work: its steps brought to Optuna's
-  count, each step added or taken away at Optuna's CPU-seconds a step (below), so that what is left is the
-  platform's overhead. The two searches train different numbers of steps: the user's objective seeds no
-  torch generator, so Optuna's trials (and its pruner's calls, and what TPE asks next) differ run to run
-  (378 to 564 steps in the runs measured, stagetree's seeded search 336 in each); ``cpu_s_ratio_no_sharing_raw``
-  is the plain ratio, which measures that luck as much as the overhead;
+* ``cpu_s_ratio_no_sharing``: ``optuna_replay``'s over ``stagetree_replay``'s (the steps stagetree trained
+  beyond or short of Optuna's, should a batch be retried, each at Optuna's CPU-seconds a step);
+  ``replay_steps``, the steps each replay trained;
 * ``e2e_ratio``: wall seconds from launch to the last process's exit;
 * ``merge_rate``: the study's trial-by-trial steps over its unique steps (``study.stats()``);
 * ``first_trial_s``: from stagetree's launch to its first result;
@@ -37,16 +39,17 @@ Figures (Optuna's over stagetree's for the ratios; medians over ``--runs``, the 
 * with ``--fork-compare``, ``cpu_s_fork_from_script_vs_fresh``: the sharing run with the workers' fork
   server a fresh interpreter over the default (a fork of the script: ``EmbeddedSettings``).
 
-Where stagetree's CPU goes, from a fourth process tree each run: ``imports``, a process that imports what
+Where stagetree's CPU goes, from one more process tree each run: ``imports``, a process that imports what
 any process running the user's module must (``tabular_mlp``'s optuna, scikit-learn, scipy and torch, and
 ``torch._dynamo``, which the first ``optimizer.step`` imports): ``fixed_cpu_s``, paid once by both sides.
 Its wall time, ``fixed_wall_s``, is how soon any process running the module can train a step: a
 ``first_trial_s`` below it is not possible. Optuna's CPU-seconds of a trained step are then
 ``(optuna - fixed) / optuna's steps``, and
 
-* ``overhead_cpu_s`` / ``overhead_cpu_s_no_sharing``: stagetree's CPU beyond ``fixed`` and its executed
-  steps at Optuna's price: the platform (its imports and start, the master, node manager and aggregator,
-  checkpoints, the workers' own start);
+* ``overhead_cpu_s``: stagetree's CPU beyond ``fixed`` and its executed steps at Optuna's price: the
+  platform (its imports and start, the master, node manager and aggregator, checkpoints, the workers' own
+  start); ``overhead_cpu_s_no_sharing``: ``stagetree_replay``'s CPU beyond ``optuna_replay``'s, measured
+  rather than priced;
 * ``cpu_s_ratio_bound``: the ``cpu_s_ratio`` stagetree would reach with no overhead at all
   (``optuna / (fixed + executed steps at Optuna's price)``). Where it is below ``0.9 x merge_rate`` that
   target cannot be met on the workload: the fixed cost both sides pay, and Optuna's pruner training fewer
@@ -55,7 +58,7 @@ Its wall time, ``fixed_wall_s``, is how soon any process running the module can 
 Last line: ``optuna_best=<a> stagetree_best=<a> merge_rate=<m> cpu_s_ratio=<r> e2e_ratio=<r>
 cpu_s_ratio_no_sharing=<r> first_trial_s=<s> steps_trained_twice=<n> optuna_first_trial_s=<s>
 cpu_s_per_step_ratio=<r> cpu_s_ratio_bound=<r> fixed_cpu_s=<s> fixed_wall_s=<s> overhead_cpu_s=<s>
-overhead_cpu_s_no_sharing=<s> cpu_s_ratio_no_sharing_raw=<r>``, kept with every run's figures in
+overhead_cpu_s_no_sharing=<s> replay_steps=<n>``, kept with every run's figures in
 ``tests/bench/results/vs_optuna.json`` (``tests.bench.record``). Targets: stagetree_best >= optuna_best - 0.005,
 cpu_s_ratio >= 0.9 x merge_rate, cpu_s_ratio_no_sharing >= 0.9, e2e_ratio >= 1.0, first_trial_s <= 5,
 steps_trained_twice == 0.
@@ -78,17 +81,18 @@ from tests.bench.record import record
 
 USERSTYLE = Path(__file__).resolve().parent / "userstyle"
 TIMEOUT_S = 3600.0
-SIDES = ("optuna", "stagetree", "stagetree_no_sharing")
+SIDES = ("optuna", "stagetree", "optuna_replay", "stagetree_replay")  # the replays play optuna's run again
 FRESH = "stagetree_fresh_fork_server"  # --fork-compare: the sharing run with a fork server of its own
 
 
 def side_command(side: str, out: Path, ns: argparse.Namespace, home: Path) -> list[str]:
     common = [str(out), "--trials", str(ns.trials), "--seed", str(ns.seed), "--workers", str(ns.workers)]
-    if side == "optuna":
-        return [sys.executable, str(USERSTYLE / "optuna_study.py"), *common]
-    grid = "0" if side == "stagetree_no_sharing" else str(ns.grid)
+    replay = ["--replay", str(out.parent / "optuna.json")] if side.endswith("_replay") else []
+    if side.startswith("optuna"):
+        return [sys.executable, str(USERSTYLE / "optuna_study.py"), *common, *replay]
     fresh = ["--fresh-fork-server"] if side == FRESH else []
-    return [sys.executable, str(USERSTYLE / "stagetree_study.py"), *common, "--grid", grid, "--home", str(home), *fresh]
+    grid = ["--grid", str(ns.grid)]
+    return [sys.executable, str(USERSTYLE / "stagetree_study.py"), *common, *grid, "--home", str(home), *fresh, *replay]
 
 
 def run_side(side: str, ns: argparse.Namespace, work: Path) -> tuple[TreeUsage, dict[str, Any]]:
@@ -117,15 +121,17 @@ def overhead(runs: dict[str, list[tuple[TreeUsage, dict[str, Any]]]], fixed: lis
     """Stagetree's CPU beyond the fixed cost and its steps at Optuna's price, and the ratio's bound (medians
     over runs, each run's sides against the same run's imports probe)."""
     med = statistics.median
-    bound, over, over_ns, ns_ratio = [], [], [], []
+    bound, over, over_ns, ns_ratio, replayed = [], [], [], [], []
     for i, f in enumerate(fixed):
-        (opt, o_out), (st, s_out), (ns_u, ns_out) = (runs[s][i] for s in SIDES)
+        (opt, o_out), (st, s_out), (opt_r, or_out), (st_r, sr_out) = (runs[s][i] for s in SIDES)
         step = (opt.cpu_s - f.cpu_s) / o_out["steps"]
         bound.append(opt.cpu_s / (f.cpu_s + step * s_out["steps_executed"]))
         over.append(st.cpu_s - f.cpu_s - step * s_out["steps_executed"])
-        over_ns.append(ns_u.cpu_s - f.cpu_s - step * ns_out["steps_executed"])
-        # the no-sharing run at Optuna's count of steps (each added or taken away at Optuna's price)
-        ns_ratio.append(opt.cpu_s / (ns_u.cpu_s + step * (o_out["steps"] - ns_out["steps_executed"])))
+        # the replays train the same steps; any stagetree trained beyond or short of Optuna's at its price
+        st_r_cpu = st_r.cpu_s + (opt_r.cpu_s - f.cpu_s) / or_out["steps"] * (or_out["steps"] - sr_out["steps_executed"])
+        over_ns.append(st_r_cpu - opt_r.cpu_s)
+        ns_ratio.append(opt_r.cpu_s / st_r_cpu)
+        replayed.append(or_out["steps"])
     return {
         "fixed_cpu_s": float(med(f.cpu_s for f in fixed)),
         "fixed_wall_s": float(med(f.wall_s for f in fixed)),
@@ -133,6 +139,7 @@ def overhead(runs: dict[str, list[tuple[TreeUsage, dict[str, Any]]]], fixed: lis
         "overhead_cpu_s_no_sharing": float(med(over_ns)),
         "cpu_s_ratio_bound": float(med(bound)),
         "cpu_s_ratio_no_sharing": float(med(ns_ratio)),
+        "replay_steps": float(med(replayed)),
     }
 
 
@@ -159,7 +166,6 @@ def figures(runs: dict[str, list[tuple[TreeUsage, dict[str, Any]]]]) -> dict[str
         "merge_rate": float(med(o["merge_rate"] for _, o in st)),
         "cpu_s_ratio": cpu("optuna") / cpu("stagetree"),
         "e2e_ratio": wall("optuna") / wall("stagetree"),
-        "cpu_s_ratio_no_sharing_raw": cpu("optuna") / cpu("stagetree_no_sharing"),
         "first_trial_s": float(med(first)) if first else float("nan"),
         "steps_trained_twice": float(med(o["steps_executed"] - o["unique_steps"] for _, o in st)),
         # beside the targets: Optuna's first result from its launch (both pay the script's imports), and
@@ -179,7 +185,7 @@ def last_line(f: dict[str, float]) -> str:
         f"cpu_s_per_step_ratio={f['cpu_s_per_step_ratio']:.2f} cpu_s_ratio_bound={f['cpu_s_ratio_bound']:.2f} "
         f"fixed_cpu_s={f['fixed_cpu_s']:.1f} fixed_wall_s={f['fixed_wall_s']:.1f} "
         f"overhead_cpu_s={f['overhead_cpu_s']:.1f} overhead_cpu_s_no_sharing={f['overhead_cpu_s_no_sharing']:.1f} "
-        f"cpu_s_ratio_no_sharing_raw={f['cpu_s_ratio_no_sharing_raw']:.2f}"
+        f"replay_steps={f['replay_steps']:.0f}"
         + (
             f" cpu_s_fork_from_script_vs_fresh={f['cpu_s_fork_from_script_vs_fresh']:.2f}"
             if "cpu_s_fork_from_script_vs_fresh" in f
@@ -213,11 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             fixed.append(run_imports(ns))
             print(f"  {IMPORTS:22s} cpu_s {fixed[-1].cpu_s:7.1f}  (the user's module and torch._dynamo)", flush=True)
-            for side in sides[i % len(sides) :] + sides[: i % len(sides)]:
+            rest = sides[1:]  # after optuna's search, which the replays play again; their order rotating
+            for side in (sides[0], *rest[i % len(rest) :], *rest[: i % len(rest)]):
                 usage, out = run_side(side, ns, work)
                 runs[side].append((usage, out))
-                extra = ""
-                if side != "optuna":
+                extra = f"  steps {out['steps']}" if side.startswith("optuna") else ""
+                if not side.startswith("optuna"):
                     extra = (
                         f"  merge {out['merge_rate']:.2f}  steps {out['steps_executed']} (unique "
                         f"{out['unique_steps']}, trial by trial {out['trial_by_trial_steps']})"
