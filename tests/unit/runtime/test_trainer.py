@@ -115,3 +115,13 @@ def test_cached_keeps_a_value_per_fixed_part_and_leaves_the_random_streams_alone
     d.init()
     assert _Noisy.builds == 3  # ... and only one fixed part's values are kept at a time
     assert torch.equal(d.data, a.data)  # built from the same streams, the same value
+
+
+def test_seed_everything_seeds_every_stream_the_same_way_each_time() -> None:
+    seed_everything(11)
+    first = (random.random(), float(np.random.rand()), torch.rand(3).tolist(), torch.randn(2).tolist())
+    random.random(), np.random.rand(), torch.rand(5)  # the streams move on ...
+    seed_everything(11)
+    assert (random.random(), float(np.random.rand()), torch.rand(3).tolist(), torch.randn(2).tolist()) == first
+    torch.manual_seed(11)  # ... and torch's CPU stream is torch.manual_seed's
+    assert torch.rand(3).tolist() == first[2]
