@@ -239,7 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     f = {**figures(runs), **overhead(runs, fixed)}
     details = {
         "args": {k: v for k, v in vars(ns).items()},
-        "runs": {side: [{"usage": vars(u), "out": o} for u, o in r] for side, r in runs.items()},
+        # each side's output but the replayed trials' parameters (forty per Optuna run)
+        "runs": {
+            side: [{"usage": vars(u), "out": {k: v for k, v in o.items() if k != "replay"}} for u, o in r]
+            for side, r in runs.items()
+        },
         "imports": [vars(u) for u in fixed],
     }
     print(record("vs_optuna", last_line(f), extra=details))
