@@ -197,7 +197,13 @@ def child(ns: argparse.Namespace) -> None:
         probes = Probes(Path(tmp))
         probes.install()
         study = argparse.Namespace(
-            trials=ns.trials, seed=0, workers=1, grid=ns.grid, home=Path(tmp) / "home", fresh_fork_server=False
+            trials=ns.trials,
+            seed=0,
+            workers=1,
+            grid=ns.grid,
+            home=Path(tmp) / "home",
+            fresh_fork_server=False,
+            replay=None,
         )
         import optuna
         import torch
