@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -27,6 +27,7 @@ from stagetree.core.config import Config, divergence
 from stagetree.core.errors import InvalidArgument, NotFound
 from stagetree.core.lifecycle import RequestState
 from stagetree.core.sequences import Value
+from stagetree.core.slots import Slot, keeps_snapshots_on
 
 MAX_STEP = 10_000_000
 # the first roots of a plan whose starting values are kept to tell whether its trials start apart
@@ -374,6 +375,12 @@ def keeps_snapshots(plan: SearchPlan, probation_roots: int) -> bool:
     if probation_roots == 0 or len(plan.roots) < probation_roots or plan.branched:
         return True
     return not plan.roots_apart
+
+
+def batch_keeps_snapshots(plan: SearchPlan, slots: Sequence[Slot], probation_roots: int) -> bool:
+    """Whether a batch of ``plan`` placed on ``slots`` keeps a snapshot of every step it trains: the one
+    rule of the master's specs (``round_apply``) and of the simulator's runs."""
+    return keeps_snapshots_on(slots) and keeps_snapshots(plan, probation_roots)
 
 
 def _values_hash(config: Config, step: int) -> int:

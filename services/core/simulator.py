@@ -14,8 +14,7 @@ and the node managers do:
   (available ``save_s`` after it passes the point), peripheral ones every ``peripheral_every_s``; with
   ``snapshots`` it also leaves a checkpoint at every step it trained when it ends (the runtime's
   in-memory snapshots of a small model, written as one pack), as the master's batches do: on one CPU
-  slot (``slots.keeps_snapshots_on``), in a plan that keeps them (``searchplan.keeps_snapshots``, with
-  ``snapshot_probation_roots``);
+  slot, in a plan that keeps them (``searchplan.batch_keeps_snapshots``, with ``snapshot_probation_roots``);
 * a preemption finishes the step in flight, saves a checkpoint (``save_s``, holding the slot) and ends
   the batch; its requests go back to the pending work, which resumes from that checkpoint;
 * a kill cancels the trial's live requests (aborting its batch when nothing else needs it);
@@ -64,8 +63,8 @@ from stagetree.core.round import (
     plan_round,
 )
 from stagetree.core.scheduler import PlannedBatch, StageCost
-from stagetree.core.searchplan import Checkpoint, SearchPlan, keeps_snapshots
-from stagetree.core.slots import Slot, keeps_snapshots_on
+from stagetree.core.searchplan import Checkpoint, SearchPlan, batch_keeps_snapshots
+from stagetree.core.slots import Slot
 from stagetree.core.stagetree import InflightBatch, InflightStage, Stage, build_stage_tree
 
 # The round every simulation calls: the function the master's loop calls (``tests.bench.policies``
@@ -634,9 +633,7 @@ class Simulator:
         if not steps or marks[-1:] != [len(steps) - 1]:
             marks.append(len(steps) - 1)
         reports = d.study is not None and d.study in self.policies and self.policies[d.study].stateful
-        snapshots = (
-            self.snapshots and keeps_snapshots_on(d.slots) and keeps_snapshots(plan.plan, self.snapshot_probation_roots)
-        )
+        snapshots = self.snapshots and batch_keeps_snapshots(plan.plan, d.slots, self.snapshot_probation_roots)
         run = _Run(bid, plan, b, d.slots, d.study, self.now, steps, nominal, marks, reports, snapshots=snapshots)
         self.running[bid] = run
         plan.plan.mark_scheduled(b.requests, bid)

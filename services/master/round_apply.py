@@ -23,8 +23,8 @@ from stagetree.core.ids import BatchId, PlanId, RequestId, StudyId
 from stagetree.core.policies.state import Kill
 from stagetree.core.round import Dispatch, RoundDecision
 from stagetree.core.scheduler import PlannedBatch
-from stagetree.core.searchplan import keeps_snapshots
-from stagetree.core.slots import Slot, keeps_snapshots_on
+from stagetree.core.searchplan import batch_keeps_snapshots
+from stagetree.core.slots import Slot
 from stagetree.master.checkpoint_files import CheckpointFiles
 from stagetree.master.coordination import Coordination
 from stagetree.master.plans import PlanCache
@@ -155,7 +155,7 @@ class DecisionApplier:
         take no lock, or a submission holding the plan cache's lock while it waits for the database
         write lock deadlocks with the round (seen on SQLite). ``curves``: its curve sampling (None: the
         master's settings). The spec's snapshot budget is the master's for a batch on one CPU slot in a
-        plan that keeps snapshots (``keeps_snapshots``), 0 otherwise: a worker keeps none on a GPU or on
+        plan that keeps snapshots (``batch_keeps_snapshots``), 0 otherwise: a worker keeps none on a GPU or on
         several ranks, and the round (``inflight_of``) takes a running batch's budget as its promise of a
         checkpoint at every step it trains."""
         plan_id = batch.plan
@@ -168,11 +168,8 @@ class DecisionApplier:
             curves = CurveSampling(settings.curve_every_steps, settings.curve_max_per_s)
         curve_every, curve_rate = curves.every_steps, curves.max_per_s
         slot_ids = [s.id for s in slots]
-        snapshot_budget = (
-            settings.snapshot_budget_bytes
-            if keeps_snapshots_on(slots) and keeps_snapshots(plan, settings.snapshot_probation_roots)
-            else 0
-        )
+        kept = batch_keeps_snapshots(plan, slots, settings.snapshot_probation_roots)
+        snapshot_budget = settings.snapshot_budget_bytes if kept else 0
 
         def render(batch_id: int, attempt: int) -> str:
             spec = BatchSpec(
