@@ -79,8 +79,9 @@ def profiled_models(shape: ClusterShape, noise: float = 0.05, seed: int = 0) -> 
 
 def genie_tasks(density_per_h: float, hours: float = 24.0, seed: int = 0) -> list[Task]:
     """Poisson arrivals; single-GPU latencies log-uniform in [20 min, 3 h] for training and
-    [5, 40 min] for inference (the iteration count is set to match)."""
-    rng = random.Random(f"genie:{density_per_h}:{seed}")
+    [5, 40 min] for inference (the iteration count is set to match). The same density gives the same
+    tasks however it is written (20 or 20.0)."""
+    rng = random.Random(f"genie:{density_per_h:.17g}:{seed}")
     models = true_models()
     out = []
     t = rng.expovariate(density_per_h / 3600.0)

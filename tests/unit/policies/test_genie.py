@@ -203,3 +203,8 @@ def test_a_width_choice_and_its_other_widths(qos: str, lat: list[tuple[int, floa
         assert c.others == () and c.key == allowance < 0 and not c.hold
     else:  # its ECT is lost: after every key a task still in time can have (at most 2 lbar)
         assert c.others == () and c.key == LOST_TIER + 10.0 > 2 * max(t for _, t in lat) and not c.hold
+
+
+def test_a_density_gives_the_same_tasks_however_written() -> None:
+    assert genie_tasks(20, hours=2, seed=1) == genie_tasks(20.0, hours=2, seed=1)
+    assert genie_tasks(20, hours=2, seed=1) != genie_tasks(10, hours=2, seed=1)
