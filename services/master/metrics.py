@@ -33,6 +33,10 @@ SENT_AHEAD = Counter(
     "stagetree_master_batches_sent_ahead",
     "Of those, the ones sent to a busy slot about to free (SchedulingSettings.lookahead_s)",
 )
+QUIET_WAKEUPS = Counter(
+    "stagetree_master_round_wakeups_skipped",
+    "Wake-ups of the scheduling loop after a round with nothing pending that found nothing pending (no round)",
+)
 ASSIGNMENT_LATENCY = Histogram(
     "stagetree_master_assignment_latency_seconds",
     "From a batch attempt's dispatch to its node manager taking the assignment (this master's dispatches)",
@@ -55,6 +59,10 @@ def observe_round(seconds: float, dispatched: Iterable[int], ahead: int = 0) -> 
         _dispatched_at[batch_id] = now
         if len(_dispatched_at) > _MAX_WAITING:  # never taken (a lost node manager): forget the oldest
             _dispatched_at.popitem(last=False)
+
+
+def observe_quiet_wakeup() -> None:
+    QUIET_WAKEUPS.inc()
 
 
 def taken(batch_ids: Iterable[int]) -> None:

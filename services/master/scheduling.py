@@ -55,6 +55,9 @@ class RoundReport:
     snapshot_ms: float
     decide_ms: float
     wake_at: float | None = None  # when the round asked to run again (time.time())
+    # nothing the next round must do unless work is pending: a wake-up (a batch that ended, a checkpoint
+    # written) that finds none pending runs no round (``SchedulingLoop._next_round``)
+    quiet: bool = False
 
 
 @dataclass(frozen=True)
@@ -180,6 +183,21 @@ class SchedulingLoop:
             decided.read.snapshot_ms,
             decided.decide_ms,
             dec.wake_at,
+            quiet=not lost and self._quiet(decided),
+        )
+
+    def _quiet(self, decided: Decided) -> bool:
+        """Whether the round left nothing to do until work is pending: no study's policies learning or
+        holding state (they may kill or preempt on reports alone), no checkpoint budget (a checkpoint
+        written may put the store over it), no preemption, kill or eviction under way, no time it asked to
+        run again. Work it could not place is pending, and ``_next_round`` reads that before it skips."""
+        dec = decided.decision
+        return (
+            not (dec.preempts or dec.kills or dec.evictions or dec.unplaceable)
+            and dec.wake_at is None
+            and dec.state.empty()
+            and not decided.read.input.policies
+            and self.settings.checkpoint_budget_bytes is None
         )
 
     # -- the loop -------------------------------------------------------------------------------
@@ -231,7 +249,30 @@ class SchedulingLoop:
             wait = min(s.round_interval_s, s.lease_ttl_s / 3)
             if report is not None and report.wake_at is not None:  # the round asked to run again then
                 wait = min(wait, max(0.05, report.wake_at - time.time()))
-            await wakeups.wait(wait)
+            await self._next_round(
+                stop, wakeups, wait, quiet=report is not None and report.quiet, lost_at=checked_lost_at
+            )
+
+    async def _next_round(
+        self, stop: asyncio.Event, wakeups: Subscription, wait: float, *, quiet: bool, lost_at: float
+    ) -> None:
+        """Wait for the next round: a wake-up, or ``wait`` seconds. After a quiet round, a wake-up that
+        finds no work pending (one indexed read) waits on, within the same ``wait``: a study with one trial
+        in flight would otherwise run two rounds a batch, one when the batch ends, with nothing to do, and
+        one when the tuner's next request comes. A liveness check that is due runs its round."""
+        deadline = time.monotonic() + wait
+        loop = asyncio.get_running_loop()
+        while True:
+            woken = await wakeups.wait(max(0.0, deadline - time.monotonic()))
+            if not (woken and quiet) or stop.is_set() or time.monotonic() - lost_at >= LIVENESS_CHECK_S:
+                return
+            try:
+                if await loop.run_in_executor(self._round_thread, self.store.rounds.any_pending):
+                    return
+            except Exception:
+                log.exception("reading whether work is pending failed; running a round")
+                return
+            metrics.observe_quiet_wakeup()
 
 
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:

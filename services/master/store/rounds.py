@@ -19,6 +19,7 @@ _R, _B, _S, _A = table(m.Request), table(m.Batch), table(m.Study), table(m.Batch
 _PENDING = select(_R.c.id, _R.c.plan_id, _R.c.node_id, _R.c.step, _R.c.study_id, _R.c.created_at).where(
     _R.c.state == RequestState.NOT_SCHED
 )
+_ANY_PENDING = select(_R.c.id).where(_R.c.state == RequestState.NOT_SCHED).limit(1)
 _RUNNING_KEYS = (
     select(_B.c.id, _B.c.plan_id, _B.c.attempt, _B.c.node_manager_id, _A.c.started_at, _A.c.dispatched_at)
     .select_from(_B.outerjoin(_A, (_A.c.batch_id == _B.c.id) & (_A.c.attempt == _B.c.attempt)))
@@ -120,6 +121,11 @@ class RoundReader:
                 now[(i, a)] = BatchRecord(i, p, BatchState.RUNNING, a, spec, nm, slots.get(i, ()))
         self._records = now
         return list(now.values())
+
+    def any_pending(self) -> bool:
+        """Whether some request waits to be scheduled (one indexed row at most)."""
+        with self.db.tx("any pending") as s:
+            return s.execute(_ANY_PENDING).first() is not None
 
     def pending(self) -> dict[int, list[tuple[int, Point]]]:
         """(request id, point) of every NOT_SCHED request, per plan."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 
 import pytest
 from prometheus_client import REGISTRY
@@ -14,11 +15,12 @@ from sqlalchemy import event
 from stagetree.core.batch import BatchSpec, Point
 from stagetree.core.config import Config
 from stagetree.core.errors import NotFound, PermissionDenied
+from stagetree.master import scheduling
 from stagetree.master.app import MasterApp
 from stagetree.master.auth import Principal
 from stagetree.master.coordination import RedisCoordination
 from stagetree.master.plans import config_text
-from stagetree.master.scheduling import SchedulingLoop
+from stagetree.master.scheduling import RoundReport, SchedulingLoop
 from stagetree.master.service import SubmitItem
 from stagetree.master.settings import SchedulingSettings
 from stagetree.master.store.records import NewNode, NewRequest
@@ -335,3 +337,52 @@ def test_a_batch_on_a_gpu_keeps_no_snapshots(app: MasterApp) -> None:
     # a copy per step would make every step wait for the device: the worker keeps none, and the round
     # must not wait for them
     assert BatchSpec.from_json(json.loads(sent.spec_json)).snapshot_budget_bytes == 0
+
+
+async def test_a_wake_up_with_nothing_pending_after_a_quiet_round_runs_no_round(
+    app: MasterApp, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch that ends, a checkpoint written: with nothing pending, no round; work submitted: a round.
+    A round that dispatched everything pending is quiet too."""
+    monkeypatch.setattr(scheduling, "LIVENESS_CHECK_S", 60.0)  # no liveness round due meanwhile
+    loop = SchedulingLoop(
+        app.store, app.service.plans, app.coordination, SchedulingSettings(round_interval_s=30), unique("quiet")
+    )
+    reports: list[RoundReport] = []
+    run_round = loop.run_round
+
+    def counted(check_lost: bool = True) -> RoundReport:
+        reports.append(run_round(check_lost))
+        return reports[-1]
+
+    loop.run_round = counted  # type: ignore[method-assign]
+    skipped = REGISTRY.get_sample_value("stagetree_master_round_wakeups_skipped_total") or 0.0
+    stop = asyncio.Event()
+    task = asyncio.create_task(loop.run(stop))
+    try:
+        await _until(lambda: len(reports) == 1)
+        assert reports[0].quiet and reports[0].pending == 0
+        for _ in range(3):
+            app.coordination.notify("round")
+            await asyncio.sleep(0.1)
+        assert len(reports) == 1
+        assert REGISTRY.get_sample_value("stagetree_master_round_wakeups_skipped_total") == skipped + 3
+        _node_manager(app, 1)
+        study, ids = await asyncio.to_thread(_submit, app, 1)  # the submit wakes the loop
+        await _until(lambda: len(reports) == 2)
+        assert reports[1].pending == 1 and len(reports[1].dispatched) == 1 and reports[1].quiet
+        assert [r.state for r in app.service.get_requests(ALICE, study, ids)] == ["SCHED"]
+        app.coordination.notify("round")  # the batch ended: nothing pending
+        await asyncio.sleep(0.1)
+        assert len(reports) == 2
+    finally:
+        stop.set()
+        app.coordination.notify("round")
+        await asyncio.wait_for(task, 5)
+
+
+async def _until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
