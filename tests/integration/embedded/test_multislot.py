@@ -44,6 +44,17 @@ def _settings(tmp: Path, workers: int) -> EmbeddedSettings:
     return EmbeddedSettings(home=tmp / "home", workers=workers)
 
 
+async def _ended(cluster: Embedded, timeout_s: float = 30.0) -> list[tuple[str, int, tuple[str, ...]]]:
+    """``_batches`` once none is running: a result is written (and delivered) before its batch's end."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        batches = _batches(cluster)
+        if all(st != "RUNNING" for st, _, _ in batches):
+            return batches
+        assert asyncio.get_running_loop().time() < deadline, batches
+        await asyncio.sleep(0.05)
+
+
 async def _study(client: Any, name: str, policies: dict[str, Any] | None = None, **values: Any) -> Any:
     return await stagetree.Study.create(
         client, name, trainer=TORCH_ENTRY_POINT, values=values, tuned=["lr", "bs"], policies=policies
@@ -55,7 +66,7 @@ async def test_a_study_trains_each_batch_on_the_slots_it_asks_for(tmp_path: Path
         two = await _study(c, "two", {"slots": 2})
         got = await asyncio.wait_for(two.eval(CFG, 6), 120)
         assert set(got) == {"accuracy", "loss"}
-        assert _batches(cluster) == [("DONE", 2, ("cpu0", "cpu1"))]
+        assert await _ended(cluster) == [("DONE", 2, ("cpu0", "cpu1"))]
 
 
 async def test_an_out_of_memory_doubles_the_slots_of_the_retry(tmp_path: Path) -> None:
@@ -64,7 +75,7 @@ async def test_an_out_of_memory_doubles_the_slots_of_the_retry(tmp_path: Path) -
         study = await _study(c, "oom", fault="runtime_oom", fault_step=2, fault_once=str(once))
         got = await asyncio.wait_for(study.eval(CFG, 6), 120)
         assert set(got) == {"accuracy", "loss"} and once.exists()
-        (oom, done) = _batches(cluster)
+        (oom, done) = await _ended(cluster)
         assert oom[:2] == ("OUT_OF_MEMORY", 1) and done == ("DONE", 2, ("cpu0", "cpu1"))
 
 
@@ -80,7 +91,7 @@ async def test_a_retry_on_two_slots_resumes_a_one_rank_checkpoint_and_the_plan_r
         await asyncio.wait_for(study.eval(CFG, 3), 120)
         got = await asyncio.wait_for(study.eval(CFG, 6), 120)
         assert set(got) == {"accuracy", "loss"} and once.exists()
-        assert [(st, n) for st, n, _ in _batches(cluster)] == [("DONE", 1), ("OUT_OF_MEMORY", 1), ("DONE", 2)]
+        assert [(st, n) for st, n, _ in await _ended(cluster)] == [("DONE", 1), ("OUT_OF_MEMORY", 1), ("DONE", 2)]
         with cluster.app.store.db.tx("test: path changes") as s:
             p = m.PathChange
             changes = s.execute(select(p.batch_id, p.step, p.from_ranks, p.to_ranks, p.node_manager_id)).all()
@@ -99,7 +110,7 @@ async def test_an_out_of_memory_on_every_slot_of_the_largest_node_manager_fails_
             await asyncio.wait_for(study.eval(CFG, 4), 120)
         assert "out of memory on 2 slot(s): the retry would take 4 slots" in err.value.message
         assert "largest node manager has 2" in err.value.message
-        assert [(st, n) for st, n, _ in _batches(cluster)] == [("OUT_OF_MEMORY", 1), ("OUT_OF_MEMORY", 2)]
+        assert [(st, n) for st, n, _ in await _ended(cluster)] == [("OUT_OF_MEMORY", 1), ("OUT_OF_MEMORY", 2)]
 
 
 async def test_a_killed_rank_fails_its_attempt_and_the_work_is_retried(tmp_path: Path) -> None:
@@ -123,5 +134,5 @@ async def test_a_killed_rank_fails_its_attempt_and_the_work_is_retried(tmp_path:
         got = await asyncio.wait_for(task, 180)
         assert set(got) == {"accuracy", "loss"}
         assert all(gone(p) for p in pids)
-        first, *rest = _batches(cluster)
+        first, *rest = await _ended(cluster)
         assert first[:2] == ("OUT_OF_MEMORY", 2) and rest[-1][:2] == ("DONE", 4)
