@@ -35,7 +35,7 @@ SENT_AHEAD = Counter(
 )
 QUIET_WAKEUPS = Counter(
     "stagetree_master_round_wakeups_skipped",
-    "Wake-ups of the scheduling loop after a round with nothing pending that found nothing pending (no round)",
+    "Wake-ups of the scheduling loop after a round that left nothing to do that found no work pending (no round)",
 )
 ASSIGNMENT_LATENCY = Histogram(
     "stagetree_master_assignment_latency_seconds",

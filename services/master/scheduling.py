@@ -7,7 +7,8 @@ the leader lease runs rounds (``run``); a standby keeps trying to take the lease
 lapses, and loads the policies' saved state before its first round (``master.policies``). The loop wakes
 on every wake-up, at least every ``round_interval_s``, and when the round asks (``wake_at``: a busy slot
 coming within the lookahead of its end, a time-sharing quantum's end, a search trial's next evaluation
-boundary).
+boundary). After a round that left nothing to do until work is pending (``RoundReport.quiet``), a wake-up
+runs a round only if some request is pending (``_next_round``).
 """
 
 from __future__ import annotations
