@@ -193,22 +193,28 @@ class SearchPlan:
                 self._shadowed[key] = shadowed - 1
                 break
 
-    def _child_at(self, node: Node | None, config: Config, d: int) -> Node | None:
-        """The child of ``node`` branching at ``d`` that ``config`` follows (agreeing up to ``d``); with
-        ``node`` None, the root ``config`` starts in."""
+    def _follow(self, node: Node | None, config: Config, d: int, step: int) -> tuple[Node, int] | None:
+        """The child of ``node`` branching at ``d`` that ``config`` follows (with ``node`` None, the root
+        ``config`` starts in), and the first step in ``[d, step)`` where ``config`` may leave it (``step``
+        if it does not); None when no such child agrees with ``config`` at ``d``. Assumes ``config``
+        agrees with ``node`` on ``[0, d)``, and so with each of these children, which all branch at ``d``:
+        one comparison from ``d`` on says both whether ``config`` follows a child and how far."""
         kids = self.roots if node is None else node.children.get(d)
         if not kids:
             return None
-        cid = self._branches.get((None if node is None else node.id, d, _values_hash(config, d)))
-        if cid is None:
-            return None  # no sibling has these values at d, so none agrees with config there
-        child = self.nodes[cid]
-        if divergence(child.config, config, d, d + 1) > d:
-            return child
-        for cid in kids:  # another sibling under the same hash (a collision): compare each
+        limit = max(step, d + 1)  # at step 0, a root must still agree at step 0
+        candidates: Iterable[int] = kids  # one child: comparing with it costs less than hashing the values at d
+        if len(kids) > 1:
+            cid = self._branches.get((None if node is None else node.id, d, _values_hash(config, d)))
+            if cid is None:
+                return None  # no sibling has these values at d, so none agrees with config there
+            # the indexed child, then (a hash collision) every other sibling
+            candidates = itertools.chain((cid,), (k for k in kids if k != cid))
+        for cid in candidates:
             child = self.nodes[cid]
-            if divergence(child.config, config, d, d + 1) > d:
-                return child
+            e = divergence(child.config, config, d, limit)
+            if e > d:
+                return child, min(e, step)
         return None
 
     def locate(self, config: Config, step: int, *, create: bool = True) -> tuple[Point | None, list[Node]]:
@@ -216,25 +222,24 @@ class SearchPlan:
         roots along matching configurations; new nodes are created only at divergence steps."""
         check_step(step)
         created: list[Node] = []
-        node = self._child_at(None, config, 0)
-        if node is None:
+        found = self._follow(None, config, 0, step)
+        if found is None:
             if not create:
                 return None, created
-            node = self.add_node(None, 0, config)
-            created.append(node)
-            return Point(node.id, step), created
-        while True:
-            d = divergence(node.config, config, node.start, step)
-            if d >= step:
-                return self.canonical(Point(node.id, step)), created
-            nxt = self._child_at(node, config, d)
-            if nxt is None:
+            root = self.add_node(None, 0, config)
+            created.append(root)
+            return Point(root.id, step), created
+        node, d = found
+        while d < step:
+            found = self._follow(node, config, d, step)
+            if found is None:
                 if not create:
                     return None, created
                 nxt = self.add_node(node.id, d, config)
                 created.append(nxt)
                 return Point(nxt.id, step), created
-            node = nxt
+            node, d = found
+        return self.canonical(Point(node.id, step)), created
 
     def canonical(self, p: Point) -> Point:
         node = self.nodes.get(p.node)

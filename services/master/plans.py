@@ -149,11 +149,9 @@ class PlanCache:
         creates more only when the other writer's config diverges later)."""
         e = self._entry(plan_id)
         with e.lock:
-            # The plan is append-only, so a walk that finds every point in the cache is correct as it
-            # is: a node written elsewhere since could only have been needed where this walk stopped.
-            found, _ = locate_all(e.plan, items, create=False)
-            if all(p is not None for p in found):
-                return [p for p in found if p is not None]
+            # The plan is append-only, so a walk that creates nothing is correct as it is: a node written
+            # elsewhere since could only have been needed where this walk stopped. One walk serves both
+            # cases: it finds what exists and creates, in memory, what does not.
             # No read of what other masters wrote first: the insert keeps theirs under the same key and
             # returns fewer ids, and only then is the cache refreshed and the walk done again. (A read
             # here was a third of every submission's time on the scale bench, and found nothing with one
