@@ -8,6 +8,7 @@ worker thread. Results and new work are announced on wake-up channels (``CH_*``)
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -110,6 +111,13 @@ def _json_object(text: str, what: str, limit: int) -> Any:
         return json.loads(text)
     except ValueError as e:
         raise InvalidArgument(f"{what}: not valid JSON ({e})") from None
+
+
+@functools.lru_cache(maxsize=1024)
+def _study_fixed(fixed_json: str) -> FixedPart:
+    """A study's stored fixed part (its policies dropped), parsed once: every item of every submission
+    that names no fixed part of its own uses it. (A ``FixedPart`` is never changed once made.)"""
+    return FixedPart.from_json(fixed_without_policies(fixed_json))
 
 
 class MasterService:
@@ -242,13 +250,14 @@ class MasterService:
         if unknown:
             raise InvalidArgument(f"{what}: unknown fields {sorted(unknown)}")
         fixed_obj = obj.get("fixed")
-        if fixed_obj is None:
-            if study.fixed_json is None:
-                raise InvalidArgument(f"{what}: no 'fixed' part and the study has no default one")
-            fixed_obj = fixed_without_policies(study.fixed_json)
+        if fixed_obj is None and study.fixed_json is None:
+            raise InvalidArgument(f"{what}: no 'fixed' part and the study has no default one")
         try:
-            fixed = FixedPart.from_json(fixed_obj)
-            if "fixed" in obj:  # a fixed part of its own names a plan the study's creation did not check
+            if fixed_obj is None:
+                assert study.fixed_json is not None
+                fixed = _study_fixed(study.fixed_json)
+            else:  # a fixed part of its own names a plan the study's creation did not check
+                fixed = FixedPart.from_json(fixed_obj)
                 check_entry_point(fixed.trainer, "fixed.trainer")
             return fixed, Config.of(obj["tuned"])
         except StagetreeError as e:
