@@ -811,41 +811,57 @@ def first_divergence(a: Segments, b: Segments, start: int, limit: int) -> int:
     budget = LOOKAHEAD
     while pos < limit:
         sa, sb = a[ia], b[ib]
-        ends = [e for e in (sa.end, sb.end) if e is not None]
-        end = min(ends) if ends else limit
+        ea, eb = sa.end, sb.end
+        if ea is None:
+            end = limit if eb is None else eb
+        elif eb is None or ea < eb:
+            end = ea
+        else:
+            end = eb
         if sa.start == sb.start and sa.kind == sb.kind and sa.params == sb.params:
-            if not ends:
+            if ea is None and eb is None:
                 return limit
             pos = end
         else:
             stop = min(end, limit, pos + budget)
-            for s in range(pos, stop):
-                try:
-                    va, vb = segment_value(sa, s), segment_value(sb, s)
-                except SequenceError:  # a value past a float's range compares with nothing: they part here
-                    return s
-                if va != vb or type(va) is not type(vb):
-                    return s
+            if sa.kind == "const" and sb.kind == "const":
+                # a constant's value is the same at every step: one comparison stands for the range
+                if pos < stop and _parted(sa, sb, pos):
+                    return pos
+            else:
+                for s in range(pos, stop):
+                    if _parted(sa, sb, s):
+                        return s
             budget -= stop - pos
             pos = stop
             if pos < min(end, limit):  # out of look-ahead inside the differing pieces
                 return pos
-        if sa.end == pos:
+        if ea == pos:
             ia += 1
-        if sb.end == pos:
+        if eb == pos:
             ib += 1
     return limit
 
 
+def _parted(sa: Segment, sb: Segment, step: int) -> bool:
+    """Whether the two pieces' values at ``step`` differ (in value or type; a value past a float's range
+    compares with nothing)."""
+    try:
+        va, vb = segment_value(sa, step), segment_value(sb, step)
+    except SequenceError:
+        return True
+    return va != vb or type(va) is not type(vb)
+
+
+def _start(seg: Segment) -> int:
+    return seg.start
+
+
 def _index(segs: Segments, step: int) -> int:
-    lo, hi = 0, len(segs) - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if segs[mid].start <= step:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    """The index of the piece in force at ``step`` (the first one before any starts)."""
+    if len(segs) == 1 or step < segs[1].start:
+        return 0
+    return max(0, bisect.bisect_right(segs, step, key=_start) - 1)
 
 
 def boundaries(segments: Segments, limit: int) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -20,6 +21,7 @@ from stagetree.core.sequences import (
     Linear,
     MultiStep,
     Piecewise,
+    Segment,
     Step,
     Warmup,
     _cosine_place,
@@ -269,3 +271,87 @@ def test_a_cosine_far_out_is_a_remainder_and_a_gamma_a_hair_from_1_is_refused_th
     # two schedules that agree to 10**9 steps and part there: compared there, not walked to
     a = Cosine(0.1, 0.0, 1, 1.0).segments()
     assert first_divergence(a, Piecewise([Cosine(0.1, 0.0, 1, 1.0), 0.5], [10**9]).segments(), 0, far) == 10**9
+
+
+def _first_divergence_by_definition(a, b, start: int, limit: int) -> int:  # type: ignore[no-untyped-def]
+    """``first_divergence`` as its docstring defines it, step by step: equal pieces skipped whole, values
+    compared where pieces differ, at most ``LOOKAHEAD`` of them in all (then the search stops there)."""
+    from stagetree.core.sequences import LOOKAHEAD, segment_value
+
+    def index(segs, step):  # type: ignore[no-untyped-def]
+        return max(i for i, s in enumerate(segs) if s.start <= step or i == 0)
+
+    ia, ib, pos, budget = index(a, start), index(b, start), start, LOOKAHEAD
+    while pos < limit:
+        sa, sb = a[ia], b[ib]
+        ends = [e for e in (sa.end, sb.end) if e is not None]
+        end = min(ends) if ends else limit
+        if (sa.start, sa.kind, sa.params) == (sb.start, sb.kind, sb.params):
+            if not ends:
+                return limit
+            pos = end
+        else:
+            stop = min(end, limit, pos + budget)
+            for s in range(pos, stop):
+                try:
+                    va, vb = segment_value(sa, s), segment_value(sb, s)
+                except SequenceError:
+                    return s
+                if va != vb or type(va) is not type(vb):
+                    return s
+            budget -= stop - pos
+            pos = stop
+            if pos < min(end, limit):
+                return pos
+        ia += sa.end == pos
+        ib += sb.end == pos
+    return limit
+
+
+@st.composite
+def raw_pieces(draw: st.DrawFn) -> tuple[Segment, ...]:
+    """Pieces as no family writes them, so that equal values sit in pieces that differ, stretch after
+    stretch: constants of one value cut at different steps, and flat lines (slope 0) beside them."""
+    cuts = sorted(set(draw(st.lists(st.integers(min_value=1, max_value=180), max_size=4))))
+    bounds = [0, *cuts, None]
+    out = []
+    for lo, hi in itertools.pairwise(bounds):
+        v = draw(st.sampled_from([0.1, 0.05]))
+        kind, params = draw(st.sampled_from([("const", ("float", v)), ("linear", ("float", v, 0.0))]))
+        out.append(Segment(lo, hi, kind, params))
+    return tuple(out)
+
+
+def test_the_look_ahead_budget_spans_the_differing_stretches() -> None:
+    flat = Constant(0.1).segments()
+    # equal values in differing pieces for 40 steps, equal pieces, then again: the budget of 64 ends 24
+    # steps into the second stretch
+    b = (
+        Segment(0, 40, "linear", ("float", 0.1, 0.0)),
+        Segment(40, 100, "const", ("float", 0.1)),
+        Segment(100, None, "linear", ("float", 0.1, 0.0)),
+    )
+    a = (
+        Segment(0, 40, "const", ("float", 0.1)),
+        Segment(40, 100, "const", ("float", 0.1)),
+        Segment(100, None, "const", ("float", 0.1)),
+    )
+    assert first_divergence(a, b, 0, 500) == _first_divergence_by_definition(a, b, 0, 500) == 100 + (64 - 40)
+    assert first_divergence(flat, b, 0, 500) == 64
+
+
+@given(
+    st.one_of(sequences(), raw_pieces()),
+    st.one_of(sequences(), raw_pieces()),
+    st.integers(min_value=0, max_value=150),
+    st.integers(min_value=0, max_value=200),
+)
+def test_first_divergence_is_its_definition(a, b, start, limit) -> None:  # type: ignore[no-untyped-def]
+    # A plan stored in the database was cut where this function said: a faster one must say the same, or a
+    # trial submitted again would walk to another node. (Constants that meet after different pieces, as
+    # a warmup's end and a flat schedule do, take the one-comparison path; budgets run out in both.)
+    sa = a if isinstance(a, tuple) else a.segments()
+    sb = b if isinstance(b, tuple) else b.segments()
+    assert first_divergence(sa, sb, start, limit) == _first_divergence_by_definition(sa, sb, start, limit)
+    flat = Constant(0.1).segments()
+    assert first_divergence(flat, sb, start, limit) == _first_divergence_by_definition(flat, sb, start, limit)
