@@ -143,7 +143,7 @@ class Database:
         # id of a select -> (that select, its one-row form) on SQLite; the select is kept and compared, so
         # a statement built per call whose id is reused later never gets another statement's form
         self._aggregates: dict[int, tuple[Any, Any]] = {}
-        self._ignore_stmts: dict[tuple[str, tuple[str, ...]], Any] = {}
+        self._ignore_stmts: dict[tuple[str, tuple[str, ...], tuple[str, ...]], Any] = {}
         # SQLite has one writer at a time and its busy handler waits by sleeping (1, 2, 5, ... 100 ms),
         # so threads of one process that queue on it lose most of their time asleep. They take turns on
         # this lock instead (the busy timeout still bounds the wait; other processes still rely on SQLite).
@@ -233,34 +233,49 @@ class Database:
 
         return sqlite_insert(tbl)
 
-    def insert_ignore(self, s: Session, tbl: Table, rows: list[dict[str, Any]], conflict: list[str]) -> None:
+    def insert_ignore(
+        self,
+        s: Session,
+        tbl: Table,
+        rows: list[dict[str, Any]],
+        conflict: list[str],
+        returning: Sequence[str] = (),
+    ) -> list[tuple[Any, ...]]:
         """Insert rows, skipping those whose ``conflict`` key exists, in as few round trips as possible:
         psycopg2's ``execute_values`` (pages of multi-row VALUES) on Postgres; a cached ``executemany``
-        on SQLite (in-process, so round trips are free). A JSON column takes the Python value."""
+        on SQLite (in-process, so round trips are free). A JSON column takes the Python value. With
+        ``returning``, those columns of the rows it inserted (not of those it skipped), so that a caller
+        reads back only what another writer had written first."""
         if not rows:
-            return
+            return []
         json_cols = [c for c in rows[0] if isinstance(tbl.c[c].type, JSON)]
         if not self.is_postgres:
-            key = (tbl.name, tuple(conflict))
+            key = (tbl.name, tuple(conflict), tuple(returning))
             stmt = self._ignore_stmts.get(key)
             if stmt is None:
-                stmt = self._ignore_stmts[key] = self.insert(tbl).on_conflict_do_nothing(index_elements=conflict)
+                stmt = self.insert(tbl).on_conflict_do_nothing(index_elements=conflict)
+                if returning:
+                    stmt = stmt.returning(*(tbl.c[c] for c in returning))
+                self._ignore_stmts[key] = stmt
             if json_cols:
                 rows = [{**r, **{c: json_safe_metrics(r[c]) for c in json_cols}} for r in rows]
-            s.connection().execute(stmt, rows)
-            return
+            result = s.connection().execute(stmt, rows)
+            return [tuple(r) for r in result] if returning else []
         from psycopg2.extras import Json, execute_values
 
         cols = list(rows[0])
         if json_cols:  # psycopg2 adapts no dict by itself
             rows = [{**r, **{c: Json(r[c], dumps=_json_text) for c in json_cols}} for r in rows]
         sql = f"INSERT INTO {tbl.name} ({', '.join(cols)}) VALUES %s ON CONFLICT ({', '.join(conflict)}) DO NOTHING"
+        if returning:
+            sql += f" RETURNING {', '.join(returning)}"
         template = "(" + ", ".join(f"%({c})s" for c in cols) + ")"
         cur = s.connection().connection.cursor()
         try:
-            execute_values(cur, sql, rows, template=template, page_size=1000)
+            got = execute_values(cur, sql, rows, template=template, page_size=1000, fetch=bool(returning))
         finally:
             cur.close()
+        return [tuple(r) for r in got] if returning else []
 
     def bulk_insert_ignore(
         self,

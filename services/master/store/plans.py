@@ -21,6 +21,7 @@ from stagetree.master.store.database import Database, table
 from stagetree.master.store.records import NewNode, NewTreeNode, NodeRecord
 
 _NODE_KEY = ["plan_id", "parent_key", "start", "branch_digest"]
+_NODE_IDS = ["id", "parent_key", "start", "branch_digest"]
 _KEYS_PER_READ = 2000
 _BY_KEYS_PG = (
     "SELECT n.id, n.parent_key, n.start, n.branch_digest, n.config_json FROM nodes n"
@@ -101,10 +102,11 @@ class PlanStore:
 
     def insert_node_tree(self, plan_id: int, nodes: Sequence[NewTreeNode]) -> dict[int, int]:
         """Insert-or-ignore a forest of new nodes (parents before children) in one transaction, one
-        statement pair per depth level; returns ``ref -> database id`` of the nodes now in the database
-        with the caller's config. Where another master wrote a node under the same key first with a
-        different config, that node is kept and the caller's subtree below it is not written (it was
-        placed relative to the caller's config): the caller walks again."""
+        statement per depth level (and a read of the keys another writer held first); returns ``ref ->
+        database id`` of the nodes now in the database with the caller's config. Where another master
+        wrote a node under the same key first with a different config, that node is kept and the
+        caller's subtree below it is not written (it was placed relative to the caller's config): the
+        caller walks again."""
         if not nodes:
             return {}
         depth: dict[int, int] = {}
@@ -135,13 +137,15 @@ class PlanStore:
                     break
                 # one global order of rows so that concurrent writers take row locks in the same order
                 rows.sort(key=lambda r: (r["parent_key"], r["start"], r["branch_digest"]))
-                self.db.insert_ignore(s, table(m.Node), rows, _NODE_KEY)
-                for i, pk, st, dg, cj in self._by_keys(s, plan_id, list(refs)):
-                    ref, config_json = refs[(pk, st, dg)]
-                    if cj == config_json:
-                        ids[ref] = int(i)
-                    else:
-                        foreign.add(ref)
+                for i, pk, st, dg in self.db.insert_ignore(s, table(m.Node), rows, _NODE_KEY, _NODE_IDS):
+                    ids[refs.pop((int(pk), int(st), dg))[0]] = int(i)  # written now, with the caller's config
+                if refs:  # another writer's nodes hold these keys: theirs stay, and are ours if configs agree
+                    for i, pk, st, dg, cj in self._by_keys(s, plan_id, list(refs)):
+                        ref, config_json = refs[(pk, st, dg)]
+                        if cj == config_json:
+                            ids[ref] = int(i)
+                        else:
+                            foreign.add(ref)
         return ids
 
     def _by_keys(self, s: Session, plan_id: int, keys: list[tuple[int, int, str]]) -> list[Any]:

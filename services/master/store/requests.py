@@ -28,6 +28,7 @@ _COLS = (
     _R.c.id, _R.c.study_id, _R.c.plan_id, _R.c.node_id, _R.c.step, _R.c.state, _R.c.client_request_id, _R.c.batch_id,
     _R.c.error, _R.c.label,
 )  # fmt: skip
+_COL_NAMES = tuple(c.name for c in _COLS)
 _OF_STUDY = select(*_COLS).where(_R.c.study_id == bindparam("study")).order_by(_R.c.id)
 _BY_ID = _OF_STUDY.where(_R.c.id.in_(bindparam("ids", expanding=True)))
 _BY_CLIENT = _OF_STUDY.where(_R.c.client_request_id.in_(bindparam("cids", expanding=True)))
@@ -84,12 +85,12 @@ class RequestStore:
                 }
                 for it in sorted(items, key=lambda it: it.client_request_id)
             ]
-            self.db.insert_ignore(s, _R, rows, ["study_id", "client_request_id"])
-            cids = [it.client_request_id for it in items]
-            by_client = {
-                r.client_request_id: r
-                for r in (_request_row(*row) for row in self.db.rows(s, _BY_CLIENT, {"study": study_id, "cids": cids}))
-            }
+            written = self.db.insert_ignore(s, _R, rows, ["study_id", "client_request_id"], _COL_NAMES)
+            by_client = {r.client_request_id: r for r in (_request_row(*row) for row in written)}
+            resent = [it.client_request_id for it in items if it.client_request_id not in by_client]
+            if resent:  # sent before: the first request answers them
+                rows_before = self.db.rows(s, _BY_CLIENT, {"study": study_id, "cids": resent})
+                by_client.update((r.client_request_id, r) for r in (_request_row(*row) for row in rows_before))
             later = {(r.node, r.step) for r in by_client.values() if r.state is RequestState.DONE} - known.keys()
             known.update(self.metrics_in(s, later))  # a retried request finished since its first submission
         out = []
