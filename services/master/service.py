@@ -302,8 +302,11 @@ class MasterService:
         by_plan: dict[str, list[int]] = {}
         fixed_of: dict[str, FixedPart] = {}
         scope = self._scope(study)
+        keys: dict[int, str] = {}  # the items of a study's default fixed part share one FixedPart
         for i, (_, fixed, _, _) in enumerate(parsed):
-            key = fixed.key(scope)
+            key = keys.get(id(fixed))
+            if key is None:
+                key = keys[id(fixed)] = fixed.key(scope)
             by_plan.setdefault(key, []).append(i)
             fixed_of[key] = fixed
         self._check_resends(study, parsed, by_plan)

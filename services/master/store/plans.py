@@ -22,6 +22,7 @@ from stagetree.master.store.records import NewNode, NewTreeNode, NodeRecord
 
 _NODE_KEY = ["plan_id", "parent_key", "start", "branch_digest"]
 _NODE_IDS = ["id", "parent_key", "start", "branch_digest"]
+_DRAW_NODE_IDS = "SELECT nextval(pg_get_serial_sequence('nodes', 'id')) FROM generate_series(1, %s)"
 _KEYS_PER_READ = 2000
 _BY_KEYS_PG = (
     "SELECT n.id, n.parent_key, n.start, n.branch_digest, n.config_json FROM nodes n"
@@ -117,7 +118,42 @@ class PlanStore:
             if d == len(levels):
                 levels.append([])
             levels[d].append(n)
+        if self.db.is_postgres and len(levels) > 1:
+            at_once = self.db.retry(lambda: self._write_at_once(plan_id, nodes))
+            if at_once is not None:
+                return at_once
         return self.db.retry(lambda: self._write_levels(plan_id, levels))
+
+    def _write_at_once(self, plan_id: int, nodes: Sequence[NewTreeNode]) -> dict[int, int] | None:
+        """Postgres: the whole forest in one statement, its ids drawn from the nodes' sequence first so
+        that a child names its new parent (a deep one, a trial per milestone of a schedule, is otherwise
+        a statement per level while the plan's cache is locked). None, with nothing written, where
+        another writer holds one of the keys: the level-by-level write then keeps theirs."""
+        import psycopg2.errors  # the Postgres path only
+
+        try:
+            with self.db.tx("insert nodes") as s:
+                drawn = s.connection().exec_driver_sql(_DRAW_NODE_IDS, (len(nodes),)).scalars().all()
+                ids = {n.ref: int(i) for n, i in zip(nodes, drawn, strict=True)}
+                rows = [
+                    {
+                        "id": ids[n.ref],
+                        **_node_row(
+                            plan_id,
+                            ids[n.parent] if n.parent is not None and n.parent < 0 else n.parent,
+                            n.start,
+                            n.branch_digest,
+                            n.config_json,
+                        ),
+                    }
+                    for n in nodes
+                ]
+                rows.sort(key=lambda r: (r["parent_key"], r["start"], r["branch_digest"]))  # the lock order
+                if len(self.db.insert_ignore(s, table(m.Node), rows, _NODE_KEY, ["id"])) < len(rows):
+                    raise _KeyTaken  # a leaf's key: undo the rest
+        except (_KeyTaken, psycopg2.errors.ForeignKeyViolation):  # an inner node's key: its children name no row
+            return None
+        return ids
 
     def _write_levels(self, plan_id: int, levels: list[list[NewTreeNode]]) -> dict[int, int]:
         ids: dict[int, int] = {}
@@ -216,6 +252,10 @@ class PlanStore:
         ):
             mets.setdefault(int(node), []).append(int(step))
         return ckpts, mets
+
+
+class _KeyTaken(Exception):
+    """Another writer holds the key of a node being written (inside ``_write_at_once``)."""
 
 
 def _node_row(plan_id: int, parent: int | None, start: int, digest: str, config_json: str) -> dict[str, Any]:
