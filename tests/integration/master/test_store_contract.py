@@ -13,7 +13,7 @@ from stagetree.core.errors import AlreadyExists, FailedPrecondition, InvalidArgu
 from stagetree.core.lifecycle import BatchState, RequestState
 from stagetree.master.plans import config_text
 from stagetree.master.store.ingest import Ingestor
-from stagetree.master.store.records import DispatchItem, NewNode, NewRequest
+from stagetree.master.store.records import DispatchItem, NewNode, NewRequest, NewTreeNode
 from stagetree.master.store.schema import check_schema, head_revision, upgrade
 from stagetree.master.store.store import Store, make_engine
 from tests.integration.conftest import migrate
@@ -55,6 +55,41 @@ def test_nodes_insert_or_ignore_on_the_unique_key(store: Store) -> None:
     store.plans.insert_nodes(pid, [NewNode(root, 10, "x", "D"), NewNode(root, 10, "x", "E")])
     later = store.plans.load_nodes(pid, after=nodes[-1].id)
     assert [(n.parent, n.start, n.config_json) for n in later] == [(root, 10, "D")]
+
+
+def _chain(root_parent: int | None, configs: list[str]) -> list[NewTreeNode]:
+    """A forest of one chain: node -1 under ``root_parent``, -2 under -1, ... (the trial per milestone of
+    a step schedule), each branching at 10 x its depth."""
+    out = []
+    for i, cj in enumerate(configs):
+        parent = root_parent if i == 0 else -i
+        out.append(NewTreeNode(-(i + 1), parent, 10 * i, f"d{i}", cj))
+    return out
+
+
+def test_a_forest_is_written_with_each_child_under_its_new_parent(store: Store) -> None:
+    pid = store.plans.ensure_plan(unique("k"), "{}")
+    ids = store.plans.insert_node_tree(pid, _chain(None, ["A", "B", "C", "D"]))
+    assert sorted(ids) == [-4, -3, -2, -1]
+    by_id = {n.id: n for n in store.plans.load_nodes(pid)}
+    assert [(by_id[ids[-i]].parent, by_id[ids[-i]].config_json) for i in (1, 2, 3, 4)] == [
+        (None, "A"),
+        (ids[-1], "B"),
+        (ids[-2], "C"),
+        (ids[-3], "D"),
+    ]
+    assert store.plans.insert_node_tree(pid, _chain(None, ["A", "B"])) == {-1: ids[-1], -2: ids[-2]}  # theirs: ours
+
+
+def test_a_forest_below_a_key_another_writer_holds_is_not_written(store: Store) -> None:
+    pid = store.plans.ensure_plan(unique("k"), "{}")
+    (root,) = store.plans.insert_node_tree(pid, _chain(None, ["A"])).values()
+    # another writer's node holds the second level's key with another config
+    store.plans.insert_nodes(pid, [NewNode(root, 10, "d1", "theirs")])
+    ids = store.plans.insert_node_tree(pid, _chain(None, ["A", "B", "C"]))
+    assert ids == {-1: root}  # the root is the same node; B was placed for our config: neither B nor C is ours
+    nodes = store.plans.load_nodes(pid)
+    assert sorted(n.config_json for n in nodes) == ["A", "theirs"]
 
 
 def test_requests_are_idempotent_per_client_id_and_answer_known_metrics(store: Store) -> None:
