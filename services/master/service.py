@@ -250,15 +250,14 @@ class MasterService:
         if unknown:
             raise InvalidArgument(f"{what}: unknown fields {sorted(unknown)}")
         fixed_obj = obj.get("fixed")
-        if fixed_obj is None and study.fixed_json is None:
-            raise InvalidArgument(f"{what}: no 'fixed' part and the study has no default one")
         try:
-            if fixed_obj is None:
-                assert study.fixed_json is not None
-                fixed = _study_fixed(study.fixed_json)
-            else:  # a fixed part of its own names a plan the study's creation did not check
+            if fixed_obj is not None:  # a fixed part of its own names a plan the study's creation did not check
                 fixed = FixedPart.from_json(fixed_obj)
                 check_entry_point(fixed.trainer, "fixed.trainer")
+            elif study.fixed_json is not None:
+                fixed = _study_fixed(study.fixed_json)
+            else:
+                raise InvalidArgument("no 'fixed' part and the study has no default one")
             return fixed, Config.of(obj["tuned"])
         except StagetreeError as e:
             raise InvalidArgument(f"{what}: {e.message}") from None
