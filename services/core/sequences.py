@@ -38,6 +38,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import operator
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
@@ -790,6 +791,7 @@ def segments_to_json(segments: Segments) -> list[list[Any]]:
 # Comparing sequences
 
 
+_START = operator.attrgetter("start")
 LOOKAHEAD = 64  # steps compared value by value where two sequences' pieces differ
 
 
@@ -853,15 +855,11 @@ def _parted(sa: Segment, sb: Segment, step: int) -> bool:
     return va != vb or type(va) is not type(vb)
 
 
-def _start(seg: Segment) -> int:
-    return seg.start
-
-
 def _index(segs: Segments, step: int) -> int:
     """The index of the piece in force at ``step`` (the first one before any starts)."""
     if len(segs) == 1 or step < segs[1].start:
         return 0
-    return max(0, bisect.bisect_right(segs, step, key=_start) - 1)
+    return bisect.bisect_right(segs, step, key=_START) - 1  # >= 1: segs[1] starts at or before step
 
 
 def boundaries(segments: Segments, limit: int) -> list[int]:

@@ -22,6 +22,7 @@ from stagetree.embedded import Embedded, EmbeddedSettings
 from stagetree.master.store import models as m
 from stagetree.nodemanager.examples.faults import TORCH_ENTRY_POINT
 from stagetree.nodemanager.group import WorkerGroup
+from tests.integration.nodemanager.helpers import until
 from tests.unit.nodemanager.test_group import gone
 
 pytestmark = pytest.mark.timeout(240)
@@ -44,15 +45,15 @@ def _settings(tmp: Path, workers: int) -> EmbeddedSettings:
     return EmbeddedSettings(home=tmp / "home", workers=workers)
 
 
-async def _ended(cluster: Embedded, timeout_s: float = 30.0) -> list[tuple[str, int, tuple[str, ...]]]:
+async def _ended(cluster: Embedded) -> list[tuple[str, int, tuple[str, ...]]]:
     """``_batches`` once none is running: a result is written (and delivered) before its batch's end."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
+
+    def ended() -> list[tuple[str, int, tuple[str, ...]]] | None:
         batches = _batches(cluster)
-        if all(st != "RUNNING" for st, _, _ in batches):
-            return batches
-        assert asyncio.get_running_loop().time() < deadline, batches
-        await asyncio.sleep(0.05)
+        return batches if all(st != "RUNNING" for st, _, _ in batches) else None
+
+    got: list[tuple[str, int, tuple[str, ...]]] = await until(ended, 30, "no batch running")
+    return got
 
 
 async def _study(client: Any, name: str, policies: dict[str, Any] | None = None, **values: Any) -> Any:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
 
 import pytest
 from prometheus_client import REGISTRY
@@ -26,6 +25,7 @@ from stagetree.master.settings import SchedulingSettings
 from stagetree.master.store.records import NewNode, NewRequest
 from tests.integration.master.conftest import REDIS_URL
 from tests.integration.master.helpers import config_json, fixed, unique
+from tests.integration.nodemanager.helpers import until
 from tests.reports import attempt_report
 
 ALICE = Principal("alice")
@@ -360,7 +360,7 @@ async def test_a_wake_up_with_nothing_pending_after_a_quiet_round_runs_no_round(
     stop = asyncio.Event()
     task = asyncio.create_task(loop.run(stop))
     try:
-        await _until(lambda: len(reports) == 1)
+        await until(lambda: len(reports) == 1, 10, "the first round")
         assert reports[0].quiet and reports[0].pending == 0
         for _ in range(3):
             app.coordination.notify("round")
@@ -369,7 +369,7 @@ async def test_a_wake_up_with_nothing_pending_after_a_quiet_round_runs_no_round(
         assert REGISTRY.get_sample_value("stagetree_master_round_wakeups_skipped_total") == skipped + 3
         _node_manager(app, 1)
         study, ids = await asyncio.to_thread(_submit, app, 1)  # the submit wakes the loop
-        await _until(lambda: len(reports) == 2)
+        await until(lambda: len(reports) == 2, 10, "the submit's round")
         assert reports[1].pending == 1 and len(reports[1].dispatched) == 1 and reports[1].quiet
         assert [r.state for r in app.service.get_requests(ALICE, study, ids)] == ["SCHED"]
         app.coordination.notify("round")  # the batch ended: nothing pending
@@ -379,10 +379,3 @@ async def test_a_wake_up_with_nothing_pending_after_a_quiet_round_runs_no_round(
         stop.set()
         app.coordination.notify("round")
         await asyncio.wait_for(task, 5)
-
-
-async def _until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)
