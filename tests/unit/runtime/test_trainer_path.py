@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 from stagetree.nodemanager.runtime.trainer import load_trainer_class
-from stagetree.nodemanager.runtime.userpath import trainer_import_problem, user_search_path
+from stagetree.nodemanager.runtime.userpath import _realpath, trainer_import_problem, user_search_path
 
 TRAINER = "from stagetree.nodemanager.examples.digits import DigitsMLP\n\nclass Mine(DigitsMLP):\n    pass\n"
 
@@ -42,3 +43,26 @@ def test_a_class_the_module_does_not_define_is_refused_at_creation(tmp_path: Pat
     assert trainer_import_problem("my_lonely_trainer2:Mine", [str(tmp_path)]) is None
     problem = trainer_import_problem("my_lonely_trainer2:Missing", [str(tmp_path)])
     assert problem is not None and "defines no 'Missing'" in problem and "Mine" in problem
+
+
+def test_a_module_file_resolves_as_realpath_resolves_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``users_modules`` resolves each directory once: the same answer as ``os.path.realpath`` for files
+    in linked directories, linked files, ``..`` after a link, and paths relative to the working directory."""
+    (tmp_path / "real" / "pkg").mkdir(parents=True)
+    (tmp_path / "real" / "pkg" / "mod.py").write_text("")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "target.py").write_text("")
+    (tmp_path / "linkdir").symlink_to(tmp_path / "real")
+    (tmp_path / "real" / "pkg" / "linked.py").symlink_to(tmp_path / "other" / "target.py")
+    monkeypatch.chdir(tmp_path / "real")
+    paths = [
+        str(tmp_path / "linkdir" / "pkg" / "mod.py"),
+        str(tmp_path / "linkdir" / "pkg" / "linked.py"),
+        str(tmp_path / "linkdir" / "pkg" / ".." / "pkg" / "mod.py"),
+        str(tmp_path / "real" / "pkg" / "mod.py"),
+        os.path.join("pkg", "mod.py"),
+        "pkg/linked.py",
+    ]
+    dirs: dict[str, str] = {}
+    for _ in range(2):  # the second pass answers from the directories already resolved
+        assert [_realpath(p, dirs) for p in paths] == [os.path.realpath(p) for p in paths]
