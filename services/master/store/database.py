@@ -125,6 +125,21 @@ def operational_error(what: str, orig: BaseException | None) -> StagetreeError:
     return StagetreeError(f"{what}: the database refused the statement ({code})")
 
 
+def _driver_error(what: str, e: BaseException) -> StagetreeError | None:
+    """The domain error for an error psycopg2 raised itself (not through SQLAlchemy), by the same rules
+    as ``translate``'s: an integrity error is ``Conflict`` and an operational one (a deadlock, a lost
+    connection) goes by its SQLSTATE; anything else (None) is a bug, raised as it is."""
+    if not type(e).__module__.startswith("psycopg2"):
+        return None
+    import psycopg2
+
+    if isinstance(e, psycopg2.IntegrityError):
+        return Conflict(f"{what}: a concurrent writer changed the same rows; retry ({e})")
+    if isinstance(e, (psycopg2.OperationalError, psycopg2.InterfaceError)):
+        return operational_error(what, e)
+    return None
+
+
 def table(model: Any) -> Table:
     """A model's table, typed as such (``__table__`` is declared as a ``FromClause``)."""
     return cast(Table, model.__table__)
@@ -186,6 +201,11 @@ class Database:
             if e.connection_invalidated:
                 raise Unavailable(f"{what}: lost the database connection; retry") from e
             raise
+        except Exception as e:  # psycopg2's own, from the statements sent on its cursor (execute_values, COPY)
+            translated = _driver_error(what, e)
+            if translated is None:
+                raise
+            raise translated from e
 
     @staticmethod
     def retry(fn: Callable[[], T], attempts: int = 8) -> T:

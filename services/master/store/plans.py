@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import func, select, tuple_
 from sqlalchemy.orm import Session
 
-from stagetree.core.errors import NotFound
+from stagetree.core.errors import Conflict, NotFound
 from stagetree.core.lifecycle import RequestState
 from stagetree.master.store import models as m
 from stagetree.master.store.database import Database, table
@@ -151,8 +151,12 @@ class PlanStore:
                 rows.sort(key=lambda r: (r["parent_key"], r["start"], r["branch_digest"]))  # the lock order
                 if len(self.db.insert_ignore(s, table(m.Node), rows, _NODE_KEY, ["id"])) < len(rows):
                     raise _KeyTaken  # a leaf's key: undo the rest
-        except (_KeyTaken, psycopg2.errors.ForeignKeyViolation):  # an inner node's key: its children name no row
+        except _KeyTaken:
             return None
+        except Conflict as e:
+            if isinstance(e.__cause__, psycopg2.errors.ForeignKeyViolation):  # an inner node's key: its children name no row
+                return None
+            raise  # busy or deadlocked: the caller's retry runs it again
         return ids
 
     def _write_levels(self, plan_id: int, levels: list[list[NewTreeNode]]) -> dict[int, int]:

@@ -81,3 +81,50 @@ def test_sqlite_limits_are_resource_exhausted_and_an_unopenable_file_is_unavaila
             _run(gone, "SELECT 1")
     finally:
         gone.dispose()
+
+
+def _execute_values(db: Database, sql: str, rows: list[tuple[object, ...]]) -> None:
+    """A statement on psycopg2's own cursor, as ``Database.insert_ignore`` sends one on Postgres."""
+    from psycopg2.extras import execute_values
+
+    with db.tx("probe") as s:
+        cur = s.connection().connection.cursor()
+        try:
+            execute_values(cur, sql, rows)
+        finally:
+            cur.close()
+
+
+@pytest.mark.parametrize(
+    ("sqlstate", "expected"),
+    [("40P01", Conflict), ("40001", Conflict), ("53300", Unavailable), ("55000", StagetreeError)],
+)
+def test_errors_from_psycopg2s_own_cursor_are_translated_as_sqlalchemys_are(
+    pg: Database, sqlstate: str, expected: type[StagetreeError]
+) -> None:
+    """A deadlock on an ``execute_values`` is a ``Conflict`` that ``Database.retry`` runs again, not a raw
+    driver error that fails the call."""
+    raise_it = f"DO $$ BEGIN RAISE EXCEPTION 'probe' USING ERRCODE = '{sqlstate}'; END $$; SELECT 1 WHERE false AND %s"
+    with pytest.raises(StagetreeError) as got:
+        _execute_values(pg, raise_it, [(True,)])
+    assert type(got.value) is expected, got.value
+    assert got.value.retriable == (expected in (Conflict, Unavailable))
+    _run(pg, "SELECT 1")  # the session rolled back; the connection is still good
+
+
+def test_a_unique_violation_on_psycopg2s_own_cursor_is_a_conflict_and_is_retried(pg: Database) -> None:
+    _run(pg, "CREATE TEMP TABLE IF NOT EXISTS probe_keys (k int PRIMARY KEY)")
+    _run(pg, "DELETE FROM probe_keys")
+    _run(pg, "INSERT INTO probe_keys VALUES (1)")
+    with pytest.raises(Conflict, match="concurrent writer"):
+        _execute_values(pg, "INSERT INTO probe_keys (k) VALUES %s", [(1,)])
+    tries: list[int] = []
+
+    def insert_once_free() -> None:
+        tries.append(1)
+        if len(tries) == 2:
+            _run(pg, "DELETE FROM probe_keys")  # the other writer's row went away meanwhile
+        _execute_values(pg, "INSERT INTO probe_keys (k) VALUES %s", [(1,)])
+
+    pg.retry(insert_once_free)
+    assert len(tries) == 2
