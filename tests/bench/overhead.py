@@ -54,7 +54,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tests.bench.baseline import ROOT, baseline_tree, child_env, git
+from tests.bench.baseline import ROOT, baseline_tree, child_env, git, installed_bytecode
 from tests.bench.record import record
 
 USERSTYLE = Path(__file__).resolve().parent / "userstyle"
@@ -259,9 +259,11 @@ def line_of(current: Mapping[str, float], baseline: Mapping[str, float] | None, 
 def trees(ref: str) -> Iterator[dict[str, tuple[str, Path]]]:
     """The trees to run: this one, and ``ref``'s when given (python path, root)."""
     if not ref:
+        installed_bytecode()
         yield {"current": ("", ROOT)}
         return
-    with baseline_tree(ref) as base:
+    installed_bytecode()  # both trees' bytecode written, as installed packages have it
+    with baseline_tree(ref, compile_bytecode=True) as base:
         print(f"side by side: current {git('rev-parse', '--short', 'HEAD')} against {ref} ({base.commit[:7]})")
         yield {"current": ("", ROOT), "baseline": (base.python_path, base.tree)}
 

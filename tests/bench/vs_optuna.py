@@ -11,7 +11,8 @@ as docs/integrations.md tells an Optuna user to write it (a ``TorchTrainer`` and
 ``grid=4``), driven by ``stagetree_study.py`` in embedded mode through ``OptunaTuner(promotions="pruner")``.
 Four runs, each its own process tree launched by this bench (``tests.bench.proctree``: a subreaper
 wrapper, so daemons and workers that outlive their parents are counted too), one torch thread per
-training process, ``--workers`` processes (Optuna) or slots (stagetree) each:
+training process, ``--workers`` processes (Optuna) or slots (stagetree) each. Stagetree's bytecode is
+written first (``tests.bench.baseline.installed_bytecode``), as a pip install has it and Optuna's has:
 
 1. ``optuna``: ``optuna_study.py``, one process (or ``--workers`` sharing an SQLite study);
 2. ``stagetree``: the port, embedded (master, node manager, fork server and workers all counted);
@@ -76,6 +77,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tests.bench.baseline import installed_bytecode
 from tests.bench.proctree import TreeUsage, run_counted, summary
 from tests.bench.record import record
 
@@ -207,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ns = p.parse_args(argv)
     sides = (*SIDES, FRESH) if ns.fork_compare else SIDES
+    installed_bytecode()  # as a pip install of stagetree has it (Optuna's has its own from pip)
     print(
         f"vs_optuna: {ns.trials} TPE trials + median pruner, tabular MLP ({ns.minibatches} minibatches/step, "
         f"rungs 3/9/27), {ns.workers} process(es)/slot(s) each, one torch thread, {ns.runs} run(s)",

@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.bench.baseline import installed_bytecode
 from tests.bench.raytune_workloads import (
     DATASET,
     SEED,
@@ -746,6 +747,7 @@ def main(argv: list[str] | None = None, *, runner: Callable[..., Any] = asyncio.
     except ImportError as e:
         print(f"vs_raytune needs Ray Tune ({e}); install it with:\n  {INSTALL}", file=sys.stderr)
         return 2
+    installed_bytecode()  # as a pip install of stagetree has it (Ray's has its own from pip)
     if ns.runs < 1:
         print("--runs must be at least 1", file=sys.stderr)
         return 2

@@ -154,8 +154,8 @@ class PlanStore:
         except _KeyTaken:
             return None
         except Conflict as e:
-            if isinstance(e.__cause__, psycopg2.errors.ForeignKeyViolation):  # an inner node's key: its children name no row
-                return None
+            if isinstance(e.__cause__, psycopg2.errors.ForeignKeyViolation):
+                return None  # an inner node's key: its children name no row
             raise  # busy or deadlocked: the caller's retry runs it again
         return ids
 
