@@ -42,7 +42,9 @@ Three phases, each against a fresh Postgres database:
 Last line: ``slots=<n> studies=<n> requests=<n> occupancy=<r> assign_ms_p99=<t> round_ms_p99_100k=<t>
 round_growth_exp=<e> master_rss_mb=<m> submit_vs_raw_insert=<r>`` (targets: slots >= 1600, requests >=
 100000, occupancy >= 0.95, assign_ms_p99 <= 500, round_growth_exp <= 1.1, master_rss_mb <= 2048,
-submit_vs_raw_insert >= 0.3). ``--quick`` runs a small version of every phase (a smoke test).
+submit_vs_raw_insert >= 0.3). ``--quick`` runs a small version of every phase (a smoke test). Only a
+whole run (every phase, not ``--quick``) is kept in ``tests/bench/results/scale.json``; ``--phase`` and
+``--quick`` print the same line, with the other phases' figures ``nan``.
 """
 
 from __future__ import annotations
@@ -837,14 +839,17 @@ def main() -> None:
     ratio = float(g["submit_per_s"]) / float(g["raw_insert_per_s"]) if g else float("nan")  # type: ignore[arg-type]
     nan = float("nan")
     occupancy, assign = lv.get("occupancy", nan), lv.get("assign_ms_p99", nan)
-    print(
-        record(
-            "scale",
-            f"slots={slots} studies={ns.studies} requests={lv.get('requests', 0)} occupancy={occupancy:.3f}"
-            f" assign_ms_p99={assign:.0f} round_ms_p99_100k={r99:.0f} round_growth_exp={exp:.2f}"
-            f" master_rss_mb={lv.get('master_rss_mb', nan):.0f} submit_vs_raw_insert={ratio:.2f}",
-        )
+    line = (
+        f"slots={slots} studies={ns.studies} requests={lv.get('requests', 0)} occupancy={occupancy:.3f}"
+        f" assign_ms_p99={assign:.0f} round_ms_p99_100k={r99:.0f} round_growth_exp={exp:.2f}"
+        f" master_rss_mb={lv.get('master_rss_mb', nan):.0f} submit_vs_raw_insert={ratio:.2f}"
     )
+    if ns.phase != "all" or ns.quick:  # the recorded row is a whole run's; one phase's would blank the others
+        part = "--quick" if ns.quick else f"--phase {ns.phase}"
+        print(f"(not recorded: {part} measures part of the run)", flush=True)
+        print(line)
+        return
+    print(record("scale", line))
 
 
 if __name__ == "__main__":
