@@ -120,7 +120,8 @@ class AttemptOut(_Out):
     batch_id: int
     attempt: int
     node_manager: str
-    slot: str
+    slot: str = Field(description="its rank 0's slot")
+    slots: list[str] = Field(description="every slot it held, in rank order")
     state: str
     dispatched_at: float
     started_at: float | None

@@ -127,7 +127,7 @@ export async function renderTrial(main, studyId, by, name, gen) {
   function drawAttempts() {
     document.getElementById("attempts").innerHTML = `<thead><tr><th>batch</th><th>attempt</th><th>host</th><th>slot</th><th>state</th><th>started</th><th>ran</th><th></th></tr></thead>
       <tbody>${t.attempts.map((a) => `<tr data-batch="${a.batch_id}"><td>${a.batch_id}</td><td>${a.attempt}</td><td><a href="#/cluster">${esc(a.node_manager)}</a></td>
-      <td>${esc(a.slot)}</td><td>${esc(a.state.toLowerCase())}</td><td>${when(a.started_at || a.dispatched_at)}</td>
+      <td>${esc(a.slots.join(", "))}</td><td>${esc(a.state.toLowerCase())}</td><td>${when(a.started_at || a.dispatched_at)}</td>
       <td>${a.finished_at ? duration(a.finished_at - (a.started_at || a.dispatched_at)) : "–"}</td>
       <td><button type="button" data-log="${a.batch_id}:${a.attempt}">log</button></td></tr>`).join("") || `<tr><td colspan="8" class="muted">none yet</td></tr>`}</tbody>`;
   }

@@ -47,7 +47,7 @@ class AttemptRow:
     attempt: int
     plan_id: int
     node_manager_id: str
-    slot_id: str
+    slot_ids: tuple[str, ...]  # rank order
     state: str
     dispatched_at: float
     started_at: float | None
@@ -153,30 +153,41 @@ class ActivityReader:
                     .where(m.BatchAttempt.batch_id.in_(ids[i : i + CHUNK]))
                     .order_by(m.BatchAttempt.batch_id, m.BatchAttempt.attempt)
                 )
+                held: dict[int, list[str]] = {}
+                for b, slot in s.execute(
+                    select(m.BatchSlot.batch_id, m.BatchSlot.slot_id)
+                    .where(m.BatchSlot.batch_id.in_(ids[i : i + CHUNK]))
+                    .order_by(m.BatchSlot.batch_id, m.BatchSlot.rank)
+                ):
+                    held.setdefault(int(b), []).append(str(slot))
                 out.extend(
-                    AttemptRow(int(b), int(a), int(p), str(nm), str(sl), str(st), float(d), _f(t0), _f(t1))
+                    AttemptRow(
+                        int(b), int(a), int(p), str(nm), tuple(held.get(int(b), [str(sl)])), str(st), float(d), _f(t0),
+                        _f(t1),
+                    )
                     for b, a, p, nm, sl, st, d, t0, t1 in s.execute(stmt)
-                )
+                )  # fmt: skip
         return out
 
     def intervals(self, since: float) -> list[tuple[str, str, float, float | None]]:
         """``(node manager, slot, started, finished)`` of the attempts whose worker ran at some time after
         ``since`` (finished None: still running). An attempt on several slots is one row per slot."""
         with self.db.tx("attempt intervals") as s:
-            stmt = select(
-                m.BatchAttempt.node_manager_id,
-                m.BatchAttempt.slot_id,
-                m.BatchAttempt.started_at,
-                m.BatchAttempt.finished_at,
-            ).where(
-                m.BatchAttempt.started_at.is_not(None),
-                or_(m.BatchAttempt.finished_at > since, m.BatchAttempt.state == BatchState.RUNNING),
+            stmt = (
+                select(
+                    m.BatchAttempt.node_manager_id,
+                    # the batch's slots (``batch_slots``); the attempt's row names only its rank 0's
+                    func.coalesce(m.BatchSlot.slot_id, m.BatchAttempt.slot_id),
+                    m.BatchAttempt.started_at,
+                    m.BatchAttempt.finished_at,
+                )
+                .outerjoin(m.BatchSlot, m.BatchSlot.batch_id == m.BatchAttempt.batch_id)
+                .where(
+                    m.BatchAttempt.started_at.is_not(None),
+                    or_(m.BatchAttempt.finished_at > since, m.BatchAttempt.state == BatchState.RUNNING),
+                )
             )
-            out: list[tuple[str, str, float, float | None]] = []
-            for nm, slots, t0, t1 in s.execute(stmt):
-                for slot in str(slots).split(","):
-                    out.append((str(nm), slot, float(t0 or 0.0), _f(t1)))
-            return out
+            return [(str(nm), str(slot), float(t0 or 0.0), _f(t1)) for nm, slot, t0, t1 in s.execute(stmt)]
 
     def study_times(self, study_ids: Sequence[str]) -> dict[str, StudyTimes]:
         """When each study's first and last requests were made, and its last one finished."""

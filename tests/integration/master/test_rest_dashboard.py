@@ -21,6 +21,7 @@ from stagetree.dashboard import routes as dashboard_routes
 from stagetree.dashboard.schemas import Curves
 from stagetree.master.app import MasterApp
 from stagetree.master.auth import ADMIN, Principal
+from stagetree.master.store.activity import ActivityReader
 from tests.integration.master.conftest import TOKENS
 from tests.integration.master.helpers import fixed, unique
 from tests.reports import attempt_report
@@ -243,6 +244,28 @@ def test_a_batch_sent_ahead_does_not_make_its_slot_busier(http: httpx.Client, ap
     # bob sees the slot busy, not whose work it is
     (bobs,) = [h for h in http.get("/dashboard/cluster", headers=BOB).json()["node_managers"] if h["id"] == nm]
     assert bobs["slots"][0]["work"] == {"busy": True, "sent_ahead": False}
+
+
+def test_a_batch_on_two_slots_makes_both_busy_in_the_clusters_history(http: httpx.Client, app: MasterApp) -> None:
+    """The busy history counts each slot a batch holds (its ``batch_slots``), not only its rank 0's."""
+    fx = fixed()
+    sid = http.post("/studies", json={"name": unique("wide")}, headers=ALICE).json()["id"]
+    reqs = http.post(
+        f"/studies/{sid}/requests", json={"items": [_item("a", 0.5, END, "trial-a", fx)]}, headers=ALICE
+    ).json()
+    store, nm = app.store, unique("nm")
+    store.nodes.register_node_manager(nm, "127.0.0.1:1", [("g0", "cpu"), ("g1", "cpu"), ("g2", "cpu")])
+    pid = store.plans.study_plan_ids(sid)[0]
+    wide = store.ledger.dispatch(pid, lambda b, a: _spec(app, pid, reqs), [reqs[0]["request_id"]], nm, "g1", "g2")
+    assert wide is not None
+    with store.db.tx("started") as tx:
+        store.ledger.mark_started_in(tx, [(wide.id, 1, None)], time.time())
+    ran = ActivityReader(store.db).intervals(time.time() - 60)
+    assert sorted(slot for host, slot, _, end in ran if host == nm and end is None) == ["g1", "g2"]
+    (host,) = [h for h in http.get("/dashboard/cluster", headers=ALICE).json()["node_managers"] if h["id"] == nm]
+    assert {s["id"]: s["work"] is not None for s in host["slots"]} == {"g0": False, "g1": True, "g2": True}
+    trial = http.get(f"/dashboard/studies/{sid}/trial", params={"label": "trial-a"}, headers=ALICE).json()
+    assert [(a["slot"], a["slots"]) for a in trial["attempts"]] == [("g1", ["g1", "g2"])]
 
 
 @pytest.fixture
