@@ -747,7 +747,6 @@ def main(argv: list[str] | None = None, *, runner: Callable[..., Any] = asyncio.
     except ImportError as e:
         print(f"vs_raytune needs Ray Tune ({e}); install it with:\n  {INSTALL}", file=sys.stderr)
         return 2
-    installed_bytecode()  # as a pip install of stagetree has it (Ray's has its own from pip)
     if ns.runs < 1:
         print("--runs must be at least 1", file=sys.stderr)
         return 2
@@ -761,6 +760,7 @@ def main(argv: list[str] | None = None, *, runner: Callable[..., Any] = asyncio.
             return int(runner(child(ns, home.resolve())))
         if USERSTYLE_PATH not in sys.path:
             sys.path.insert(0, USERSTYLE_PATH)  # the straight runs import the user's module
+        installed_bytecode()  # as a pip install of stagetree has it (Ray's has its own from pip)
         return bench(ns, home.resolve())
     finally:
         if ns.home is None:

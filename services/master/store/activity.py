@@ -160,13 +160,9 @@ class ActivityReader:
                     .order_by(m.BatchSlot.batch_id, m.BatchSlot.rank)
                 ):
                     held.setdefault(int(b), []).append(str(slot))
-                out.extend(
-                    AttemptRow(
-                        int(b), int(a), int(p), str(nm), tuple(held.get(int(b), [str(sl)])), str(st), float(d), _f(t0),
-                        _f(t1),
-                    )
-                    for b, a, p, nm, sl, st, d, t0, t1 in s.execute(stmt)
-                )  # fmt: skip
+                for b, a, p, nm, sl, st, d, t0, t1 in s.execute(stmt):
+                    slots = tuple(held.get(int(b), [str(sl)]))
+                    out.append(AttemptRow(int(b), int(a), int(p), str(nm), slots, str(st), float(d), _f(t0), _f(t1)))
         return out
 
     def intervals(self, since: float) -> list[tuple[str, str, float, float | None]]:
