@@ -28,6 +28,7 @@ from kafka.errors import (
     CommitFailedError,
     InvalidProducerEpochError,
     KafkaError,
+    KafkaTimeoutError,
     MessageSizeTooLargeError,
     ProducerFencedError,
     TopicAlreadyExistsError,
@@ -68,6 +69,9 @@ class KafkaBusConfig:
     linger_ms: int = 20
     batch_size: int = 64 * 1024
     max_block_ms: int = 10_000
+    # how long a flush without a timeout of its own waits for the broker's acknowledgements; past it the
+    # producer is replaced (``KafkaMetricBus.flush``)
+    flush_timeout_ms: int = 60_000
     max_record_bytes: int = MAX_RECORD_BYTES  # bundles are split to stay below this (and the broker's limit)
     compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = None
     # consumer
@@ -193,20 +197,32 @@ class KafkaMetricBus(MetricBus):
         except KafkaError as e:
             self._drop_if_broken(producer, [e])
             raise Unavailable(f"cannot publish to {topic}: {e!r}") from e
-        future.add_errback(self._on_send_error, topic, key, first.msg_id if count == 1 else f"bundle@{first.msg_id}")
+        msg_id = first.msg_id if count == 1 else f"bundle@{first.msg_id}"
+        future.add_errback(self._on_send_error, producer, topic, key, msg_id)
 
-    def _on_send_error(self, topic: str, key: str, msg_id: str, exc: BaseException) -> None:
-        logger.error("bus publish failed: %r", exc, extra={"topic": topic, "key": key, "msg_id": msg_id})
+    def _on_send_error(self, producer: KafkaProducer, topic: str, key: str, msg_id: str, exc: BaseException) -> None:
         with self._lock:
+            if producer is not self._producer:
+                return  # a replaced producer's: the flush or publish that replaced it said to publish again
             self._failures.append(exc)
+        logger.error("bus publish failed: %r", exc, extra={"topic": topic, "key": key, "msg_id": msg_id})
 
     def flush(self, timeout_s: float | None = None) -> None:
+        """See ``MetricBus.flush``; without ``timeout_s``, ``flush_timeout_ms``. A producer whose records
+        are still unacknowledged then is replaced: after a broker restart one can wait on them for good
+        (no error, no expiry: seen on a node manager whose batch ended during a Tansu restart), and every
+        later flush with it. The caller publishes them again on the new one (the batcher does); consumers
+        drop what arrives twice by ``msg_id``."""
         producer = self._producer
         if producer is not None:
+            wait = self.config.flush_timeout_ms / 1000 if timeout_s is None else timeout_s
             try:
-                producer.flush(timeout=timeout_s)
+                producer.flush(timeout=wait)
+            except KafkaTimeoutError as e:
+                self._drop(producer, e)
+                raise Unavailable(f"flush did not finish in {wait} s: {e!r}; publish again") from e
             except KafkaError as e:
-                raise Unavailable(f"flush did not finish in {timeout_s} s: {e!r}") from e
+                raise Unavailable(f"flush did not finish in {wait} s: {e!r}") from e
         with self._lock:
             failures, self._failures = self._failures, []
         if producer is not None and failures:
@@ -229,14 +245,25 @@ class KafkaMetricBus(MetricBus):
         fatal = manager is not None and manager.has_fatal_error()
         if not fatal and not any(isinstance(f, NEW_PRODUCER_ERRORS) for f in failures):
             return
+        self._drop(producer, failures[0])
+
+    def _drop(self, producer: KafkaProducer, why: BaseException) -> None:
+        """Forget ``producer`` (unless another thread did already) so that the next publish makes a new one,
+        and the failures of its records: the caller was told to publish again what it had not stored."""
         with self._lock:
             current = self._producer is producer  # else another thread replaced it already
             if current:
                 self._producer = None
+                self._failures = []  # its records': the caller is told to publish again
         if not current:
             return
-        logger.warning("the Kafka producer cannot send again; the next publish uses a new one: %r", failures[0])
-        producer.close(timeout=0)
+        logger.warning("the Kafka producer cannot send again; the next publish uses a new one: %r", why)
+        try:
+            producer.close(timeout=0)
+        except KafkaError:  # kafka-python's close flushes first: with records pending, that times out at once
+            sender = getattr(producer, "_sender", None)  # and its sender thread is left running: stop it
+            if sender is not None:
+                sender.force_close()
 
     def subscribe(self, topics: Sequence[str], group: str) -> KafkaBusConsumer:
         if not topics:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 import uuid
 
@@ -165,6 +167,41 @@ def test_a_producer_the_restarted_broker_refuses_is_replaced_and_publishing_goes
             while not got and time.monotonic() < deadline:
                 got = [r.message.msg_id for r in consumer.poll(timeout_s=1.0) if not isinstance(r.message, Malformed)]
         assert set(got) == {_metrics(1, 1).msg_id}  # (a publish the broker stored but did not confirm comes twice)
+        bus.close()
+    finally:
+        broker.stop()
+
+
+def test_a_flush_the_broker_never_acknowledges_replaces_the_producer_and_publishing_goes_on() -> None:
+    """A producer whose records the broker never acknowledges (here a frozen broker) would hold a flush
+    without a timeout for good: past ``flush_timeout_ms`` the flush is Unavailable, the producer is
+    replaced, and what is published again once the broker answers arrives."""
+    broker = start_tansu()  # its own broker: this test freezes it
+    config = KafkaBusConfig.fast_rebalance(broker.bootstrap, flush_timeout_ms=1_500)
+    try:
+        topic = _topic(config, partitions=1)
+        bus = KafkaMetricBus(config)
+        bus.publish(topic, "k", _metrics(2, 0))
+        bus.flush()
+        first = bus._producer
+        os.kill(broker.process.pid, signal.SIGSTOP)
+        try:
+            bus.publish(topic, "k", _metrics(2, 1))
+            t0 = time.monotonic()
+            with pytest.raises(Unavailable, match="publish again"):
+                bus.flush()
+            assert time.monotonic() - t0 < 10  # bounded by flush_timeout_ms, not forever
+        finally:
+            os.kill(broker.process.pid, signal.SIGCONT)
+        bus.publish(topic, "k", _metrics(2, 1))  # what the node manager's batcher does: publish again
+        bus.flush()
+        assert bus._producer is not None and bus._producer is not first
+        deadline = time.monotonic() + 30
+        with bus.subscribe([topic], f"g-{uuid.uuid4().hex[:8]}") as consumer:
+            got: set[str] = set()
+            while len(got) < 2 and time.monotonic() < deadline:
+                got |= {r.message.msg_id for r in consumer.poll(timeout_s=1.0) if not isinstance(r.message, Malformed)}
+        assert got == {_metrics(2, 0).msg_id, _metrics(2, 1).msg_id}
         bus.close()
     finally:
         broker.stop()
