@@ -257,12 +257,12 @@ def line_of(current: Mapping[str, float], baseline: Mapping[str, float] | None, 
 
 @contextmanager
 def trees(ref: str) -> Iterator[dict[str, tuple[str, Path]]]:
-    """The trees to run: this one, and ``ref``'s when given (python path, root)."""
+    """The trees to run: this one, and ``ref``'s when given (python path, root), each with its bytecode
+    written, as an installed package has it."""
+    installed_bytecode()
     if not ref:
-        installed_bytecode()
         yield {"current": ("", ROOT)}
         return
-    installed_bytecode()  # both trees' bytecode written, as installed packages have it
     with baseline_tree(ref, compile_bytecode=True) as base:
         print(f"side by side: current {git('rev-parse', '--short', 'HEAD')} against {ref} ({base.commit[:7]})")
         yield {"current": ("", ROOT), "baseline": (base.python_path, base.tree)}
